@@ -1,0 +1,43 @@
+"""Backends: local (no sharding), fsdp2 (PyTorch FSDP2), deepspeed (ZeRO-3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Backend
+
+BACKENDS = ("fsdp2", "deepspeed", "local")
+
+
+def make_backend(
+    name: str,
+    model: Any,
+    *,
+    param_group: Any,
+    device: torch.device,
+    options: dict[str, Any] | None = None,
+) -> Backend:
+    """Build backend ``name`` around ``model``.
+
+    Collective: every rank of ``param_group`` calls it, in the same order, with the
+    same ``name`` (sharding issues collectives on ``param_group``).
+    """
+    options = dict(options or {})
+    if name == "local":
+        from .local import LocalBackend
+
+        return LocalBackend.create(model, device=device)
+    if name == "fsdp2":
+        from .fsdp2 import FSDP2Backend
+
+        return FSDP2Backend.create(model, param_group=param_group, device=device, **options)
+    if name == "deepspeed":
+        from .deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend.create(model, param_group=param_group, device=device, **options)
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = ["Backend", "BACKENDS", "make_backend"]

@@ -1,0 +1,113 @@
+"""The backend interface: how the engine runs forwards on a (possibly sharded) model.
+
+A backend owns the model after the engine hands it over. The driver thread is the
+only caller of every method below, and it calls them in the same order on every
+rank (the tick protocol guarantees it), so any collective a backend issues is
+matched on every rank of its parameter group.
+
+Collective contract, per method (all ranks of the parameter group, same order):
+- ``forward(**inputs)``: the sharded gathers of one forward pass.
+- ``shadow_forward()``: exactly the gathers ``forward`` issues, without real work.
+- ``gather_all()`` / ``release_all()``: one full gather / release of every unit.
+- ``close()``: no collective; frees what the backend made.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+
+class Backend(abc.ABC):
+    """One way to hold a model and run forwards on it.
+
+    ``module`` is the callable HF model (after sharding); ``hf_model`` is the
+    ``PreTrainedModel`` whose ``config``, ``generation_config`` and
+    ``prepare_inputs_for_generation`` the decoder uses (often the same object).
+    """
+
+    name: str = "base"
+    #: True when a forward issues collectives on the parameter group, so every
+    #: rank must forward in lockstep (per-layer gathers). False once weights are
+    #: local (the ``local`` backend, or after ``gather_all``).
+    lockstep: bool = True
+
+    def __init__(self, hf_model: torch.nn.Module, module: torch.nn.Module, device: torch.device) -> None:
+        self.hf_model = hf_model
+        self.module = module
+        self.device = device
+
+    def forward(self, **inputs: Any) -> Any:
+        """Run one forward. Collective on the parameter group when ``lockstep``."""
+        return self.module(**inputs)
+
+    def shadow_forward(self) -> None:
+        """Issue the same parameter collectives as ``forward``, on a 1x1 dummy input.
+
+        Called by a rank with nothing to compute while a peer computes. A dummy
+        forward walks every sharded unit in module order, so the gathers match a
+        real forward of any batch size and length.
+        """
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.module(input_ids=ids, use_cache=False)
+
+    def gather_all(self) -> None:
+        """Materialize full weights on every rank (gather policy ``once``). Collective."""
+        raise NotImplementedError(f"backend {self.name!r} cannot gather the whole model")
+
+    def release_all(self) -> None:
+        """Undo ``gather_all``: back to sharded weights. Collective."""
+        raise NotImplementedError(f"backend {self.name!r} cannot gather the whole model")
+
+    def full_param_bytes(self) -> int:
+        """Bytes of the unsharded weights (for the ``auto`` gather policy)."""
+        return sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
+
+    def describe(self) -> dict[str, str]:
+        """Settings every rank must agree on (checked collectively at construction)."""
+        return {"backend": self.name, **describe_model(self.hf_model)}
+
+    def units(self) -> list[torch.nn.Module]:
+        """The sharded units whose gathers a forward issues, in module order (for debug checks)."""
+        return []
+
+    def instrument(self) -> None:
+        """Record which units each forward gathers (``debug_collectives``)."""
+        self._gathered: list[int] = []
+        for i, unit in enumerate(self.units()):
+            unit.register_forward_pre_hook(lambda _m, _a, i=i: self._gathered.append(i))
+
+    def collective_signature(self) -> tuple[int, ...]:
+        """The units gathered since the last call, in order; resets the record."""
+        seen = tuple(getattr(self, "_gathered", ()))
+        self._gathered = []
+        return seen
+
+    def close(self) -> None:
+        """Release backend resources. Not collective."""
+
+
+def describe_model(model: Any) -> dict[str, str]:
+    """Architecture and dtype of an (unsharded or sharded) HF model, for cross-rank checks."""
+    cfg = model.config
+    dtype = getattr(model, "dtype", None)
+    if dtype is None:
+        dtype = next(iter(model.parameters())).dtype
+    return {
+        "model_type": str(getattr(cfg, "model_type", "?")),
+        "model_config": _config_digest(cfg),
+        "dtype": str(dtype),
+    }
+
+
+def _config_digest(cfg: Any) -> str:
+    import hashlib
+    import json
+
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    for k in ("_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype"):
+        d.pop(k, None)
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha1(blob).hexdigest()[:12]

@@ -1,0 +1,96 @@
+"""The FSDP2 backend: ``fully_shard`` each decoder layer and the root, on shardgen's own group.
+
+Collective contract: ``create`` shards on ``param_group`` (every rank, same order).
+Each forward all-gathers every FSDP unit in module order (root first, then each
+layer) and reshards it after use; ``shadow_forward`` runs the same hooks on a 1x1
+input, so it issues the same all-gathers in the same order as any real forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..log import get_logger
+from .base import Backend
+
+log = get_logger()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one.
+
+    HF models name them in ``_no_split_modules`` (LlamaDecoderLayer, GPT2Block, ...);
+    otherwise take the largest ``ModuleList`` of same-class modules. A mixture-of-experts
+    block lives inside its decoder layer, so all experts are gathered as one unit and
+    routing can never change the gather sequence.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    # Only the outermost matches: never wrap a block inside another wrapped block.
+    inner = {id(c) for m in found for c in m.modules() if c is not m}
+    found = [m for m in found if id(m) not in inner]
+    if found:
+        return found
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
+            if sum(p.numel() for p in m.parameters()) > sum(p.numel() for b in best for p in b.parameters()):
+                best = list(m)
+    return best
+
+
+class FSDP2Backend(Backend):
+    name = "fsdp2"
+
+    @classmethod
+    def create(cls, model: Any, *, param_group: Any, device: torch.device, **_: Any) -> FSDP2Backend:
+        """Shard ``model`` with FSDP2 on ``param_group``. Collective on ``param_group``."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(model, FSDPModule):
+            log.warning(
+                "model is already wrapped by fully_shard: its gathers run on the group it was sharded on; "
+                "a user collective on that group while another rank generates can interleave with them"
+            )
+            return cls(model, model, device)
+        mesh = DeviceMesh.from_group(param_group, device.type)
+        layers = decoder_layers(model)
+        if not layers:
+            log.warning("no decoder layers found: sharding %s as one unit", type(model).__name__)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return cls(model, model, device)
+
+    def units(self) -> list[nn.Module]:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+
+    def gather_all(self) -> None:
+        """Unshard every unit and keep it unsharded across forwards. Collective on the param group."""
+        for m in self.units():
+            m.set_reshard_after_forward(False)
+            m.unshard()
+        self.lockstep = False
+
+    def release_all(self) -> None:
+        """Reshard every unit; forwards gather per layer again. No collective (frees memory only)."""
+        for m in self.units():
+            m.reshard()
+            m.set_reshard_after_forward(True)
+        self.lockstep = True
+
+    def full_param_bytes(self) -> int:
+        total = 0
+        for p in self.module.parameters():
+            shape = getattr(p, "shape", None)  # DTensor: the global shape
+            n = 1
+            for s in shape or ():
+                n *= int(s)
+            total += n * p.element_size()
+        return total

@@ -1,0 +1,33 @@
+"""The local backend: the whole model on every rank, no parameter collectives.
+
+For one rank, or replicated weights. Forwards issue no collectives, so a rank
+with nothing to compute skips the shadow forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Backend
+
+
+class LocalBackend(Backend):
+    name = "local"
+    lockstep = False
+
+    @classmethod
+    def create(cls, model: Any, *, device: torch.device) -> LocalBackend:
+        """Not collective."""
+        model = model.to(device)
+        return cls(model, model, device)
+
+    def shadow_forward(self) -> None:
+        """Nothing to match: local forwards issue no collectives."""
+
+    def gather_all(self) -> None:
+        """Weights are already whole."""
+
+    def release_all(self) -> None:
+        """Weights stay whole."""

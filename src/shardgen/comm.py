@@ -1,0 +1,121 @@
+"""Process groups: ``shardgen.init()``, shardgen's private groups, arrival and settings checks.
+
+Every function here that issues a collective says so; all of them are called from
+the user thread during the (collective) engine constructor, on every rank, in
+the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import RendezvousTimeoutError
+from .log import get_logger
+
+log = get_logger()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Initialize the default process group from the torchrun environment; return (rank, world).
+
+    Collective (every rank, once). Uses nccl when CUDA is available, else gloo; with no
+    launcher environment it starts a single-rank world. ``LOCAL_RANK`` picks the GPU.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def default_store() -> Any:
+    """The c10d store of the default group (heartbeats, arrival, errors)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+_ENGINE_SEQ = [0]
+
+
+def next_engine_id() -> int:
+    """Engines are numbered per process; collective constructors keep the numbers aligned."""
+    _ENGINE_SEQ[0] += 1
+    return _ENGINE_SEQ[0]
+
+
+def arrive(store: Any, prefix: str, rank: int, world: int, timeout_s: float) -> None:
+    """Wait until every rank wrote ``prefix/arrived/<r>``; name the absent ranks after ``timeout_s``.
+
+    Store-based, so absent ranks cost a clear error instead of a blocked collective.
+    Every rank calls it once per engine.
+    """
+    store.set(f"{prefix}/arrived/{rank}", str(os.getpid()))
+    deadline = time.monotonic() + timeout_s
+    pending = [r for r in range(world) if r != rank]
+    sleep = 0.005
+    while pending:
+        pending = [r for r in pending if not store.check([f"{prefix}/arrived/{r}"])]
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            raise RendezvousTimeoutError(
+                f"rank {rank}: rank(s) {pending} of {world} never constructed the engine "
+                f"within init_timeout={timeout_s:g}s"
+            )
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 0.1)
+
+
+def private_groups(timeout_s: float) -> tuple[Any, Any]:
+    """(control, param): shardgen's own groups over all ranks, in rank order.
+
+    Collective on the default group (``new_group``): every rank, same order. The control
+    group is gloo (CPU tensors); the param group uses the default group's backend, so
+    parameters stay on the model's device (nccl on GPUs).
+    """
+    t = datetime.timedelta(seconds=timeout_s)
+    control = dist.new_group(backend="gloo", timeout=t)
+    param = dist.new_group(backend=dist.get_backend(), timeout=t)
+    return control, param
+
+
+def check_same_settings(settings: dict[str, str], group: Any, rank: int, world: int) -> None:
+    """Raise ``ValueError`` on every rank if ranks differ in any setting. Collective on ``group``."""
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, settings, group=group)
+    problems = []
+    for key in sorted({k for s in everyone for k in s}):
+        values: dict[str, list[int]] = {}
+        for r, s in enumerate(everyone):
+            values.setdefault(str(s.get(key, "<missing>")), []).append(r)
+        if len(values) > 1:
+            problems.append(f"{key}: " + ", ".join(f"rank(s) {rs}={v!r}" for v, rs in values.items()))
+    if problems:
+        raise ValueError("engine settings differ across ranks: " + "; ".join(problems))

@@ -1,0 +1,99 @@
+"""Configuration dataclasses: the one source for the Python API and the CLI.
+
+Every field has a docstring-style comment under it; ``shardgen.cli`` builds its
+flags from these fields, so a setting is declared exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How one request is decoded. Defaults: greedy, the model's EOS and pad ids."""
+
+    max_new_tokens: int = 64
+    """Most tokens to generate for the request (EOS included)."""
+    do_sample: bool = False
+    """Sample from the distribution (True) or take the argmax (False, greedy)."""
+    temperature: float = 1.0
+    """Softmax temperature when sampling; must be > 0."""
+    top_k: int = 0
+    """Keep only the k most likely tokens when sampling; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set with cumulative probability >= top_p; in (0, 1]."""
+    seed: int | None = None
+    """Per-request sampling seed: the same seed gives the same tokens on any rank, in any batch."""
+    eos_token_id: int | list[int] | None = None
+    """EOS id or ids; None takes the model's ``generation_config``."""
+    pad_token_id: int | None = None
+    """Pad id written after EOS; None takes the model's, else the first EOS id (as HF does)."""
+    logprobs: bool = False
+    """Return the log-probability (under the model) of each chosen token."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (with the numbers) on a setting no request can run with."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.do_sample and not float(self.temperature) > 0.0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """How the engine runs on every rank. Ranks must agree on every field marked (agreed)."""
+
+    backend: str = "fsdp2"
+    """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
+    gather: str = "per-layer"
+    """(agreed) ``per-layer`` (gather each unit on every forward), ``once`` (gather the whole model
+    when work starts, decode without parameter traffic) or ``auto`` (``once`` if it fits ``memory_budget_gb``)."""
+    max_batch_size: int = 16
+    """Requests decoded together on one rank."""
+    idle_sleep_max: float = 0.02
+    """Longest sleep (s) between ticks when no rank has work: bounds the latency of a new request."""
+    init_timeout: float = 300.0
+    """Seconds the collective constructor waits for every rank to arrive before naming the absent ones."""
+    stall_timeout: float = 60.0
+    """Seconds without a heartbeat after which a peer is declared stalled."""
+    debug_collectives: bool = False
+    """(agreed) Fold a fingerprint of each rank's collective sequence into every tick; a mismatch raises
+    ``CollectiveDivergenceError`` instead of hanging."""
+    memory_budget_gb: float | None = None
+    """Budget for ``gather='auto'``; None uses 80% of the free device memory."""
+    ds_config: dict[str, Any] | None = field(default=None)
+    """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
+
+    def validate(self) -> None:
+        from .backends import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.gather not in ("per-layer", "once", "auto"):
+            raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        for name in ("init_timeout", "stall_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    def agreed(self) -> dict[str, str]:
+        """The settings every rank must share (checked collectively at construction)."""
+        return {
+            "backend": self.backend,
+            "gather": self.gather,
+            "debug_collectives": str(self.debug_collectives),
+        }

@@ -1,0 +1,455 @@
+"""The Engine: a driver thread per rank that owns the model and runs the tick protocol.
+
+    torchrun --nproc-per-node 2 examples/basic.py
+
+User threads call ``generate()`` / ``generate_ids()`` / ``submit()`` (NOT collective:
+any rank, any number of times, zero included); requests go to a queue; the
+driver thread moves them into batches and, once per tick, agrees with the other
+drivers (``protocol.py``) and runs exactly one forward or none. ``Engine(...)``,
+``paused()`` and ``close()`` are collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .backends import Backend, make_backend
+from .backends.base import describe_model
+from .config import EngineConfig, SamplingParams
+from .decode import Batch
+from .errors import EngineClosedError, PeerFailedError, RendezvousTimeoutError
+from .log import get_logger
+from .protocol import (
+    FAILED,
+    NCOLS,
+    OPEN,
+    ControlPlane,
+    Decision,
+    Fingerprint,
+    TickState,
+    check_fingerprints,
+    decide,
+)
+from .requests import Completion, Request, build_request, completion_of
+
+log = get_logger()
+
+
+@dataclass
+class EngineStats:
+    """Counters of one rank's driver (``engine.stats()``)."""
+
+    ticks: int = 0
+    forwards: int = 0  # real forwards: prefills + decode steps
+    prefills: int = 0
+    decode_steps: int = 0
+    shadow_forwards: int = 0
+    idle_ticks: int = 0
+    requests: int = 0
+    generated_tokens: int = 0
+    forward_s: float = 0.0  # time in real and shadow forwards
+    control_s: float = 0.0  # time in the tick's all-reduce
+    busy_s: float = 0.0  # time in real forwards only
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Engine:
+    """Deadlock-free generation on a model sharded across all ranks.
+
+    ``Engine(model, tokenizer=tok, backend="fsdp2")`` is collective: every rank
+    constructs it, with the same settings and the same model architecture.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        config: EngineConfig | None = None,
+        device: torch.device | str | None = None,
+        **overrides: Any,
+    ) -> None:
+        cfg = config if config is not None else EngineConfig()
+        if overrides:
+            unknown = set(overrides) - set(EngineConfig.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+            cfg = EngineConfig(**{**asdict(cfg), **overrides})
+        cfg.validate()
+        self.config = cfg
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._inbox: deque[Request] = deque()
+        self._wake = threading.Event()
+        self._closed = False
+        self._failed: BaseException | None = None
+        self._pause_wanted = False
+        self._paused = threading.Event()
+        self._resume = threading.Event()
+        self._stats = EngineStats()
+        self._fp = Fingerprint()
+        self._last_state: TickState | None = None
+        self._last_forward_t = time.monotonic()
+        self.phase = "init"
+        self.tick = 0
+
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        elif cfg.backend == "local":
+            self.rank, self.world = 0, 1
+        else:
+            raise ValueError(
+                f"backend {cfg.backend!r} needs torch.distributed: call shardgen.init() first "
+                "(or use backend='local')"
+            )
+        self.device = torch.device(device) if device is not None else _model_device(model)
+        raw = getattr(model, "module", model)  # a DeepSpeedEngine wraps the HF model
+        self._hf_config = raw.config
+        self._gen_config = getattr(raw, "generation_config", None)
+
+        self._control = self._params = None
+        self._store: Any = None
+        self._pause_epoch = 0
+        if self.world > 1 or dist.is_initialized():
+            self.engine_id = comm.next_engine_id()
+            self._store = store = comm.default_store()
+            comm.arrive(store, f"shardgen/engine{self.engine_id}", self.rank, self.world, cfg.init_timeout)
+            timeout = max(cfg.stall_timeout, 60.0) + 30.0
+            self._control, self._params = comm.private_groups(timeout)
+            settings = {**cfg.agreed(), **describe_model(raw), "world_size": str(self.world)}
+            comm.check_same_settings(settings, self._control, self.rank, self.world)
+        options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
+        self.backend: Backend = make_backend(
+            cfg.backend, model, param_group=self._params, device=self.device, options=options
+        )
+        self.model = self.backend.hf_model
+        if cfg.debug_collectives:
+            self.backend.instrument()
+        self._cp = ControlPlane(self._control, self.rank, self.world)
+        self._batch: Batch | None = None
+        self._pending: deque[Request] = deque()
+        self._thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        tokenizer: Any = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype) if dtype != "auto" else None
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError):
+                tokenizer = None
+        return cls(model, tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------ user API (not collective)
+    def submit(self, prompt: str | Sequence[int] | torch.Tensor, **options: Any) -> Future:
+        """Queue one request; returns a ``Future[Completion]``. Not collective."""
+        return self._submit_many([prompt], options)[0]
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], **options: Any) -> list[Completion]:
+        """Generate for each prompt (text, or token ids); blocks until all are done. Not collective.
+
+        ``options`` are ``SamplingParams`` fields; ``seed`` may be a list (one per prompt).
+        """
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        futures = self._submit_many(list(prompts), options)
+        return [f.result() for f in futures]
+
+    def generate_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **options: Any
+    ) -> torch.Tensor:
+        """HF-shaped generation: ``[B, T]`` left-padded ids -> ``[B, T + G]``, post-EOS padded.
+
+        Returns exactly what HF ``generate()`` returns for the same batch: the input
+        columns unchanged, then G = the longest generation; finished rows are padded.
+        Not collective.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        rows = [ids[m.bool()] for ids, m in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
+        reqs = self._submit_many(rows, options, as_requests=True)
+        done = [r.future.result() for r in reqs]
+        width = max(len(c.token_ids) for c in done)
+        out = torch.empty((input_ids.shape[0], input_ids.shape[1] + width), dtype=torch.long)
+        out[:, : input_ids.shape[1]] = input_ids.cpu()
+        for i, (r, c) in enumerate(zip(reqs, done, strict=True)):
+            out[i, input_ids.shape[1] :] = r.seq.pad_id
+            out[i, input_ids.shape[1] : input_ids.shape[1] + len(c.token_ids)] = torch.tensor(c.token_ids)
+        return out.to(input_ids.device)
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's driver counters (a snapshot)."""
+        return self._stats.as_dict()
+
+    # ------------------------------------------------------------------ collective API
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collective: every rank enters; inside, the engine issues no traffic at all.
+
+        The pause begins once every rank asked for it and every live sequence
+        finished (requests still queued wait); it ends on each rank when its block exits.
+        """
+        self._check_usable()
+        with self._lock:
+            self._pause_wanted = True
+            self._resume.clear()
+        self._wake.set()
+        try:
+            while not self._paused.wait(0.05):
+                self._raise_if_failed()
+            yield
+        finally:
+            with self._lock:
+                self._pause_wanted = False
+            self._resume.set()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Collective join: stop taking requests, finish all work on every rank, stop the driver.
+
+        Returns once every rank closed and all work is done. A rank that never closes
+        is named in a ``RendezvousTimeoutError`` after ``timeout`` seconds without any
+        forward (default: ``stall_timeout``). Idempotent.
+        """
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        limit = self.config.stall_timeout if timeout is None else timeout
+        while self._thread.is_alive():
+            self._thread.join(0.05)
+            if self._thread.is_alive() and time.monotonic() - self._last_forward_t > limit:
+                st = self._last_state
+                absent = [r for r, o in enumerate(st.col(OPEN)) if o] if st is not None else []
+                raise RendezvousTimeoutError(
+                    f"rank {self.rank}: close() waited {limit:g}s with no work left; "
+                    f"rank(s) {absent} never called close()"
+                )
+        self._teardown()
+        self._raise_if_failed()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # the block raised: still join (peers may need our shadow forwards)
+            with contextlib.suppress(Exception):
+                self.close()
+
+    # ------------------------------------------------------------------ internals: user side
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineClosedError(f"rank {self.rank}: engine is closed")
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _submit_many(self, prompts: list[Any], options: dict[str, Any], as_requests: bool = False) -> list[Any]:
+        self._check_usable()
+        seeds = options.pop("seed", None)
+        if isinstance(seeds, (list, tuple)):
+            if len(seeds) != len(prompts):
+                raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        else:
+            seeds = [seeds] * len(prompts)
+        base = SamplingParams().replace(**options)
+        reqs = [
+            build_request(
+                self._encode(p),
+                base.replace(seed=s),
+                model_config=self._hf_config,
+                generation_config=self._gen_config,
+                tokenizer=self.tokenizer,
+            )
+            for p, s in zip(prompts, seeds, strict=True)
+        ]
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError(f"rank {self.rank}: engine is closed")
+            self._inbox.extend(reqs)
+        self._wake.set()
+        return reqs if as_requests else [r.future for r in reqs]
+
+    def _encode(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: Engine(model, tokenizer=...)")
+            if not prompt:
+                raise ValueError("empty prompt: a request needs at least one prompt token")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            return [int(t) for t in prompt.reshape(-1).tolist()]
+        return [int(t) for t in prompt]
+
+    # ------------------------------------------------------------------ internals: driver thread
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the user threads
+            self._fail(e)
+
+    def _loop(self) -> None:
+        idle = 0
+        while True:
+            with self._lock:
+                self._pending.extend(self._inbox)
+                self._inbox.clear()
+                closed, pause = self._closed, self._pause_wanted
+            live = self._batch.live if self._batch is not None else 0
+            row = [0] * NCOLS
+            row[0], row[1], row[OPEN] = live, len(self._pending), int(not closed)
+            row[3], row[4] = int(pause), self.config.max_batch_size - live
+            row[5] = self._fp.value if self.config.debug_collectives else 0
+            self.phase = "tick"
+            t0 = time.perf_counter()
+            state = self._cp.agree(row)
+            self._stats.control_s += time.perf_counter() - t0
+            self._stats.ticks += 1
+            self.tick += 1
+            self._last_state = state
+            if state.total(FAILED):
+                bad = [r for r, f in enumerate(state.col(FAILED)) if f]
+                raise PeerFailedError(f"rank(s) {bad} failed")
+            if self.config.debug_collectives:
+                check_fingerprints(state)
+            decision = decide(state)
+            if decision is Decision.FORWARD:
+                idle = 0
+                self._forward_tick(state)
+                self._last_forward_t = time.monotonic()
+            elif decision is Decision.IDLE:
+                self._stats.idle_ticks += 1
+                self.phase = "idle"
+                self._wake.wait(min(self.config.idle_sleep_max, 0.0005 * (2**idle)))
+                self._wake.clear()
+                idle = min(idle + 1, 16)
+            elif decision is Decision.PAUSE:
+                self._pause_here()
+                idle = 0
+            else:
+                assert decision is Decision.EXIT
+                self.phase = "closed"
+                return
+
+    def _forward_tick(self, state: TickState) -> None:
+        """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant)."""
+        t0 = time.perf_counter()
+        if self._batch is None and self._pending and state.admit:
+            take = [self._pending.popleft() for _ in range(min(self.config.max_batch_size, len(self._pending)))]
+            self.phase = "prefill"
+            self._batch = Batch(self.model, self.backend.forward, [r.seq for r in take], self.device)
+            self._batch.prefill()
+            self._stats.prefills += 1
+            self._stats.requests += len(take)
+            self._after_real_forward(t0)
+        elif self._batch is not None:
+            self.phase = "decode"
+            self._batch.step()
+            self._stats.decode_steps += 1
+            self._after_real_forward(t0)
+        elif self.backend.lockstep:
+            self.phase = "shadow"
+            self.backend.shadow_forward()
+            self._stats.shadow_forwards += 1
+        if self.config.debug_collectives:
+            self._fp.fold("forward", self.backend.collective_signature())
+        self._stats.forward_s += time.perf_counter() - t0
+
+    def _after_real_forward(self, t0: float) -> None:
+        self._stats.forwards += 1
+        self._stats.busy_s += time.perf_counter() - t0
+        batch = self._batch
+        assert batch is not None
+        for s in batch.seqs:
+            req: Request = s.tag
+            if s.finished and not req.future.done():
+                self._stats.generated_tokens += len(s.tokens)
+                req.future.set_result(completion_of(s, self.tokenizer, self.rank))
+        if batch.done:
+            self._batch = None
+
+    def _pause_here(self) -> None:
+        """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits."""
+        self.phase = "paused"
+        self._pause_epoch += 1
+        self._paused.set()
+        while not self._resume.wait(0.05):
+            pass
+        self._paused.clear()
+        if self._store is not None:
+            # Peers may stay inside their block for long (a training step): wait on the store,
+            # not in the next tick's all-reduce, whose group has a timeout.
+            key = f"shardgen/engine{self.engine_id}/resume{self._pause_epoch}"
+            self._store.add(key, 1)
+            while int(self._store.add(key, 0)) < self.world:
+                time.sleep(0.005)
+
+    def _fail(self, err: BaseException) -> None:
+        self._failed = err
+        self.phase = "failed"
+        log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
+        with self._lock:
+            reqs = list(self._inbox) + list(self._pending)
+            self._inbox.clear()
+        self._pending.clear()
+        if self._batch is not None:
+            reqs += [s.tag for s in self._batch.seqs]
+            self._batch = None
+        for r in reqs:
+            if not r.future.done():
+                r.future.set_exception(err)
+        self._paused.set()  # unblock a waiting paused()
+
+    def _teardown(self) -> None:
+        self.backend.close()
+        for g in {id(g): g for g in (self._params, self._control) if g is not None}.values():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(g)
+        self._control = self._params = None
+
+
+def _model_device(model: Any) -> torch.device:
+    """The model's device if it has real parameters there, else cuda:LOCAL_RANK / cpu."""
+    for p in model.parameters():
+        if p.device.type not in ("meta", "cpu"):
+            return p.device
+        break
+    return comm.default_device()

@@ -1,0 +1,105 @@
+"""Requests and results: turning a user's prompt and options into a decoder ``Sequence``.
+
+Validation happens here, in the caller's thread, so a bad request raises
+``ValueError`` for that call only and never reaches the driver.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import SamplingParams
+from .decode import Sequence, resolve_special_ids
+from .sampling import make_generator
+
+
+@dataclass
+class Completion:
+    """What one request produced."""
+
+    token_ids: list[int]
+    """Generated ids, the first EOS included, no padding."""
+    finish_reason: str
+    """``eos`` (an EOS id was generated) or ``length`` (``max_new_tokens`` reached)."""
+    prompt_token_ids: list[int]
+    text: str | None = None
+    """The generated text (special tokens skipped), when the engine has a tokenizer."""
+    logprobs: list[float] | None = None
+    """log p of each generated token under the model, when asked for."""
+    seed: int | None = None
+    """The sampling seed used (sampled requests)."""
+    rank: int = 0
+    """The rank whose driver decoded it."""
+
+
+@dataclass
+class Request:
+    """A validated request travelling from the user thread to the driver."""
+
+    seq: Sequence
+    future: Future = field(default_factory=Future)
+
+
+def context_length(config: Any) -> int | None:
+    """The model's context window, from the names HF configs use for it."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def build_request(
+    prompt_ids: Seq[int] | torch.Tensor,
+    params: SamplingParams,
+    *,
+    model_config: Any,
+    generation_config: Any,
+    tokenizer: Any = None,
+) -> Request:
+    """Validate one request and make its ``Sequence``. Raises ``ValueError`` with the numbers."""
+    params.validate()
+    ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+    if not ids:
+        raise ValueError("empty prompt: a request needs at least one prompt token")
+    vocab = getattr(model_config, "vocab_size", None)
+    if isinstance(vocab, int) and any(t < 0 or t >= vocab for t in ids):
+        bad = next(t for t in ids if t < 0 or t >= vocab)
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+    n_ctx = context_length(model_config)
+    if n_ctx is not None and len(ids) + params.max_new_tokens > n_ctx:
+        raise ValueError(
+            f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's "
+            f"context of {n_ctx} tokens"
+        )
+    eos, pad = resolve_special_ids(params, generation_config, tokenizer)
+    seed = params.seed
+    gen = None
+    if params.do_sample:
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**63)
+            params = params.replace(seed=seed)
+        gen = make_generator(seed)
+    seq = Sequence(prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen)
+    req = Request(seq=seq)
+    seq.tag = req
+    return req
+
+
+def completion_of(seq: Sequence, tokenizer: Any, rank: int) -> Completion:
+    text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else None
+    return Completion(
+        token_ids=list(seq.tokens),
+        finish_reason=seq.finish_reason or "length",
+        prompt_token_ids=list(seq.prompt_ids),
+        text=text,
+        logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+        seed=seq.params.seed if seq.params.do_sample else None,
+        rank=rank,
+    )

@@ -1,0 +1,76 @@
+"""Token selection: greedy, temperature, top-k, top-p, with a generator per request.
+
+Each row of a batch is processed alone with its own parameters and its own
+``torch.Generator``, so a request's sampled tokens depend only on its logits and
+its seed, never on which rank served it or what else was in the batch. The warpers
+are Hugging Face's own (same semantics as ``generate()``); the draw is one uniform
+number per step mapped through the CDF, which is stable under the last-bit noise
+that batching can add to logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .config import SamplingParams
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator: CPU draws are identical on every device type."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def warpers_for(params: SamplingParams) -> LogitsProcessorList:
+    """HF's warpers in HF's order (temperature, top-k, top-p) for a sampled request."""
+    procs = LogitsProcessorList()
+    if not params.do_sample:
+        return procs
+    if params.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(float(params.temperature)))
+    if params.top_k > 0:
+        procs.append(TopKLogitsWarper(top_k=int(params.top_k), min_tokens_to_keep=1))
+    if params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=float(params.top_p), min_tokens_to_keep=1))
+    return procs
+
+
+def sample_row(scores: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from processed scores ``[V]`` with one uniform from ``generator``."""
+    probs = torch.softmax(scores.double().cpu(), dim=-1)  # float64 CDF: no drift at the tail
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    idx = int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.numel() - 1))
+    while idx > 0 and probs[idx] == 0.0:  # never land on a masked token through rounding
+        idx -= 1
+    return idx
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    input_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Next token per row. logits: [B, V] float32; input_ids: [B, T] (for HF processors). -> [B] long."""
+    out = torch.argmax(logits, dim=-1)  # greedy rows: exactly HF's argmax
+    for i, p in enumerate(params):
+        if not p.do_sample:
+            continue
+        g = generators[i]
+        assert g is not None, "sampled request without a generator"
+        scores = warpers_for(p)(input_ids[i : i + 1], logits[i : i + 1])
+        out[i] = sample_row(scores[0], g)
+    return out
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the model's distribution. logits: [B, V]; tokens: [B] -> [B] float32."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
