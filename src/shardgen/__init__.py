@@ -1,9 +1,9 @@
 """shardgen: deadlock-free text generation with ZeRO-3 sharded models (FSDP2, DeepSpeed).
 
-    import shardgen
-    shardgen.init()
-    with shardgen.Engine.from_pretrained(path, backend="fsdp2") as engine:
-        out = engine.generate(["a prompt"], max_new_tokens=32)
+import shardgen
+shardgen.init()
+with shardgen.Engine.from_pretrained(path, backend="fsdp2") as engine:
+    out = engine.generate(["a prompt"], max_new_tokens=32)
 """
 
 from .comm import init

@@ -60,7 +60,8 @@ class EngineConfig:
     """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
     gather: str = "per-layer"
     """(agreed) ``per-layer`` (gather each unit on every forward), ``once`` (gather the whole model
-    when work starts, decode without parameter traffic) or ``auto`` (``once`` if it fits ``memory_budget_gb``)."""
+    when work starts, decode without parameter traffic) or ``auto`` (``once`` if it fits
+    ``memory_budget_gb``)."""
     max_batch_size: int = 16
     """Requests decoded together on one rank."""
     idle_sleep_max: float = 0.02

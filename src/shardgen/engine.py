@@ -172,7 +172,9 @@ class Engine:
         """Queue one request; returns a ``Future[Completion]``. Not collective."""
         return self._submit_many([prompt], options)[0]
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], **options: Any) -> list[Completion]:
+    def generate(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], **options: Any
+    ) -> list[Completion]:
         """Generate for each prompt (text, or token ids); blocks until all are done. Not collective.
 
         ``options`` are ``SamplingParams`` fields; ``seed`` may be a list (one per prompt).
@@ -197,7 +199,8 @@ class Engine:
             attention_mask = torch.ones_like(input_ids)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+                f"attention_mask shape {tuple(attention_mask.shape)} != "
+                f"input_ids shape {tuple(input_ids.shape)}"
             )
         rows = [ids[m.bool()] for ids, m in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
         reqs = self._submit_many(rows, options, as_requests=True)
@@ -279,7 +282,9 @@ class Engine:
         if self._failed is not None:
             raise self._failed
 
-    def _submit_many(self, prompts: list[Any], options: dict[str, Any], as_requests: bool = False) -> list[Any]:
+    def _submit_many(
+        self, prompts: list[Any], options: dict[str, Any], as_requests: bool = False
+    ) -> list[Any]:
         self._check_usable()
         seeds = options.pop("seed", None)
         if isinstance(seeds, (list, tuple)):
@@ -373,7 +378,9 @@ class Engine:
         """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant)."""
         t0 = time.perf_counter()
         if self._batch is None and self._pending and state.admit:
-            take = [self._pending.popleft() for _ in range(min(self.config.max_batch_size, len(self._pending)))]
+            take = [
+                self._pending.popleft() for _ in range(min(self.config.max_batch_size, len(self._pending)))
+            ]
             self.phase = "prefill"
             self._batch = Batch(self.model, self.backend.forward, [r.seq for r in take], self.device)
             self._batch.prefill()

@@ -14,13 +14,12 @@ Collective contract, per method (all ranks of the parameter group, same order):
 
 from __future__ import annotations
 
-import abc
 from typing import Any
 
 import torch
 
 
-class Backend(abc.ABC):
+class Backend:
     """One way to hold a model and run forwards on it.
 
     ``module`` is the callable HF model (after sharding); ``hf_model`` is the
