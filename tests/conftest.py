@@ -1,0 +1,127 @@
+"""Shared pytest setup: import paths, multi-rank World fixtures, gpu skipping."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+SRC_DIR = os.path.join(os.path.dirname(TESTS_DIR), "src")
+
+
+def _setup_paths() -> None:
+    """Make ``shardgen`` (from src/, if not installed) and the tests modules importable,
+    here and in every child process (spawned ranks, subprocess-based tests)."""
+    extra = []
+    if importlib.util.find_spec("shardgen") is None and os.path.isdir(SRC_DIR):
+        extra.append(SRC_DIR)
+    extra.append(TESTS_DIR)
+    for path in reversed(extra):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(extra + [p for p in current if p not in extra])
+
+
+_setup_paths()
+
+from world import World  # noqa: E402  (needs the paths above)
+
+
+class WorldHandle:
+    """Session-wide handle on a World of ``nprocs`` ranks.
+
+    The World starts on first use and is recreated transparently when a previous test left
+    it broken (a hang, a dead rank, a rank stuck after an error).
+    """
+
+    def __init__(self, nprocs: int, env: dict[str, str | None] | None = None):
+        self.nprocs = nprocs
+        self.env = env
+        self._world: World | None = None
+
+    @property
+    def world(self) -> World:
+        """The live World, (re)started if needed."""
+        if self._world is None or self._world.broken:
+            if self._world is not None:
+                self._world.close()
+            self._world = None
+            self._world = World(self.nprocs, env=self.env)
+        return self._world
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 60.0, **kwargs: Any) -> list:
+        return self.world.run(fn, *args, timeout=timeout, **kwargs)
+
+    def run_per_rank(
+        self,
+        fn: Callable,
+        per_rank_args: Sequence[Sequence[Any]],
+        per_rank_kwargs: Sequence[dict[str, Any]] | None = None,
+        *,
+        timeout: float = 60.0,
+    ) -> list:
+        return self.world.run_per_rank(fn, per_rank_args, per_rank_kwargs, timeout=timeout)
+
+    @property
+    def pids(self) -> list[int]:
+        return self.world.pids
+
+    @property
+    def broken(self) -> bool:
+        return self._world is not None and self._world.broken
+
+    def close(self) -> None:
+        if self._world is not None:
+            self._world.close()
+            self._world = None
+
+    def __repr__(self) -> str:
+        return f"WorldHandle({self.nprocs}, {self._world!r})"
+
+
+def _world_fixture(nprocs: int) -> Iterator[WorldHandle]:
+    handle = WorldHandle(nprocs)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+@pytest.fixture(scope="session")
+def world2() -> Iterator[WorldHandle]:
+    """2 gloo ranks shared by the whole session (started lazily, restarted if broken)."""
+    yield from _world_fixture(2)
+
+
+@pytest.fixture(scope="session")
+def world3() -> Iterator[WorldHandle]:
+    """3 gloo ranks shared by the whole session (started lazily, restarted if broken)."""
+    yield from _world_fixture(3)
+
+
+@pytest.fixture(scope="session")
+def world4() -> Iterator[WorldHandle]:
+    """4 gloo ranks shared by the whole session (started lazily, restarted if broken)."""
+    yield from _world_fixture(4)
+
+
+_CUDA_AVAILABLE: bool | None = None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``gpu``-marked tests on machines without CUDA."""
+    global _CUDA_AVAILABLE
+    if item.get_closest_marker("gpu") is None:
+        return
+    if _CUDA_AVAILABLE is None:
+        import torch
+
+        _CUDA_AVAILABLE = bool(torch.cuda.is_available())
+    if not _CUDA_AVAILABLE:
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
