@@ -186,9 +186,7 @@ def _rank_main(
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        dist.init_process_group(
-            "gloo", rank=rank_, world_size=nprocs, init_method=f"tcp://127.0.0.1:{port}"
-        )
+        dist.init_process_group("gloo", rank=rank_, world_size=nprocs, init_method=f"tcp://127.0.0.1:{port}")
     except BaseException:
         _send(conn, ("init_error", traceback.format_exc()))
         return
