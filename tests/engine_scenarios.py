@@ -1,0 +1,206 @@
+"""Scenario functions run on every rank by tests/test_engine_multirank.py (module level: importable)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from models import batch, eos_after, hf_generate, tiny_model
+from world import assert_no_thread, rank
+
+import shardgen
+
+
+def _check(eng, ref, ids, mask, **kw):
+    got = eng.generate_ids(ids, attention_mask=mask, **kw)
+    exp = hf_generate(ref, ids, mask, **kw)
+    assert torch.equal(got, exp), f"rank {rank()}: {got.tolist()} != HF {exp.tolist()}"
+    return got
+
+
+def fidelity(arch: str, backend: str = "fsdp2"):
+    """Each rank generates its own batch of prompts of different lengths; greedy == HF."""
+    ref = tiny_model(arch, seed=11)
+    eng = shardgen.Engine(tiny_model(arch, seed=11), backend=backend)
+    ids, mask = batch([3 + rank(), 8, 5, 1 + 2 * rank()], seed=100 + rank())
+    eos = eos_after(ref, ids, mask, row=rank() % 4, step=2 + 3 * rank())
+    got = _check(eng, ref, ids, mask, max_new_tokens=10 + 4 * rank(), eos_token_id=eos, pad_token_id=0)
+    eng.close()
+    assert_no_thread("shardgen-", timeout=5)
+    return got.shape[1]
+
+
+def sampled_same_seed_any_rank():
+    """The same (prompt, seed) gives the same tokens on every rank, alone or inside a batch."""
+    eng = shardgen.Engine(tiny_model("llama", seed=12), backend="fsdp2")
+    ids, mask = batch([5, 3, 7], seed=7)
+    prompts = [ids[i][mask[i].bool()] for i in range(3)]
+    opts = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.95)
+    if rank() == 0:
+        out = [c.token_ids for c in eng.generate(prompts, seed=[5, 6, 7], **opts)]
+    else:
+        out = [
+            eng.generate([p], seed=s, **opts)[0].token_ids for p, s in zip(prompts, [5, 6, 7], strict=True)
+        ]
+    eng.close()
+    return out
+
+
+def eos_at_different_steps():
+    """(a) rank r's single row hits EOS after 2 + 5r tokens; everybody else keeps decoding."""
+    ref = tiny_model("llama", seed=13)
+    eng = shardgen.Engine(tiny_model("llama", seed=13), backend="fsdp2")
+    ids, mask = batch([4, 6], seed=20 + rank())
+    eos = eos_after(ref, ids, mask, row=0, step=2 + 5 * rank())
+    got = _check(eng, ref, ids, mask, max_new_tokens=25, eos_token_id=eos, pad_token_id=0)
+    eng.close()
+    return eng.stats()["shadow_forwards"], got.shape[1]
+
+
+def seed_script():
+    """(b) The seed report: rank 0 makes two calls, rank 1 three; then a default-group barrier; close."""
+    ref = tiny_model("llama", seed=14)
+    eng = shardgen.Engine(tiny_model("llama", seed=14), backend="fsdp2")
+    ids, mask = batch([3, 6, 2], seed=30)
+    for c in range(2 if rank() == 0 else 3):
+        _check(eng, ref, (ids + c) * mask, mask, max_new_tokens=12)
+    dist.barrier()  # on the default group, while a peer may still be generating
+    eng.close()
+    return eng.stats()["prefills"]
+
+
+def idle_rank_only_closes():
+    """(c) rank 1 submits nothing and only closes; rank 0 generates."""
+    ref = tiny_model("gpt2", seed=15)
+    eng = shardgen.Engine(tiny_model("gpt2", seed=15), backend="fsdp2")
+    if rank() == 0:
+        ids, mask = batch([4, 2, 5], seed=31)
+        _check(eng, ref, ids, mask, max_new_tokens=10)
+    eng.close()
+    return eng.stats()
+
+
+def sleeper(sleep_s: float):
+    """(d) rank 1's main thread sleeps before its first call; the others finish meanwhile."""
+    ref = tiny_model("qwen2", seed=16)
+    eng = shardgen.Engine(tiny_model("qwen2", seed=16), backend="fsdp2")
+    t0 = time.monotonic()
+    if rank() == 1:
+        time.sleep(sleep_s)
+    for c in range(3):
+        ids, mask = batch([2 + c, 5, 3], seed=40 + 10 * rank() + c)
+        _check(eng, ref, ids, mask, max_new_tokens=8)
+    done_at = time.monotonic() - t0
+    eng.close()
+    return done_at
+
+
+def random_workload(case: int, arch: str = "llama"):
+    """(e) Random per-rank workload: 0..3 calls, random batches, EOS, sleeps, async submits."""
+    rng = random.Random(1000 * case + rank())
+    ref = tiny_model(arch, seed=case)
+    eng = shardgen.Engine(tiny_model(arch, seed=case), backend="fsdp2", max_batch_size=rng.choice([2, 4, 8]))
+    futures = []
+    for _ in range(rng.randint(0, 3)):
+        if rng.random() < 0.3:
+            time.sleep(rng.random() * 0.3)
+        lengths = [rng.randint(1, 9) for _ in range(rng.randint(1, 5))]
+        ids, mask = batch(lengths, seed=rng.randrange(10**6))
+        n = rng.randint(1, 14)
+        eos = eos_after(ref, ids, mask, row=0, step=rng.randint(0, n - 1))
+        if rng.random() < 0.3:  # async: a future per prompt, collected at the end
+            prompts = [ids[i][mask[i].bool()] for i in range(len(lengths))]
+            futures += [
+                (eng.submit(p, max_new_tokens=n, eos_token_id=eos, pad_token_id=0), p, n, eos)
+                for p in prompts
+            ]
+        else:
+            _check(eng, ref, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=0)
+    for fut, p, n, eos in futures:
+        exp = hf_generate(
+            ref, p[None], torch.ones_like(p[None]), max_new_tokens=n, eos_token_id=eos, pad_token_id=0
+        )
+        toks = exp[0, p.numel() :].tolist()
+        if eos in toks:
+            toks = toks[: toks.index(eos) + 1]
+        assert fut.result(timeout=60).token_ids == toks, f"rank {rank()} case {case}"
+    eng.close()
+    return eng.stats()["ticks"]
+
+
+def mismatched(setting: str):
+    """Ranks construct with different settings: every rank gets a ValueError naming it."""
+    kw: dict = {"backend": "fsdp2"}
+    model_kw: dict = {}
+    if setting == "backend" and rank() == 1:
+        kw["backend"] = "local"
+    if setting == "model" and rank() == 1:
+        model_kw["num_hidden_layers"] = 3
+    model = tiny_model("llama", seed=17, **model_kw)
+    if setting == "dtype" and rank() == 1:
+        model = model.to(torch.bfloat16)
+    try:
+        shardgen.Engine(model, **kw)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def pause_and_user_collectives():
+    """Generate, pause for a 'training step' with default-group collectives, generate again."""
+    ref = tiny_model("llama", seed=18)
+    eng = shardgen.Engine(tiny_model("llama", seed=18), backend="fsdp2")
+    ids, mask = batch([3, 5], seed=50 + rank())
+    _check(eng, ref, ids, mask, max_new_tokens=6)
+    with eng.paused():
+        ticks = eng.stats()["ticks"]
+        t = torch.ones(1)
+        dist.all_reduce(t)  # a user collective: no engine traffic can interleave
+        time.sleep(0.3 * rank())
+        assert eng.stats()["ticks"] == ticks, "the engine ticked while paused"
+    _check(eng, ref, ids, mask, max_new_tokens=6)
+    eng.close()
+    return t.item()
+
+
+def fingerprint_divergence():
+    """debug_collectives: a rank whose forwards gather other units is caught, not hung."""
+    eng = shardgen.Engine(tiny_model("llama", seed=19), backend="fsdp2", debug_collectives=True)
+    if rank() == 1:
+        real = eng.backend.collective_signature
+        eng.backend.collective_signature = lambda: (*real(), 99)  # simulate a divergent gather sequence
+    fut = eng.submit([5, 6, 7], max_new_tokens=4)
+    try:
+        fut.result(timeout=30)
+        return "no error"
+    except shardgen.CollectiveDivergenceError as e:
+        return str(e)
+    finally:
+        eng._thread.join(10)
+        eng._teardown()
+
+
+def concurrent_user_threads():
+    """Several user threads on a rank submit at once; results still match HF."""
+    ref = tiny_model("llama", seed=21)
+    eng = shardgen.Engine(tiny_model("llama", seed=21), backend="fsdp2", max_batch_size=3)
+    errors = []
+
+    def work(t):
+        try:
+            ids, mask = batch([2 + t, 4], seed=60 + 10 * rank() + t)
+            _check(eng, ref, ids, mask, max_new_tokens=5 + t)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    eng.close()
+    assert not errors, errors
+    return True

@@ -1,0 +1,99 @@
+"""Tiny models built from configs in code (never downloaded), shared by all tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig, OPTConfig, Qwen2Config
+
+VOCAB = 96
+
+
+def tiny_config(arch: str, **over):
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        cfg = LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            **common,
+        )
+    elif arch == "qwen2":
+        cfg = Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            **common,
+        )
+    elif arch == "gpt2":
+        cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
+    elif arch == "opt":
+        cfg = OPTConfig(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
+            **common,
+        )
+    elif arch == "mixtral":
+        cfg = MixtralConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=256,
+            **common,
+        )
+    else:
+        raise ValueError(arch)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **over):
+    """The same weights for the same (arch, seed) in every process."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **over))
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    return model.eval()
+
+
+def batch(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch (pad id 0) of random prompts with the given lengths -> (ids, mask)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n :] = 1
+    return ids, mask
+
+
+def hf_generate(model, ids, mask, **kw) -> torch.Tensor:
+    """The oracle: single-process HF generate (synced_gpus off, or it would deadlock in a world)."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, synced_gpus=False, **kw)
+
+
+def eos_after(model, ids, mask, row: int, step: int, **kw) -> int:
+    """An EOS id that makes ``row`` stop after ``step`` tokens: what greedy generates there."""
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # HF merges a None argument with the model's EOS
+    try:
+        out = hf_generate(model, ids, mask, max_new_tokens=step + 1, **kw)
+    finally:
+        model.generation_config.eos_token_id = saved
+    return int(out[row, ids.shape[1] + step])

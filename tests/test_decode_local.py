@@ -1,0 +1,122 @@
+"""Tier 1 (no processes): the decoder on the local backend against single-process HF generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import batch, eos_after, hf_generate, tiny_model
+
+import shardgen
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2", "opt", "mixtral"])
+def arch_model(request):
+    return request.param, tiny_model(request.param, seed=1)
+
+
+def test_greedy_matches_hf_with_padding_and_early_eos(arch_model):
+    arch, model = arch_model
+    ids, mask = batch([5, 9, 3, 7], seed=2)
+    eos = eos_after(model, ids, mask, row=1, step=3)
+    expected = hf_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate_ids(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, expected), f"{arch}: engine {got.tolist()} != HF {expected.tolist()}"
+    # the EOS row stopped early and was padded after its first EOS
+    row = got[1, ids.shape[1] :].tolist()
+    assert eos in row and all(t == 0 for t in row[row.index(eos) + 1 :])
+
+
+def test_no_padding_batch_and_single_row_match_hf():
+    model = tiny_model("llama", seed=3)
+    for lengths in ([6, 6, 6], [4]):
+        ids, mask = batch(lengths, seed=len(lengths))
+        expected = hf_generate(model, ids, mask, max_new_tokens=9)
+        with shardgen.Engine(model, backend="local") as eng:
+            got = eng.generate_ids(ids, attention_mask=mask, max_new_tokens=9)
+        assert torch.equal(got, expected)
+
+
+def test_finish_reason_logprobs_and_eos_list():
+    model = tiny_model("llama", seed=4)
+    ids, mask = batch([4, 6], seed=5)
+    eos = eos_after(model, ids, mask, row=0, step=2)
+    with shardgen.Engine(model, backend="local") as eng:
+        out = eng.generate(
+            [ids[0][mask[0].bool()], ids[1][mask[1].bool()]],
+            max_new_tokens=8,
+            eos_token_id=[eos, 95],
+            logprobs=True,
+        )
+    assert out[0].finish_reason == "eos" and out[0].token_ids[-1] == eos and len(out[0].token_ids) == 3
+    for c in out:
+        assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0.0 for lp in c.logprobs)
+    if eos not in out[1].token_ids and 95 not in out[1].token_ids:
+        assert out[1].finish_reason == "length" and len(out[1].token_ids) == 8
+    # logprobs are the model's own: recompute the first one directly
+    with torch.no_grad():
+        logits = model(ids[0:1, 2:]).logits[0, -1]
+    ref = torch.log_softmax(logits.float(), -1)[out[0].token_ids[0]].item()
+    assert abs(ref - out[0].logprobs[0]) < 1e-5
+
+
+def test_sampling_seed_is_per_request_not_per_batch():
+    model = tiny_model("llama", seed=5)
+    ids, mask = batch([4, 7, 5], seed=6)
+    prompts = [ids[i][mask[i].bool()] for i in range(3)]
+    opts = dict(max_new_tokens=10, do_sample=True, temperature=0.9, top_k=20, top_p=0.9)
+    with shardgen.Engine(model, backend="local", max_batch_size=8) as eng:
+        together = eng.generate(prompts, seed=[11, 12, 13], **opts)
+        alone = [eng.generate([p], seed=s, **opts)[0] for p, s in zip(prompts, [11, 12, 13], strict=True)]
+        other_seed = eng.generate([prompts[0]], seed=99, **opts)[0]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert all(c.seed == s for c, s in zip(together, [11, 12, 13], strict=True))
+    assert other_seed.token_ids != together[0].token_ids
+
+
+def test_invalid_requests_raise_for_that_call_only():
+    model = tiny_model("gpt2", seed=7)
+    with shardgen.Engine(model, backend="local") as eng:
+        good = eng.submit([5, 6, 7], max_new_tokens=4)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.generate([[5, 6]], max_new_tokens=0)
+        with pytest.raises(ValueError, match="top_p"):
+            eng.generate([[5, 6]], do_sample=True, top_p=1.5)
+        with pytest.raises(ValueError, match="top_p"):
+            eng.generate([[5, 6]], do_sample=True, top_p=0.0)
+        with pytest.raises(ValueError, match="empty prompt"):
+            eng.generate([[]])
+        with pytest.raises(ValueError, match="250 tokens.*context of 256"):
+            eng.generate([[5] * 250], max_new_tokens=10)
+        with pytest.raises(ValueError, match="unknown generation option"):
+            eng.generate([[5, 6]], max_tokens=3)
+        assert len(good.result(timeout=30).token_ids) == 4
+        assert len(eng.generate([[5, 6]], max_new_tokens=3)[0].token_ids) == 3
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate([[5, 6]])
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit([5, 6])
+
+
+def test_stats_count_ticks_forwards_and_tokens():
+    model = tiny_model("llama", seed=8)
+    with shardgen.Engine(model, backend="local") as eng:
+        out = eng.generate([[5, 6, 7], [8, 9]], max_new_tokens=5, eos_token_id=[])
+        st = eng.stats()
+    assert sum(len(c.token_ids) for c in out) == st["generated_tokens"] == 10
+    assert st["prefills"] == 1 and st["decode_steps"] == 4 and st["forwards"] == 5
+    assert st["ticks"] >= st["forwards"] and st["forward_s"] > 0
+
+
+def test_text_prompts_with_a_tokenizer():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardgen.toy import toy_model_path
+
+    path = toy_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with shardgen.Engine(model, tok, backend="local") as eng:
+        out = eng.generate(["count from 3 to 7 :", "count from 10 to 12 :"], max_new_tokens=24)
+    assert out[0].text.strip() == "3 4 5 6 7" and out[1].text.strip() == "10 11 12"
+    assert all(c.finish_reason == "eos" for c in out)

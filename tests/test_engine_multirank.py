@@ -1,0 +1,73 @@
+"""Tier 2 (gloo ranks): FSDP2 fidelity and the divergence matrix, each under a hard timeout."""
+
+from __future__ import annotations
+
+import engine_scenarios as sc
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_fsdp2_greedy_matches_hf(world2, arch):
+    widths = world2.run(sc.fidelity, arch, timeout=120)
+    assert len(widths) == 2
+
+
+def test_sampling_same_seed_same_tokens_on_any_rank_alone_or_batched(world2):
+    r0, r1 = world2.run(sc.sampled_same_seed_any_rank, timeout=120)
+    assert r0 == r1
+
+
+def test_a_eos_at_different_steps(world2):
+    (shadow0, w0), (shadow1, w1) = world2.run(sc.eos_at_different_steps, timeout=120)
+    assert w0 < w1  # rank 0 finished earlier ...
+    assert shadow0 > 0  # ... and kept the gathers going with shadow forwards
+
+
+def test_b_seed_script_uneven_calls_then_default_barrier(world2):
+    assert world2.run(sc.seed_script, timeout=120) == [2, 3]
+
+
+def test_c_rank_with_no_requests_only_closes(world2):
+    s0, s1 = world2.run(sc.idle_rank_only_closes, timeout=120)
+    assert s1["forwards"] == 0 and s1["shadow_forwards"] == s0["forwards"]
+
+
+def test_d_sleeping_rank_does_not_hold_up_others(world2):
+    t0, t1 = world2.run(sc.sleeper, 10.0, timeout=150)
+    assert t0 < 10.0, f"rank 0 needed {t0:.1f}s: it waited for the sleeping rank"
+    assert t1 >= 10.0
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_e_random_workloads_world3(world3, case):
+    world3.run(sc.random_workload, case, timeout=180)
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_e_random_workloads_world4(world4, case):
+    world4.run(sc.random_workload, 10 + case, arch="gpt2" if case % 2 else "llama", timeout=180)
+
+
+@pytest.mark.parametrize(
+    "setting, needle", [("backend", "backend"), ("model", "model_config"), ("dtype", "dtype")]
+)
+def test_mismatched_settings_raise_on_every_rank(world2, setting, needle):
+    msgs = world2.run(sc.mismatched, setting, timeout=120)
+    for m in msgs:
+        assert "differ across ranks" in m and needle in m and "rank(s) [1]" in m, m
+
+
+def test_paused_block_has_no_engine_traffic(world2):
+    assert world2.run(sc.pause_and_user_collectives, timeout=120) == [2.0, 2.0]
+
+
+def test_debug_collectives_catches_divergence(world2):
+    msgs = world2.run(sc.fingerprint_divergence, timeout=120)
+    for m in msgs:
+        assert "different collective sequences" in m, m
+
+
+def test_concurrent_user_threads(world2):
+    assert world2.run(sc.concurrent_user_threads, timeout=120) == [True, True]

@@ -1,0 +1,110 @@
+"""Tier 1 (no processes): the tick decision, fingerprints, sampling and config validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardgen.config import EngineConfig, SamplingParams
+from shardgen.errors import CollectiveDivergenceError
+from shardgen.protocol import (
+    FINGERPRINT,
+    LIVE,
+    NCOLS,
+    OPEN,
+    PAUSE,
+    PENDING,
+    Decision,
+    Fingerprint,
+    TickState,
+    check_fingerprints,
+    decide,
+)
+from shardgen.sampling import make_generator, sample_row, select_tokens
+
+
+def state(*rows: dict[int, int]) -> TickState:
+    t = torch.zeros((len(rows), NCOLS), dtype=torch.int64)
+    for r, row in enumerate(rows):
+        for c, v in row.items():
+            t[r, c] = v
+    return TickState(t)
+
+
+def test_any_live_or_pending_work_anywhere_means_every_rank_forwards():
+    assert decide(state({LIVE: 3, OPEN: 1}, {OPEN: 1})) is Decision.FORWARD
+    assert decide(state({OPEN: 0}, {PENDING: 1, OPEN: 1})) is Decision.FORWARD
+    # a closed rank still forwards (shadow) while a peer has work
+    assert decide(state({OPEN: 0}, {LIVE: 1, OPEN: 0})) is Decision.FORWARD
+
+
+def test_no_work_idles_until_everyone_closed_then_exits():
+    assert decide(state({OPEN: 1}, {OPEN: 1})) is Decision.IDLE
+    assert decide(state({OPEN: 0}, {OPEN: 1})) is Decision.IDLE
+    assert decide(state({OPEN: 0}, {OPEN: 0})) is Decision.EXIT
+
+
+def test_pause_drains_live_work_and_holds_pending():
+    both = ({OPEN: 1, PAUSE: 1}, {OPEN: 1, PAUSE: 1})
+    assert decide(state({**both[0], LIVE: 2}, both[1])) is Decision.FORWARD  # drain first
+    assert decide(state({**both[0], PENDING: 4}, both[1])) is Decision.PAUSE  # queued work waits
+    assert not state({**both[0], PENDING: 4}, both[1]).admit
+    # only one rank wants to pause: pending work is admitted as usual
+    one = state({OPEN: 1, PAUSE: 1}, {OPEN: 1, PENDING: 1})
+    assert one.admit and decide(one) is Decision.FORWARD
+
+
+def test_fingerprint_mismatch_names_the_ranks():
+    a, b = Fingerprint(), Fingerprint()
+    a.fold("forward", (0, 1, 2))
+    b.fold("forward", (0, 1, 2))
+    assert a.value == b.value and 0 <= a.value < 2**63
+    check_fingerprints(state({FINGERPRINT: a.value}, {FINGERPRINT: b.value}))
+    b.fold("forward", (0, 2))
+    with pytest.raises(CollectiveDivergenceError, match=r"ranks \[1\]"):
+        check_fingerprints(state({FINGERPRINT: a.value}, {FINGERPRINT: b.value}, {FINGERPRINT: a.value}))
+
+
+def test_sample_row_is_deterministic_and_respects_masking():
+    scores = torch.tensor([0.0, float("-inf"), 1.0, float("-inf"), 2.0])
+    draws = [sample_row(scores, make_generator(7)) for _ in range(3)]
+    assert len(set(draws)) == 1
+    many = {sample_row(scores, g) for g in [make_generator(s) for s in range(200)]}
+    assert many <= {0, 2, 4} and len(many) == 3
+    # last-bit noise in logits does not change the draw
+    noisy = scores + torch.tensor([1e-7, 0.0, -1e-7, 0.0, 1e-7])
+    assert [sample_row(noisy, make_generator(s)) for s in range(50)] == [
+        sample_row(scores, make_generator(s)) for s in range(50)
+    ]
+
+
+def test_select_tokens_greedy_rows_are_argmax_and_top_k_1_is_greedy():
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingParams()
+    topk1 = SamplingParams(do_sample=True, top_k=1, temperature=0.5)
+    out = select_tokens(logits, [greedy, topk1, greedy], [None, make_generator(1), None], torch.zeros(3, 1))
+    assert out.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
+        (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
+        (dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
+    ],
+)
+def test_sampling_params_errors_carry_the_numbers(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw).validate()
+
+
+def test_engine_config_errors():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        EngineConfig(backend="megatron").validate()
+    with pytest.raises(ValueError, match="gather must be"):
+        EngineConfig(gather="sometimes").validate()
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
+        EngineConfig(max_batch_size=0).validate()
