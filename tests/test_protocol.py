@@ -24,10 +24,10 @@ from shardgen.sampling import make_generator, sample_row, select_tokens
 
 
 def state(*rows: dict[int, int]) -> TickState:
-    t = torch.zeros((len(rows), NCOLS), dtype=torch.int64)
+    t = [[0] * NCOLS for _ in rows]
     for r, row in enumerate(rows):
         for c, v in row.items():
-            t[r, c] = v
+            t[r][c] = v
     return TickState(t)
 
 

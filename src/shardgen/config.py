@@ -64,7 +64,7 @@ class EngineConfig:
     ``memory_budget_gb``)."""
     max_batch_size: int = 16
     """Requests decoded together on one rank."""
-    idle_sleep_max: float = 0.02
+    idle_sleep_max: float = 0.005
     """Longest sleep (s) between ticks when no rank has work: bounds the latency of a new request."""
     init_timeout: float = 300.0
     """Seconds the collective constructor waits for every rank to arrive before naming the absent ones."""

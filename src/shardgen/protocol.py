@@ -51,19 +51,22 @@ class Decision(enum.Enum):
 
 @dataclass(frozen=True)
 class TickState:
-    """The agreed view of all ranks after one tick. rows: [world, NCOLS] int64."""
+    """The agreed view of all ranks after one tick: ``rows[r][c]`` is rank r's column c.
 
-    rows: torch.Tensor
+    Plain Python ints: the decision runs on every tick, so it avoids tensor ops.
+    """
+
+    rows: list[list[int]]
 
     @property
     def world(self) -> int:
-        return int(self.rows.shape[0])
+        return len(self.rows)
 
     def col(self, c: int) -> list[int]:
-        return [int(x) for x in self.rows[:, c].tolist()]
+        return [row[c] for row in self.rows]
 
     def total(self, c: int) -> int:
-        return int(self.rows[:, c].sum())
+        return sum(row[c] for row in self.rows)
 
     @property
     def all_pause(self) -> bool:
@@ -132,4 +135,4 @@ class ControlPlane:
         self._buf[self.rank] = torch.tensor(row, dtype=torch.int64)
         if self.world > 1:
             dist.all_reduce(self._buf, op=dist.ReduceOp.SUM, group=self.group)
-        return TickState(self._buf.clone())
+        return TickState(self._buf.tolist())
