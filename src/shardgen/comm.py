@@ -93,16 +93,15 @@ def arrive(store: Any, prefix: str, rank: int, world: int, timeout_s: float) -> 
         sleep = min(sleep * 2, 0.1)
 
 
-def private_groups(timeout_s: float) -> tuple[Any, Any]:
+def private_groups(control_timeout_s: float, param_timeout_s: float) -> tuple[Any, Any]:
     """(control, param): shardgen's own groups over all ranks, in rank order.
 
     Collective on the default group (``new_group``): every rank, same order. The control
     group is gloo (CPU tensors); the param group uses the default group's backend, so
     parameters stay on the model's device (nccl on GPUs).
     """
-    t = datetime.timedelta(seconds=timeout_s)
-    control = dist.new_group(backend="gloo", timeout=t)
-    param = dist.new_group(backend=dist.get_backend(), timeout=t)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
+    param = dist.new_group(backend=dist.get_backend(), timeout=datetime.timedelta(seconds=param_timeout_s))
     return control, param
 
 

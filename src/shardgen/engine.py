@@ -11,9 +11,12 @@ drivers (``protocol.py``) and runs exactly one forward or none. ``Engine(...)``,
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -28,7 +31,8 @@ from .backends import Backend, make_backend
 from .backends.base import describe_model
 from .config import EngineConfig, SamplingParams
 from .decode import Batch
-from .errors import EngineClosedError, PeerFailedError, RendezvousTimeoutError
+from .errors import EngineClosedError, PeerFailedError, PeerStalledError, RendezvousTimeoutError
+from .liveness import Liveness
 from .log import get_logger
 from .protocol import (
     FAILED,
@@ -93,6 +97,8 @@ class Engine:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
+        self._open_reqs: set[Request] = set()  # submitted, not yet resolved (under _lock)
+        self._live: Liveness | None = None
         self._wake = threading.Event()
         self._closed = False
         self._failed: BaseException | None = None
@@ -127,8 +133,11 @@ class Engine:
             self.engine_id = comm.next_engine_id()
             self._store = store = comm.default_store()
             comm.arrive(store, f"shardgen/engine{self.engine_id}", self.rank, self.world, cfg.init_timeout)
-            timeout = max(cfg.stall_timeout, 60.0) + 30.0
-            self._control, self._params = comm.private_groups(timeout)
+            # Liveness bounds every wait; the groups' own timeouts are only a backstop.
+            self._control, self._params = comm.private_groups(
+                control_timeout_s=max(3600.0, 10 * cfg.stall_timeout),
+                param_timeout_s=cfg.stall_timeout + 30.0,
+            )
             settings = {**cfg.agreed(), **describe_model(raw), "world_size": str(self.world)}
             comm.check_same_settings(settings, self._control, self.rank, self.world)
         options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
@@ -142,6 +151,18 @@ class Engine:
         self._batch: Batch | None = None
         self._pending: deque[Request] = deque()
         self._thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{self.rank}", daemon=True)
+        if self._store is not None and self.world > 1:
+            self._live = Liveness(
+                self._store,
+                f"shardgen/engine{self.engine_id}",
+                self.rank,
+                self.world,
+                cfg.stall_timeout,
+                status=lambda: (self.tick, self.phase),
+                on_failure=self._on_peer_failure,
+            )
+            self._live.start()
+        _ENGINES.add(self)
         self._thread.start()
 
     # ------------------------------------------------------------------ construction helpers
@@ -250,7 +271,7 @@ class Engine:
             self._closed = True
         self._wake.set()
         limit = self.config.stall_timeout if timeout is None else timeout
-        while self._thread.is_alive():
+        while self._thread.is_alive() and self._failed is None:
             self._thread.join(0.05)
             if self._thread.is_alive() and time.monotonic() - self._last_forward_t > limit:
                 st = self._last_state
@@ -259,8 +280,8 @@ class Engine:
                     f"rank {self.rank}: close() waited {limit:g}s with no work left; "
                     f"rank(s) {absent} never called close()"
                 )
-        self._teardown()
         self._raise_if_failed()
+        self._teardown()
 
     def __enter__(self) -> Engine:
         return self
@@ -307,6 +328,7 @@ class Engine:
             if self._closed:
                 raise EngineClosedError(f"rank {self.rank}: engine is closed")
             self._inbox.extend(reqs)
+            self._open_reqs.update(reqs)
         self._wake.set()
         return reqs if as_requests else [r.future for r in reqs]
 
@@ -329,7 +351,14 @@ class Engine:
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - every failure must reach the user threads
-            self._fail(e)
+            err = self._attribute(e)
+            if err is e and self._live is not None and not isinstance(e, PeerFailedError):
+                self._live.report_error(e)  # our own failure: peers raise PeerFailedError naming us
+            self._fail(err)
+        else:
+            if self._live is not None:
+                self._live.beat("closed")
+                self._live.stop()
 
     def _loop(self) -> None:
         idle = 0
@@ -345,7 +374,7 @@ class Engine:
             row[5] = self._fp.value if self.config.debug_collectives else 0
             self.phase = "tick"
             t0 = time.perf_counter()
-            state = self._cp.agree(row)
+            state = self._cp.agree(row, abort=lambda: self._failed)
             self._stats.control_s += time.perf_counter() - t0
             self._stats.ticks += 1
             self.tick += 1
@@ -409,7 +438,9 @@ class Engine:
             req: Request = s.tag
             if s.finished and not req.future.done():
                 self._stats.generated_tokens += len(s.tokens)
-                req.future.set_result(completion_of(s, self.tokenizer, self.rank))
+                with self._lock:
+                    self._open_reqs.discard(req)
+                _resolve(req.future, result=completion_of(s, self.tokenizer, self.rank))
         if batch.done:
             self._batch = None
 
@@ -429,28 +460,91 @@ class Engine:
             while int(self._store.add(key, 0)) < self.world:
                 time.sleep(0.005)
 
+    def _attribute(self, err: BaseException) -> BaseException:
+        """Blame the right rank: a broken collective is a symptom; wait for liveness to name the cause."""
+        if self._failed is not None:
+            return self._failed
+        if self._live is None or isinstance(err, (PeerFailedError, PeerStalledError)):
+            return err
+        if not _is_comm_error(err):
+            return err
+        self.phase = "comm-error"
+        deadline = time.monotonic() + self.config.stall_timeout + 2 * self._live.interval
+        while self._failed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._failed if self._failed is not None else err
+
+    def _on_peer_failure(self, err: BaseException) -> None:
+        """Called by the liveness thread: a peer stalled or raised."""
+        log.error("rank %d: %s", self.rank, err)
+        self._fail(err)
+
     def _fail(self, err: BaseException) -> None:
-        self._failed = err
-        self.phase = "failed"
-        log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
+        """Fail every open request with ``err`` (any thread). The first failure wins."""
         with self._lock:
-            reqs = list(self._inbox) + list(self._pending)
-            self._inbox.clear()
-        self._pending.clear()
-        if self._batch is not None:
-            reqs += [s.tag for s in self._batch.seqs]
-            self._batch = None
+            if self._failed is None:
+                self._failed = err
+                if threading.current_thread() is self._thread:
+                    log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
+            err = self._failed
+            reqs = list(self._open_reqs)
+            self._open_reqs.clear()
+        self.phase = "failed"
         for r in reqs:
-            if not r.future.done():
-                r.future.set_exception(err)
+            _resolve(r.future, error=err)
         self._paused.set()  # unblock a waiting paused()
+        if self._live is not None and threading.current_thread() is self._thread:
+            self._live.stop()
 
     def _teardown(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+        _ENGINES.discard(self)
         self.backend.close()
         for g in {id(g): g for g in (self._params, self._control) if g is not None}.values():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(g)
         self._control = self._params = None
+
+
+def _resolve(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a future once; a race with another thread's resolution is not an error."""
+    from concurrent.futures import InvalidStateError
+
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
+def _is_comm_error(err: BaseException) -> bool:
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        w in text for w in ("gloo", "nccl", "connection", "timed out", "peer", "socket")
+    )
+
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _exit_guard() -> None:
+    """At interpreter exit, a driver stuck in a collective with a dead peer would hold the exit
+    (process-group teardown waits for it): leave at once, non-zero, instead."""
+    for eng in list(_ENGINES):
+        if eng._failed is not None and eng._thread.is_alive():
+            log.error("rank %d: exiting with a driver stuck after: %s", eng.rank, eng._failed)
+            logging_flush()
+            os._exit(1)
+
+
+def logging_flush() -> None:
+    for h in log.handlers:
+        with contextlib.suppress(Exception):
+            h.flush()
 
 
 def _model_device(model: Any) -> torch.device:

@@ -28,8 +28,10 @@ its row; ranks that disagree raise ``CollectiveDivergenceError`` at the next tic
 
 from __future__ import annotations
 
+import datetime
 import enum
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,13 +128,30 @@ class ControlPlane:
         self.world = world
         self._buf = torch.zeros((world, NCOLS), dtype=torch.int64)
 
-    def agree(self, row: list[int]) -> TickState:
-        """All-reduce this rank's row with every other rank's. Collective on the control group."""
+    def agree(self, row: list[int], abort: Callable[[], BaseException | None] | None = None) -> TickState:
+        """All-reduce this rank's row with every other rank's. Collective on the control group.
+
+        Waits in short slices so that ``abort()`` (the liveness verdict: a peer stalled
+        or failed) can end the wait with that error instead of blocking forever.
+        """
         import torch.distributed as dist
 
         assert len(row) == NCOLS
         self._buf.zero_()
         self._buf[self.rank] = torch.tensor(row, dtype=torch.int64)
         if self.world > 1:
-            dist.all_reduce(self._buf, op=dist.ReduceOp.SUM, group=self.group)
+            work = dist.all_reduce(self._buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            while True:
+                try:
+                    work.wait(timeout=_SLICE)
+                    break
+                except RuntimeError as e:
+                    if "timed out" not in str(e).lower():
+                        raise
+                    err = abort() if abort is not None else None
+                    if err is not None:
+                        raise err from None
         return TickState(self._buf.tolist())
+
+
+_SLICE = datetime.timedelta(seconds=0.2)

@@ -38,7 +38,7 @@ class Completion:
     """The rank whose driver decoded it."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests live in sets
 class Request:
     """A validated request travelling from the user thread to the driver."""
 
