@@ -1,0 +1,77 @@
+"""One rank of a fault-injection scenario, started by tests/test_liveness.py (one process per rank).
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python tests/liveness_rank.py SCENARIO
+
+Prints ``EVENT <name> <json>`` lines the test waits for; exits non-zero on any error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "src")]
+
+
+def event(name: str, **data) -> None:
+    print(f"EVENT {name} {json.dumps({'t': time.time(), **data})}", flush=True)
+
+
+def main(scenario: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from models import batch, hf_generate, tiny_model
+
+    import shardgen
+
+    rank, world = shardgen.init()
+    stall = float(os.environ.get("STALL_TIMEOUT", "4"))
+    victim = world - 1
+    event("started", pid=os.getpid())
+
+    if scenario == "never_constructs" and rank == victim:
+        event("away")
+        time.sleep(3600)
+    engine = shardgen.Engine(
+        tiny_model("llama", seed=3), backend="fsdp2", stall_timeout=stall, init_timeout=stall
+    )
+    event("constructed")
+
+    if scenario == "driver_raises" and rank == victim:
+        real, calls = engine.backend.forward, [0]
+
+        def flaky(**kw):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise ValueError("injected failure in the forward")
+            return real(**kw)
+
+        engine.backend.forward = flaky
+
+    if scenario == "user_thread_stuck" and rank == victim:
+        event("stuck")
+        threading.Event().wait()  # the user thread never comes back; the driver serves peers
+
+    ref = tiny_model("llama", seed=3)
+    ids, mask = batch([4, 6, 3], seed=rank)
+    n_calls = 2 if scenario == "user_thread_stuck" else 10_000
+    for i in range(n_calls):
+        out = engine.generate_ids(ids, attention_mask=mask, max_new_tokens=40)
+        if scenario == "user_thread_stuck":
+            assert torch.equal(out, hf_generate(ref, ids, mask, max_new_tokens=40))
+        event("call_done", i=i)
+    event("closing")
+    engine.close()
+    event("closed")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException as e:
+        event("error", type=type(e).__name__, msg=str(e))
+        raise

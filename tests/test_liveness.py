@@ -1,0 +1,203 @@
+"""Tier 2 fault injection with real processes: a lost rank is named within seconds, never a hang.
+
+Each rank is its own process started here (not through torchrun's agent, which would
+kill the survivors itself), so the test sees exactly what a healthy rank does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+HERE = Path(__file__).parent
+STALL = 4.0
+HARD_TIMEOUT = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ranks:
+    """N rank processes of tests/liveness_rank.py, killed by pid on exit."""
+
+    def __init__(self, scenario: str, world: int = 2) -> None:
+        port = _free_port()
+        self.logs = [HERE.parent / f".liveness-{os.getpid()}-{scenario}-{r}.log" for r in range(world)]
+        self.procs = []
+        for r in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "STALL_TIMEOUT": str(STALL),
+                "GLOO_SOCKET_IFNAME": "lo",
+            }
+            out = open(self.logs[r], "w")
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "liveness_rank.py"), scenario],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        self.t0 = time.monotonic()
+
+    def text(self, r: int) -> str:
+        return self.logs[r].read_text()
+
+    def events(self, r: int, name: str) -> list[dict]:
+        out = []
+        for line in self.text(r).splitlines():
+            if line.startswith(f"EVENT {name} "):
+                out.append(json.loads(line.split(" ", 2)[2]))
+        return out
+
+    def wait_event(self, r: int, name: str, timeout: float = 60.0, count: int = 1) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ev = self.events(r, name)
+            if len(ev) >= count:
+                return ev[count - 1]
+            if self.procs[r].poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"rank {r} never reported {name!r}:\n{self.dump()}")
+
+    def wait_exit(self, r: int, timeout: float) -> tuple[int, float]:
+        """(exit code, seconds waited); a rank still running after ``timeout`` fails the test."""
+        t = time.monotonic()
+        try:
+            code = self.procs[r].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank {r} still running after {timeout:.0f}s:\n{self.dump()}") from None
+        return code, time.monotonic() - t
+
+    def dump(self) -> str:
+        return "\n".join(f"--- rank {r} ---\n{self.text(r)[-6000:]}" for r in range(len(self.procs)))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            p.wait(10)
+        for log in self.logs:
+            log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def ranks_factory():
+    made: list[Ranks] = []
+
+    def make(scenario: str, world: int = 2) -> Ranks:
+        r = Ranks(scenario, world)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def measured(fault: str, seconds: float) -> None:
+    """One line per fault for docs/RELIABILITY.md (``pytest tests/test_liveness.py -s``)."""
+    print(f"\nMEASURED fault={fault!r} detect_and_exit_s={seconds:.2f} stall_timeout={STALL:g}")
+
+
+def _no_process_left(ranks: Ranks, r: int) -> None:
+    pid = ranks.procs[r].pid
+    assert ranks.procs[r].poll() is not None
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_sigkill_mid_decode_names_the_rank(ranks_factory):
+    ranks = ranks_factory("sigkill")
+    ranks.wait_event(1, "call_done", count=3)
+    t_fault = time.monotonic()
+    os.kill(ranks.procs[1].pid, signal.SIGKILL)
+    code, waited = ranks.wait_exit(0, STALL + 5 + 5)
+    text = ranks.text(0)
+    assert code != 0, ranks.dump()
+    assert "PeerStalledError" in text and "rank 1" in text and "is gone" in text, ranks.dump()
+    assert "last phase" in text and "at tick 0" not in text, ranks.dump()
+    assert time.monotonic() - t_fault <= STALL + 5, f"took {time.monotonic() - t_fault:.1f}s"
+    measured("SIGKILL mid-decode", time.monotonic() - t_fault)
+    _no_process_left(ranks, 0)
+
+
+def test_sigstop_rank_is_reported_stalled_with_its_state(ranks_factory):
+    ranks = ranks_factory("sigstop")
+    ranks.wait_event(1, "call_done", count=3)
+    t_fault = time.monotonic()
+    os.kill(ranks.procs[1].pid, signal.SIGSTOP)
+    code, _ = ranks.wait_exit(0, STALL + 5 + 5)
+    elapsed = time.monotonic() - t_fault
+    text = ranks.text(0)
+    assert code != 0
+    assert "PeerStalledError" in text and "rank 1" in text and "sent no heartbeat" in text, ranks.dump()
+    assert "stopped" in text and "last phase" in text, ranks.dump()
+    assert STALL - 0.5 <= elapsed <= STALL + 5, f"took {elapsed:.1f}s"
+    measured("SIGSTOP mid-decode", elapsed)
+    _no_process_left(ranks, 0)
+
+
+def test_exception_in_a_driver_reaches_every_rank(ranks_factory):
+    ranks = ranks_factory("driver_raises")
+    code1, _ = ranks.wait_exit(1, 60)
+    t_fault = ranks.events(1, "error")[0]["t"]
+    code0, waited0 = ranks.wait_exit(0, STALL + 5)
+    measured("exception in one rank's driver", time.time() - t_fault)
+    assert code1 != 0 and code0 != 0, ranks.dump()
+    assert "ValueError" in ranks.text(1) and "injected failure" in ranks.text(1)
+    err0 = ranks.events(0, "error")
+    assert err0 and err0[0]["type"] == "PeerFailedError", ranks.dump()
+    assert "rank 1 raised ValueError: injected failure in the forward" in err0[0]["msg"]
+    _no_process_left(ranks, 0)
+    _no_process_left(ranks, 1)
+
+
+def test_rank_that_never_constructs_is_named(ranks_factory):
+    ranks = ranks_factory("never_constructs")
+    ranks.wait_event(1, "away")
+    code, waited = ranks.wait_exit(0, STALL + 30)
+    measured(
+        "rank never constructs the Engine (init_timeout=4)", time.time() - ranks.events(0, "started")[0]["t"]
+    )
+    err = ranks.events(0, "error")
+    assert code != 0 and err and err[0]["type"] == "RendezvousTimeoutError", ranks.dump()
+    assert "rank(s) [1]" in err[0]["msg"] and "never constructed" in err[0]["msg"]
+
+
+def test_stuck_user_thread_is_not_a_failure_but_is_named_at_close(ranks_factory):
+    ranks = ranks_factory("user_thread_stuck")
+    ranks.wait_event(1, "stuck")
+    # rank 0 finishes all its work (correct outputs: asserted in the rank) while rank 1's user is stuck
+    t_close = ranks.wait_event(0, "closing", timeout=90)["t"]
+    assert len(ranks.events(0, "call_done")) == 2
+    code, _ = ranks.wait_exit(0, STALL + 10)
+    measured("user thread stuck, never closes (named at close)", time.time() - t_close)
+    err = ranks.events(0, "error")
+    assert code != 0 and err and err[0]["type"] == "RendezvousTimeoutError", ranks.dump()
+    assert "rank(s) [1] never called close()" in err[0]["msg"]
+    assert ranks.procs[1].poll() is None  # the stuck rank itself was never declared failed
