@@ -204,3 +204,17 @@ def concurrent_user_threads():
     eng.close()
     assert not errors, errors
     return True
+
+
+def gather_policy(gather: str, budget_gb: float | None = None):
+    """gather='once'/'auto': weights gathered when work starts, released when all idle; same outputs."""
+    ref = tiny_model("llama", seed=22)
+    eng = shardgen.Engine(
+        tiny_model("llama", seed=22), backend="fsdp2", gather=gather, memory_budget_gb=budget_gb
+    )
+    for c in range(2 if rank() == 0 else 1):
+        ids, mask = batch([3, 6], seed=70 + 10 * rank() + c)
+        _check(eng, ref, ids, mask, max_new_tokens=12 + 10 * rank())
+    eng.close()
+    st = eng.stats()
+    return eng.gather_policy, st["shadow_forwards"], st["ticks"], st["forwards"]

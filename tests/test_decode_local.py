@@ -102,10 +102,11 @@ def test_stats_count_ticks_forwards_and_tokens():
     model = tiny_model("llama", seed=8)
     with shardgen.Engine(model, backend="local") as eng:
         out = eng.generate([[5, 6, 7], [8, 9]], max_new_tokens=5, eos_token_id=[])
-        st = eng.stats()
+    st = eng.stats()  # after close: the driver finished its last tick
     assert sum(len(c.token_ids) for c in out) == st["generated_tokens"] == 10
     assert st["prefills"] == 1 and st["decode_steps"] == 4 and st["forwards"] == 5
-    assert st["ticks"] >= st["forwards"] and st["forward_s"] > 0
+    # local forwards need no lockstep: a burst of forwards per tick
+    assert 1 <= st["ticks"] < st["forwards"] and st["shadow_forwards"] == 0 and st["forward_s"] > 0
 
 
 def test_text_prompts_with_a_tokenizer():

@@ -71,3 +71,16 @@ def test_debug_collectives_catches_divergence(world2):
 
 def test_concurrent_user_threads(world2):
     assert world2.run(sc.concurrent_user_threads, timeout=120) == [True, True]
+
+
+def test_gather_once_decodes_without_shadow_forwards(world2):
+    (p0, sh0, t0, f0), (p1, sh1, t1, f1) = world2.run(sc.gather_policy, "once", timeout=120)
+    assert p0 == p1 == "once"
+    assert sh0 == sh1 == 0  # nobody shadows: forwards issue no gathers
+    assert t1 < f1  # bursts: several forwards per tick
+
+
+def test_gather_auto_follows_the_memory_budget(world2):
+    assert [r[0] for r in world2.run(sc.gather_policy, "auto", timeout=120)] == ["once", "once"]
+    tight = world2.run(sc.gather_policy, "auto", 1e-6, timeout=120)
+    assert [r[0] for r in tight] == ["per-layer", "per-layer"] and tight[0][1] > 0

@@ -64,6 +64,8 @@ class EngineConfig:
     ``memory_budget_gb``)."""
     max_batch_size: int = 16
     """Requests decoded together on one rank."""
+    burst_steps: int = 8
+    """Forwards a rank runs per tick when forwards need no gathers (gathered weights, local backend)."""
     idle_sleep_max: float = 0.005
     """Longest sleep (s) between ticks when no rank has work: bounds the latency of a new request."""
     init_timeout: float = 300.0
@@ -85,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.gather not in ("per-layer", "once", "auto"):
             raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
+        if self.burst_steps < 1:
+            raise ValueError(f"burst_steps must be >= 1, got {self.burst_steps}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         for name in ("init_timeout", "stall_timeout"):

@@ -147,6 +147,8 @@ class Engine:
         self.model = self.backend.hf_model
         if cfg.debug_collectives:
             self.backend.instrument()
+        self._gathered = False
+        self.gather_policy = self._resolve_gather_policy()
         self._cp = ControlPlane(self._control, self.rank, self.world)
         self._batch: Batch | None = None
         self._pending: deque[Request] = deque()
@@ -387,9 +389,20 @@ class Engine:
             decision = decide(state)
             if decision is Decision.FORWARD:
                 idle = 0
+                if self.gather_policy == "once" and not self._gathered:
+                    self.phase = "gather"
+                    self.backend.gather_all()  # collective: every rank, this same tick
+                    self._gathered = True
+                    if self.config.debug_collectives:
+                        self._fp.fold("gather_all")
                 self._forward_tick(state)
                 self._last_forward_t = time.monotonic()
             elif decision is Decision.IDLE:
+                if self._gathered:  # nobody has work: give the memory back
+                    self.backend.release_all()
+                    self._gathered = False
+                    if self.config.debug_collectives:
+                        self._fp.fold("release_all")
                 self._stats.idle_ticks += 1
                 self.phase = "idle"
                 self._wake.wait(min(self.config.idle_sleep_max, 0.0005 * (2**idle)))
@@ -404,30 +417,48 @@ class Engine:
                 return
 
     def _forward_tick(self, state: TickState) -> None:
-        """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant)."""
+        """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant).
+
+        When forwards issue no parameter collectives (weights gathered, or the local
+        backend), a rank with work runs a burst of real forwards instead and nobody
+        shadows: the tick then only decides admission, pause, release and exit.
+        """
+        t0 = time.perf_counter()
+        lockstep = self.backend.lockstep
+        steps = 1 if lockstep else self.config.burst_steps
+        did_work = False
+        for _ in range(steps):
+            if not self._real_forward(state):
+                break
+            did_work = True
+        if not did_work and lockstep:
+            self.phase = "shadow"
+            self.backend.shadow_forward()
+            self._stats.shadow_forwards += 1
+        if self.config.debug_collectives:
+            signature = self.backend.collective_signature()  # always drained
+            self._fp.fold("forward", signature if lockstep else ())
+        self._stats.forward_s += time.perf_counter() - t0
+
+    def _real_forward(self, state: TickState) -> bool:
+        """One prefill or decode step of this rank's own work; False when it has none."""
         t0 = time.perf_counter()
         if self._batch is None and self._pending and state.admit:
-            take = [
-                self._pending.popleft() for _ in range(min(self.config.max_batch_size, len(self._pending)))
-            ]
+            n = min(self.config.max_batch_size, len(self._pending))
+            take = [self._pending.popleft() for _ in range(n)]
             self.phase = "prefill"
             self._batch = Batch(self.model, self.backend.forward, [r.seq for r in take], self.device)
             self._batch.prefill()
             self._stats.prefills += 1
             self._stats.requests += len(take)
-            self._after_real_forward(t0)
         elif self._batch is not None:
             self.phase = "decode"
             self._batch.step()
             self._stats.decode_steps += 1
-            self._after_real_forward(t0)
-        elif self.backend.lockstep:
-            self.phase = "shadow"
-            self.backend.shadow_forward()
-            self._stats.shadow_forwards += 1
-        if self.config.debug_collectives:
-            self._fp.fold("forward", self.backend.collective_signature())
-        self._stats.forward_s += time.perf_counter() - t0
+        else:
+            return False
+        self._after_real_forward(t0)
+        return True
 
     def _after_real_forward(self, t0: float) -> None:
         self._stats.forwards += 1
@@ -459,6 +490,27 @@ class Engine:
             self._store.add(key, 1)
             while int(self._store.add(key, 0)) < self.world:
                 time.sleep(0.005)
+
+    def _resolve_gather_policy(self) -> str:
+        """``per-layer`` or ``once``; ``auto`` picks ``once`` only if it fits on EVERY rank.
+
+        Collective on the control group (one all-reduce) when the policy is ``auto``.
+        """
+        policy = self.config.gather
+        if not self.backend.lockstep:
+            return "per-layer"  # nothing to gather
+        if policy != "auto":
+            return policy
+        need = self.backend.full_param_bytes() + _kv_cache_bytes(self._hf_config, self.config.max_batch_size)
+        fits = need <= _memory_budget(self.config.memory_budget_gb, self.device)
+        if self.world > 1:
+            flag = torch.tensor([int(fits)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control)
+            fits = bool(flag.item())
+        log.info(
+            "gather='auto': %s (%.1f MB of weights + KV cache)", "once" if fits else "per-layer", need / 1e6
+        )
+        return "once" if fits else "per-layer"
 
     def _attribute(self, err: BaseException) -> BaseException:
         """Blame the right rank: a broken collective is a symptom; wait for liveness to name the cause."""
@@ -545,6 +597,32 @@ def logging_flush() -> None:
     for h in log.handlers:
         with contextlib.suppress(Exception):
             h.flush()
+
+
+def _kv_cache_bytes(cfg: Any, batch: int, tokens: int = 2048) -> int:
+    """A generous KV-cache estimate: ``batch`` sequences of ``tokens`` (capped by the context)."""
+    from .requests import context_length
+
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 1)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
+    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
+    n_ctx = context_length(text) or tokens
+    return 2 * layers * kv_heads * head_dim * min(tokens, n_ctx) * batch * 4
+
+
+def _memory_budget(budget_gb: float | None, device: torch.device) -> int:
+    """Bytes this rank may spend on full weights: the configured budget, else 80% of what is free."""
+    if budget_gb is not None:
+        return int(budget_gb * 1e9)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.8 * free)
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on a host share its RAM
+    return int(0.8 * avail / max(local_ranks, 1))
 
 
 def _model_device(model: Any) -> torch.device:

@@ -82,7 +82,8 @@ class FSDP2Backend(Backend):
         """Reshard every unit; forwards gather per layer again. No collective (frees memory only)."""
         for m in self.units():
             m.reshard()
-            m.set_reshard_after_forward(True)
+            # FSDP keeps the root unsharded between forwards by default; restore exactly that.
+            m.set_reshard_after_forward(m is not self.module, recurse=False)
         self.lockstep = True
 
     def full_param_bytes(self) -> int:
