@@ -218,3 +218,29 @@ def gather_policy(gather: str, budget_gb: float | None = None):
     eng.close()
     st = eng.stats()
     return eng.gather_policy, st["shadow_forwards"], st["ticks"], st["forwards"]
+
+
+def user_wrapped_fsdp2_seed_script():
+    """The seed script with a model the USER wrapped with fully_shard on the default group."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref = tiny_model("llama", seed=23)
+    model = tiny_model("llama", seed=23)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    eng = shardgen.Engine(model, backend="fsdp2")
+    for c in range(2 if rank() == 0 else 3):
+        ids, mask = batch([3, 5], seed=80 + c)
+        _check(eng, ref, ids, mask, max_new_tokens=10)
+    if rank() == 0:
+        for _ in range(20):  # default-group traffic while rank 1 still decodes
+            t = torch.ones(1)
+            dist.all_reduce(t)
+    else:
+        for _ in range(20):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+    dist.barrier()
+    eng.close()
+    return eng.stats()["prefills"]

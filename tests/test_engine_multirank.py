@@ -84,3 +84,7 @@ def test_gather_auto_follows_the_memory_budget(world2):
     assert [r[0] for r in world2.run(sc.gather_policy, "auto", timeout=120)] == ["once", "once"]
     tight = world2.run(sc.gather_policy, "auto", 1e-6, timeout=120)
     assert [r[0] for r in tight] == ["per-layer", "per-layer"] and tight[0][1] > 0
+
+
+def test_user_wrapped_fsdp2_model_is_moved_to_the_private_group(world2):
+    assert world2.run(sc.user_wrapped_fsdp2_seed_script, timeout=60) == [2, 3]

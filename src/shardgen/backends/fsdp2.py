@@ -42,6 +42,45 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def move_to_group(model: nn.Module, param_group: Any) -> None:
+    """Point the all-gathers of a model the user wrapped with ``fully_shard`` at ``param_group``.
+
+    The shards stay where they are; only the communicator changes, so a user's
+    collective on the original group can no longer interleave with engine gathers.
+    Needs the same ranks in the same order. Not collective (attribute changes only).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    mine = dist.get_process_group_ranks(param_group)
+    infos = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            for info in (pg.mesh_info, pg.post_forward_mesh_info):
+                if info is not None and all(info is not i for i in infos):
+                    infos.append(info)
+    for info in infos:
+        if isinstance(info, HSDPMeshInfo) or not isinstance(info, FSDPMeshInfo):
+            raise ValueError(
+                f"the model is wrapped with {type(info).__name__} (hybrid/replicated sharding); shardgen can "
+                "only move plain fully_shard models to its private group: pass the unwrapped model instead"
+            )
+        theirs = dist.get_process_group_ranks(info.shard_process_group)
+        if theirs != mine:
+            raise ValueError(
+                f"the model is sharded over ranks {theirs}, shardgen's group spans ranks {mine}: pass the "
+                "unwrapped model (shardgen shards it) or shard it over all ranks"
+            )
+    for info in infos:
+        info.shard_process_group = param_group
+        if getattr(info, "reduce_scatter_process_group", None) is not None:
+            info.reduce_scatter_process_group = param_group
+    log.info("moved the gathers of a fully_shard model (%d mesh infos) to the private group", len(infos))
+
+
 class FSDP2Backend(Backend):
     name = "fsdp2"
 
@@ -52,10 +91,7 @@ class FSDP2Backend(Backend):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if isinstance(model, FSDPModule):
-            log.warning(
-                "model is already wrapped by fully_shard: its gathers run on the group it was sharded on; "
-                "a user collective on that group while another rank generates can interleave with them"
-            )
+            move_to_group(model, param_group)
             return cls(model, model, device)
         mesh = DeviceMesh.from_group(param_group, device.type)
         layers = decoder_layers(model)
