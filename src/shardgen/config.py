@@ -64,6 +64,9 @@ class EngineConfig:
     ``memory_budget_gb``)."""
     max_batch_size: int = 16
     """Requests decoded together on one rank."""
+    refill: bool = True
+    """Continuous batching: a finished slot takes a waiting request without waiting for the whole
+    batch. False decodes in waves (a batch is exactly what HF would run)."""
     burst_steps: int = 8
     """Forwards a rank runs per tick when forwards need no gathers (gathered weights, local backend)."""
     idle_sleep_max: float = 0.005

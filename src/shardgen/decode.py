@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .config import SamplingParams
 from .sampling import chosen_logprobs, select_tokens
@@ -96,6 +97,85 @@ class Batch:
     @property
     def done(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    # ------------------------------------------------------------------ continuous refill
+    def free_slots(self) -> int:
+        """Rows a refill may fill: finished rows, plus growth up to ``max_rows``."""
+        return sum(1 for s in self.seqs if s.finished)
+
+    def can_refill(self) -> bool:
+        """Refill needs caches it can re-align: plain ``DynamicLayer``s (no sliding windows)."""
+        layers = getattr(self.cache, "layers", None)
+        return (
+            self.steps > 0
+            and bool(layers)
+            and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+        )
+
+    def refill(self, seqs: list[Sequence], max_rows: int) -> None:
+        """Prefill ``seqs`` (ONE forward) and merge them into finished rows, growing to ``max_rows``.
+
+        The new rows join the batch's KV cache left-padded to a common length, so the
+        next ``step()`` decodes old and new rows together. Columns padded in every row
+        are dropped, so the cache never grows beyond the longest live history.
+        """
+        assert self.can_refill() and seqs
+        slots = [i for i, s in enumerate(self.seqs) if s.finished]
+        assert len(seqs) <= len(slots) + max_rows - len(self.seqs), "refill beyond free slots"
+        mini = Batch(self.hf_model, self.forward, seqs, self.device)
+        mini.prefill()
+        self._merge(mini, slots[: len(seqs)])
+
+    def _merge(self, mini: Batch, slots: list[int]) -> None:
+        width = max(self.input_ids.shape[1], mini.input_ids.shape[1])
+        a_mask = self._full_mask()
+        b_mask = mini._full_mask()
+
+        def left(t: torch.Tensor, dim: int) -> torch.Tensor:  # left-pad along dim to the common width
+            extra = width - t.shape[dim] if dim != -2 else (width - 1) - t.shape[dim]
+            if extra == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        rows_b = len(mini.seqs)
+        take_new = torch.arange(rows_b)
+        replace = torch.tensor(slots[:rows_b], dtype=torch.long)
+        grow = rows_b - len(slots)
+
+        def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            a = a.clone()
+            n = len(replace)
+            if n:
+                a[replace.to(a.device)] = b[take_new[:n].to(b.device)]
+            return torch.cat([a, b[n:]], dim=0) if grow > 0 else a
+
+        self.input_ids = combine(left(self.input_ids, 1), left(mini.input_ids, 1))
+        self.position_ids = combine(left(self.position_ids, 1), left(mini.position_ids, 1))
+        mask = combine(left(a_mask, 1), left(b_mask, 1))
+        for la, lb in zip(self.cache.layers, mini.cache.layers, strict=True):
+            la.keys = combine(left(la.keys, -2), left(lb.keys, -2))
+            la.values = combine(left(la.values, -2), left(lb.values, -2))
+        for i, seq in zip(slots, mini.seqs, strict=False):
+            self.seqs[i] = seq
+        self.seqs.extend(mini.seqs[len(slots) :])
+        # Drop the leading columns that are padding in every row (finished rows' history included).
+        first = int((mask.cumsum(-1) == 0).sum(-1).min())
+        if first > 0:
+            self.input_ids = self.input_ids[:, first:]
+            self.position_ids = self.position_ids[:, first:]
+            mask = mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[..., first:, :]
+                layer.values = layer.values[..., first:, :]
+        self.attention_mask = mask
+
+    def _full_mask(self) -> torch.Tensor:
+        """The 2D mask over ``input_ids`` columns (materialized when HF would pass None)."""
+        if self.attention_mask is not None:
+            return self.attention_mask
+        return torch.ones(self.input_ids.shape, dtype=torch.long, device=self.device)
 
     def _model_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"past_key_values": self.cache, "use_cache": True}

@@ -56,7 +56,8 @@ class EngineStats:
 
     ticks: int = 0
     forwards: int = 0  # real forwards: prefills + decode steps
-    prefills: int = 0
+    prefills: int = 0  # waves and refills
+    refills: int = 0  # prefills that joined a running batch
     decode_steps: int = 0
     shadow_forwards: int = 0
     idle_ticks: int = 0
@@ -451,6 +452,14 @@ class Engine:
             self._batch.prefill()
             self._stats.prefills += 1
             self._stats.requests += len(take)
+        elif self._batch is not None and self._pending and state.admit and self._should_refill(self._batch):
+            free = self._batch.free_slots() + self.config.max_batch_size - len(self._batch.seqs)
+            take = [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
+            self.phase = "refill"
+            self._batch.refill([r.seq for r in take], max_rows=self.config.max_batch_size)
+            self._stats.prefills += 1
+            self._stats.refills += 1
+            self._stats.requests += len(take)
         elif self._batch is not None:
             self.phase = "decode"
             self._batch.step()
@@ -459,6 +468,14 @@ class Engine:
             return False
         self._after_real_forward(t0)
         return True
+
+    def _should_refill(self, batch: Batch) -> bool:
+        """Refill finished slots now? Each refill costs the live rows one tick, so wait until
+        a quarter of the slots are free, or until every waiting request fits."""
+        if not self.config.refill or not batch.can_refill():
+            return False
+        free = batch.free_slots() + self.config.max_batch_size - len(batch.seqs)
+        return free > 0 and free >= min(len(self._pending), max(1, self.config.max_batch_size // 4))
 
     def _after_real_forward(self, t0: float) -> None:
         self._stats.forwards += 1
