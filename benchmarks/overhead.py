@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import relaunch_as_ranks  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -110,22 +112,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--json", default=None)
-    p.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.as_rank or "RANK" in os.environ:
+    if "RANK" in os.environ:
         rank_main(args)
-        return
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={args.nproc}",
-        __file__,
-        "--as-rank",
-    ]
-    cmd += [a for a in sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    sys.exit(subprocess.run(cmd, env=env, timeout=1800).returncode)
+    else:
+        relaunch_as_ranks(__file__, args.nproc)
 
 
 if __name__ == "__main__":
