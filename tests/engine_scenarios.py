@@ -244,3 +244,21 @@ def user_wrapped_fsdp2_seed_script():
     dist.barrier()
     eng.close()
     return eng.stats()["prefills"]
+
+
+def spinner(spin_s: float):
+    """A rank whose user thread spins in pure Python: its driver still serves the peers (slower)."""
+    ref = tiny_model("llama", seed=24)
+    eng = shardgen.Engine(tiny_model("llama", seed=24), backend="fsdp2")
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank() == 1:
+        i = 0
+        while time.monotonic() - t0 < spin_s:
+            i += 1
+    else:
+        ids, mask = batch([4, 6], seed=90)
+        _check(eng, ref, ids, mask, max_new_tokens=20)
+    elapsed = time.monotonic() - t0
+    eng.close()
+    return elapsed

@@ -88,3 +88,8 @@ def test_gather_auto_follows_the_memory_budget(world2):
 
 def test_user_wrapped_fsdp2_model_is_moved_to_the_private_group(world2):
     assert world2.run(sc.user_wrapped_fsdp2_seed_script, timeout=60) == [2, 3]
+
+
+def test_spinning_rank_does_not_stop_the_others(world2):
+    t0, _ = world2.run(sc.spinner, 4.0, timeout=90)
+    assert t0 < 4.0, f"rank 0 took {t0:.1f}s: it waited for the spinning rank's user thread"
