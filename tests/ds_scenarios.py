@@ -1,0 +1,450 @@
+"""Scenarios for tests/test_deepspeed_backend.py; they run inside gloo ranks of a World.
+
+Every scenario first wraps the ``torch.distributed`` collectives of its rank with a recorder
+(before DeepSpeed's comm layer binds them, which happens in the first scenario), so it can see
+every collective a forward issues (op, group, size): the check that real and shadow forwards
+match and that nothing runs on the default group. Nothing is patched in the pytest process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from models import batch, tiny_model
+
+# ----------------------------------------------------------------------------- recorder
+_RECS: list[list[tuple]] = []  # active recordings (nested, any thread)
+_REC_LOCK = threading.Lock()
+_GROUP_LABELS: dict[int, str] = {}
+_OPS = (
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather",
+    "broadcast",
+    "all_reduce",
+    "barrier",
+    "reduce_scatter_tensor",
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_reduce_coalesced",
+)
+
+
+def _label(group) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "default"
+    return _GROUP_LABELS.get(id(group), "other")
+
+
+def _wrap(name: str):
+    orig = getattr(dist, name)
+    if getattr(orig, "_ds_scenarios_wrapped", False):
+        return
+
+    def recorded(*args, **kwargs):
+        if _RECS:
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            t = kwargs.get("output_tensor", kwargs.get("tensor"))
+            if t is None:
+                t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            entry = (name, _label(group), int(t.numel()) if t is not None else -1)
+            with _REC_LOCK:
+                for rec in _RECS:
+                    rec.append(entry)
+        return orig(*args, **kwargs)
+
+    recorded._ds_scenarios_wrapped = True
+    setattr(dist, name, recorded)
+
+
+def _install_recorder() -> None:
+    """Idempotent; call at the start of every scenario (inside a rank)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name in _OPS:
+        if hasattr(dist, name):
+            _wrap(name)
+
+
+class record:
+    """``with record() as rec:`` -> rec.calls: the collectives issued inside (any thread)."""
+
+    def __enter__(self):
+        self.calls = []
+        with _REC_LOCK:
+            _RECS.append(self.calls)
+        return self
+
+    def __exit__(self, *exc):
+        with _REC_LOCK:
+            _RECS[:] = [r for r in _RECS if r is not self.calls]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _param_group():
+    group = dist.new_group(backend="gloo")
+    _GROUP_LABELS[id(group)] = "param"
+    return group
+
+
+def _pair(arch: str = "llama", seed: int = 0):
+    """(model to shard, unsharded reference with the same weights)."""
+    model = tiny_model(arch, seed=seed)
+    ref = tiny_model(arch, seed=seed)
+    ref.load_state_dict(model.state_dict())
+    return model, ref.eval()
+
+
+def _ref_logits(ref, ids, mask=None):
+    with torch.no_grad():
+        return ref(input_ids=ids, attention_mask=mask).logits
+
+
+def _create(model, group, ds_config=None):
+    from shardgen.backends.deepspeed import DeepSpeedBackend
+
+    return DeepSpeedBackend.create(model, param_group=group, device=torch.device("cpu"), ds_config=ds_config)
+
+
+def _ds_initialize(model, offload: bool):
+    import deepspeed
+
+    zero = {"stage": 3, "memory_efficient_linear": False}
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+    engine, *_ = deepspeed.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    )
+    return engine
+
+
+def _forward_checked(backend, ref, lengths, seed):
+    ids, mask = batch(lengths, seed=seed)
+    with record() as rec:
+        out = backend.forward(input_ids=ids, attention_mask=mask, use_cache=False)
+    diff = (out.logits - _ref_logits(ref, ids, mask)).abs().max().item()
+    return diff, rec.calls
+
+
+def _shadow(backend):
+    with record() as rec:
+        backend.shadow_forward()
+    return rec.calls
+
+
+# ----------------------------------------------------------------------------- scenarios
+def warm_up() -> bool:
+    """Import DeepSpeed and start its comm layer (the first time ever, it JIT-builds a comm op)."""
+    _install_recorder()
+    import deepspeed
+
+    from shardgen.backends.deepspeed import _ensure_ds_comm
+
+    _ensure_ds_comm(deepspeed)
+    return True
+
+
+def logits_match(arch: str = "llama", offload: bool = False) -> dict:
+    """Shardgen partitions a plain model on a private group; logits equal the unsharded model's."""
+    _install_recorder()
+    from deepspeed.utils import z3_leaf_module
+
+    group = _param_group()
+    model, ref = _pair(arch)
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}} if offload else None
+    backend = _create(model, group, cfg)
+    part_numel = sum(p.ds_tensor.numel() for p in backend.module.parameters())
+    diff, calls = _forward_checked(backend, ref, [5, 3], seed=dist.get_rank())
+    backend.close()
+    return {
+        "diff": diff,
+        "groups": sorted({c[1] for c in calls}),
+        "n_gathers": len(calls),
+        "partitioned": part_numel < sum(p.numel() for p in ref.parameters()),
+        "leaves": sorted({type(m).__name__ for m in backend.module.modules() if z3_leaf_module(m)}),
+        "describe": backend.describe(),
+        "full_bytes_ok": backend.full_param_bytes() == sum(p.numel() * 4 for p in ref.parameters()),
+    }
+
+
+def lockstep_uneven() -> dict:
+    """Rank 0: 3 real forwards; rank 1: shadow, real, shadow. Then a ``once`` phase with an
+    unequal number of local forwards, and lockstep again. Every forward's collectives recorded."""
+    _install_recorder()
+    rank = dist.get_rank()
+    group = _param_group()
+    model, ref = _pair("llama")
+    backend = _create(model, group)
+    seqs, diffs = [], []
+    plan = ["real", "real", "real"] if rank == 0 else ["shadow", "real", "shadow"]
+    shapes = [[5, 3], [7], [2, 6, 4]]
+    for i, step in enumerate(plan):
+        if step == "real":
+            d, calls = _forward_checked(backend, ref, shapes[i] if rank == 0 else [3], seed=10 * rank + i)
+            diffs.append(d)
+        else:
+            calls = _shadow(backend)
+        seqs.append(calls)
+
+    # gather policy 'once': no collectives, ranks forward independently (3 vs 1 times)
+    with record() as rec_gather:
+        backend.gather_all()
+    local = []
+    for i in range(3 if rank == 0 else 1):
+        d, calls = _forward_checked(backend, ref, [4 + i], seed=100 + i)
+        diffs.append(d)
+        local.append(calls)
+    with record() as rec_release:
+        backend.release_all()
+
+    # back to lockstep with different trace histories on the two ranks
+    for i in range(2):
+        if (rank + i) % 2 == 0:
+            d, calls = _forward_checked(backend, ref, [3, 3], seed=200 + i)
+            diffs.append(d)
+        else:
+            calls = _shadow(backend)
+        seqs.append(calls)
+    backend.close()
+    return {
+        "seqs": seqs,
+        "diffs": diffs,
+        "local_calls": local,
+        "gather_all_calls": rec_gather.calls,
+        "release_all_calls": rec_release.calls,
+        "lockstep_flag_after": backend.lockstep,
+    }
+
+
+def _threaded_forwards(backend, ref, n: int, delay: float, real: bool, box: dict):
+    try:
+        time.sleep(delay)
+        for i in range(n):
+            if real:
+                d, calls = _forward_checked(backend, ref, [4, 2], seed=300 + i)
+                box.setdefault("diffs", []).append(d)
+            else:
+                backend.shadow_forward()
+        box["done"] = True
+    except BaseException as exc:  # reported to the test
+        box["error"] = repr(exc)
+
+
+def user_model_private_group(pass_engine: bool, offload: bool, move: bool = True) -> dict:
+    """A model the user partitioned with deepspeed.initialize (default group); shardgen moves its
+    gathers to a private group. Engine forwards run in a background thread while the other rank's
+    main thread is already inside ``dist.barrier()`` on the default group: this only completes if
+    no gather uses the default group (else rank 1's barrier pairs with rank 0's first all-gather).
+    ``move=False`` is the negative control (documents the hang; not run by the test suite)."""
+    _install_recorder()
+    rank = dist.get_rank()
+    model, ref = _pair("llama", seed=3)
+    engine = _ds_initialize(model, offload)
+    group = _param_group()
+    before = {_label(p.ds_process_group) for p in engine.module.parameters()}
+    if move:
+        backend = _create(engine if pass_engine else engine.module, group)
+    else:
+        from shardgen.backends.deepspeed import DeepSpeedBackend, _install_trace_check_switch
+
+        _install_trace_check_switch()  # only the all-gathers stay on the default group
+        backend = DeepSpeedBackend(
+            engine.module,
+            engine.module,
+            torch.device("cpu"),
+            offload=engine.optimizer,
+            param_group=group,
+            offload_device="?",
+            created=False,
+        )
+    after = {_label(p.ds_process_group) for p in backend.module.parameters()}
+    box: dict = {}
+    t = threading.Thread(
+        target=_threaded_forwards,
+        name="ds-test-engine",
+        args=(backend, ref, 3, 0.0 if rank == 0 else 0.5, rank == 0, box),
+    )
+    with record() as rec:
+        t0 = time.monotonic()
+        t.start()
+        if rank == 0:
+            t.join(30)
+            time.sleep(0.2)
+        dist.barrier()  # rank 1 gets here first, while its engine thread still has 3 forwards to go
+        t.join(30)
+        elapsed = time.monotonic() - t0
+    backend.close()
+    return {
+        "before": sorted(before),
+        "after": sorted(after),
+        "box": box,
+        "elapsed": elapsed,
+        "alive": t.is_alive(),
+        "default_calls": [c for c in rec.calls if c[1] == "default"],
+        "param_calls": len([c for c in rec.calls if c[1] == "param"]),
+        "describe": backend.describe(),
+    }
+
+
+def zero_init_model_without_engine() -> dict:
+    """A model partitioned by zero.Init alone (no deepspeed.initialize, so no hooks): shardgen
+    moves it to its group and installs the hooks itself."""
+    _install_recorder()
+    import deepspeed
+
+    model, ref = _pair("llama", seed=4)
+    deepspeed.zero.Init(
+        module=model,
+        config_dict_or_path={
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "memory_efficient_linear": False},
+        },
+    )
+    group = _param_group()
+    backend = _create(model, group)
+    diff, calls = _forward_checked(backend, ref, [3, 4], seed=dist.get_rank())
+    shadow = _shadow(backend)
+    backend.close()
+    return {"diff": diff, "groups": sorted({c[1] for c in calls}), "same": calls == shadow, "n": len(calls)}
+
+
+def mismatched_group_raises() -> str:
+    """A model partitioned over a one-rank group cannot move to the two-rank param group."""
+    _install_recorder()
+    import deepspeed
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(dist.get_world_size())]
+    mine = singles[dist.get_rank()]
+    group = _param_group()
+    model = tiny_model("llama")
+    deepspeed.zero.Init(
+        module=model,
+        data_parallel_group=mine,
+        config_dict_or_path={
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "memory_efficient_linear": False},
+        },
+    )
+    try:
+        _create(model, group)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def seed_script_hangs(ds_config: dict) -> list[int]:
+    """The seed report: plain DeepSpeed ZeRO-3 + HF generate, uneven calls, then a barrier.
+
+    ``synced_gpus=True`` is what generate() picks by itself under ZeRO-3 (via HfDeepSpeedConfig,
+    which needs accelerate, absent here); it keeps ranks together inside one call only."""
+    _install_recorder()
+    import deepspeed
+
+    model = tiny_model("llama")
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    model = engine.module
+    calls = 2 if dist.get_rank() == 0 else 3
+    for i in range(calls):
+        ids, mask = batch([4, 3], seed=i)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, synced_gpus=True)
+    dist.barrier()
+    return [calls]
+
+
+def seed_script_engine(user_partitioned: bool, gather: str = "per-layer") -> dict:
+    """The seed script through shardgen.Engine(backend='deepspeed'): rank 0 makes 2 generate
+    calls, rank 1 makes 3, then a default-group barrier. Outputs equal HF generate."""
+    _install_recorder()
+    from models import hf_generate
+
+    import shardgen
+
+    ref = tiny_model("llama", seed=14)
+    model = tiny_model("llama", seed=14)
+    if user_partitioned:
+        model = _ds_initialize(model, offload=True)
+        eng = shardgen.Engine(model, backend="deepspeed", gather=gather)
+    else:
+        eng = shardgen.Engine(
+            model,
+            backend="deepspeed",
+            gather=gather,
+            debug_collectives=True,
+            ds_config={"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+        )
+    ids, mask = batch([3, 6, 2], seed=30)
+    calls = 2 if dist.get_rank() == 0 else 3
+    for c in range(calls):
+        got = eng.generate_ids((ids + c) * mask, attention_mask=mask, max_new_tokens=12)
+        exp = hf_generate(ref, (ids + c) * mask, mask, max_new_tokens=12)
+        assert torch.equal(got, exp), f"rank {dist.get_rank()} call {c}: {got.tolist()} != HF {exp.tolist()}"
+    dist.barrier()
+    eng.close()
+    return {"calls": calls, "stats": eng.stats(), "describe": eng.backend.describe()}
+
+
+class ToySparseMoeBlock(torch.nn.Module):
+    """Old-style MoE: a ModuleList of experts, each called only for the tokens routed to it, so
+    without a ZeRO-3 leaf the set of modules a forward calls depends on the data."""
+
+    def __init__(self, hidden: int, n_experts: int = 4):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, n_experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(n_experts))
+        self.calls: list[int] = []
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        choice = self.gate(flat).argmax(-1)
+        out = torch.zeros_like(flat)
+        for e in choice.unique().tolist():
+            rows = choice == e
+            out[rows] = self.experts[e](flat[rows])
+            self.calls.append(e)
+        return out.reshape(x.shape)
+
+
+def _toy_moe_model(seed: int):
+    model = tiny_model("llama", seed=seed)
+    torch.manual_seed(seed)
+    for layer in model.model.layers:
+        layer.mlp = ToySparseMoeBlock(model.config.hidden_size)
+    return model.eval()
+
+
+def toy_moe_lockstep(user_partitioned: bool) -> dict:
+    """Routing differs between a real batch and the 1x1 shadow input, yet the gathers match."""
+    _install_recorder()
+    from deepspeed.utils import z3_leaf_module
+
+    rank = dist.get_rank()
+    model, ref = _toy_moe_model(5), _toy_moe_model(5)
+    ref.load_state_dict(model.state_dict())
+    group = _param_group()
+    backend = _create(_ds_initialize(model, offload=False) if user_partitioned else model, group)
+    blocks = [m for m in backend.module.modules() if isinstance(m, ToySparseMoeBlock)]
+    seqs, diffs, experts_called = [], [], []
+    for i in range(3):
+        for b in blocks:
+            b.calls.clear()
+        if (rank + i) % 2 == 0:
+            d, calls = _forward_checked(backend, ref, [6, 5], seed=40 + 10 * rank + i)
+            diffs.append(d)
+        else:
+            calls = _shadow(backend)
+        seqs.append(calls)
+        experts_called.append(sum(len(b.calls) for b in blocks))
+    backend.close()
+    return {
+        "leaf": all(z3_leaf_module(b) for b in blocks),
+        "seq_lens": [len(s) for s in seqs],
+        "same": all(s == seqs[0] for s in seqs),
+        "experts_called": experts_called,
+        "diffs": diffs,
+    }

@@ -1,0 +1,215 @@
+"""DeepSpeed ZeRO-3 backend on 2 gloo ranks (CPU, DS_ACCELERATOR=cpu), every run under a hard timeout.
+
+The ranks of these tests import DeepSpeed, which leaves process-wide state behind (its comm
+layer, zero.Init class attributes, the F.linear patch of a user's deepspeed.initialize), so
+they get their own World instead of the session-wide ``world2``. The seed-hang test runs in a
+World of its own that it expects to hang and be killed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import ds_scenarios as sc  # noqa: E402
+from world import World, WorldHang  # noqa: E402
+
+from shardgen.backends import deepspeed as dsb  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+TOL = 1e-5
+SEED_HANG_S = 20.0  # the seed script finishes in ~2 s when it does not hang
+
+
+class _DSWorld:
+    """A 2-rank World for this module, restarted if a failed test left it broken."""
+
+    def __init__(self) -> None:
+        self._world: World | None = None
+
+    def run(self, fn, *args, timeout: float = 60.0):
+        if self._world is None or self._world.broken:
+            if self._world is not None:
+                self._world.close()
+            self._world = World(2, env=ENV, start_timeout=120.0)
+            # DeepSpeed's first comm init JIT-builds an op (~1 min, cached in ~/.cache/torch_extensions)
+            self._world.run(sc.warm_up, timeout=300)
+        return self._world.run(fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        if self._world is not None:
+            self._world.close()
+
+
+@pytest.fixture(scope="module")
+def dsworld():
+    handle = _DSWorld()
+    yield handle
+    handle.close()
+
+
+# ----------------------------------------------------------------------------- in-process
+def test_lockstep_config_forces_history_free_gathers():
+    cfg = dsb._lockstep_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "prefetch_bucket_size": 5e7,
+                "stage3_param_persistence_threshold": 1e5,
+            }
+        }
+    )
+    zero = cfg["zero_optimization"]
+    assert zero["stage3_prefetch_bucket_size"] == 0 and "prefetch_bucket_size" not in zero
+    assert zero["stage3_param_persistence_threshold"] == 0 and zero["stage3_max_reuse_distance"] == 0
+    assert zero["memory_efficient_linear"] is False and cfg["train_micro_batch_size_per_gpu"] == 1
+    with pytest.raises(ValueError, match="stage 3"):
+        dsb._lockstep_config({"zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match="hpZ"):
+        dsb._lockstep_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+
+
+def test_moe_block_detection():
+    import torch.nn as nn
+
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 2)
+            self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    class FooSparseMoeBlock(nn.Module):
+        pass
+
+    class Qwen2MoeDecoderLayer(nn.Module):
+        pass
+
+    assert dsb._is_moe_block(Router()) and dsb._is_moe_block(FooSparseMoeBlock())
+    assert not dsb._is_moe_block(Qwen2MoeDecoderLayer()) and not dsb._is_moe_block(nn.Linear(2, 2))
+
+
+def test_missing_deepspeed_gives_install_hint(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # _import_deepspeed would set it in this process
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ImportError, match=r"pip install 'shardgen\[deepspeed\]'"):
+        dsb._import_deepspeed(torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+@pytest.mark.parametrize(
+    "arch, offload", [("llama", False), ("llama", True), ("gpt2", False), ("mixtral", False)]
+)
+def test_forward_logits_equal_unsharded(dsworld, arch, offload):
+    r0, r1 = dsworld.run(sc.logits_match, arch, offload, timeout=90)
+    for r in (r0, r1):
+        assert r["diff"] <= TOL, r
+        assert r["partitioned"] and r["full_bytes_ok"]
+        assert r["groups"] == ["param"], f"gathers outside the private group: {r['groups']}"
+        assert r["describe"]["zero_stage"] == "3"
+        assert r["describe"]["offload_param"] == ("cpu" if offload else "none")
+    assert r0["n_gathers"] == r1["n_gathers"] > 0
+    if arch == "mixtral":
+        assert "MixtralSparseMoeBlock" in r0["leaves"]
+
+
+def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld):
+    """Rank 0: 3 real forwards of different shapes; rank 1: shadow, real, shadow. Then gather
+    policy 'once' with 3 vs 1 local forwards (different trace histories), then lockstep again."""
+    r0, r1 = dsworld.run(sc.lockstep_uneven, timeout=90)
+    ref = r0["seqs"][0]
+    assert ref and all(c[1] == "param" for c in ref), ref
+    for r in (r0, r1):
+        assert all(d <= TOL for d in r["diffs"]), r["diffs"]
+        assert all(seq == ref for seq in r["seqs"]), "a forward's collective sequence differs"
+        assert all(calls == [] for calls in r["local_calls"]), "forwards after gather_all issued collectives"
+        assert r["gather_all_calls"] and all(c[1] == "param" for c in r["gather_all_calls"])
+        assert r["release_all_calls"] == []
+        assert r["lockstep_flag_after"] is True
+    assert r0["gather_all_calls"] == r1["gather_all_calls"]
+    assert len(r0["diffs"]) == 3 + 3 + 1 and len(r1["diffs"]) == 1 + 1 + 1
+
+
+@pytest.mark.parametrize(
+    "pass_engine, offload", [(True, False), (False, True)], ids=["engine", "module-offload"]
+)
+def test_user_partitioned_model_moves_to_private_group(dsworld, pass_engine, offload):
+    """Engine forwards in a background thread while rank 1's main thread sits in a default-group
+    barrier: finishes only because no gather is left on the default group (the same scenario with
+    the gathers on the default group hangs: ds_scenarios.user_model_private_group(move=False))."""
+    r0, r1 = dsworld.run(sc.user_model_private_group, pass_engine, offload, timeout=60)
+    for r in (r0, r1):
+        assert r["before"] == ["default"] and r["after"] == ["param"]
+        assert r["box"].get("done") and "error" not in r["box"], r["box"]
+        assert not r["alive"]
+        assert r["default_calls"] == [("barrier", "default", -1)], r["default_calls"]
+        assert r["param_calls"] == r0["param_calls"] > 0
+        assert r["describe"]["offload_param"] == ("cpu" if offload else "none")
+    assert all(d <= TOL for d in r0["box"]["diffs"]) and len(r0["box"]["diffs"]) == 3
+
+
+def test_model_partitioned_by_zero_init_alone(dsworld):
+    for r in dsworld.run(sc.zero_init_model_without_engine, timeout=60):
+        assert r["diff"] <= TOL and r["groups"] == ["param"] and r["same"] and r["n"] > 0, r
+
+
+def test_model_partitioned_on_other_ranks_is_refused(dsworld):
+    msgs = dsworld.run(sc.mismatched_group_raises, timeout=60)
+    for rank, msg in enumerate(msgs):
+        assert f"partitioned over ranks [{rank}]" in msg and "[0, 1]" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "user_partitioned, gather",
+    [(False, "per-layer"), (True, "per-layer"), (False, "once")],
+    ids=["shardgen-partitioned", "user-partitioned", "shardgen-partitioned-gather-once"],
+)
+def test_seed_script_through_engine_completes(dsworld, user_partitioned, gather):
+    """The seed's uneven calls + default barrier, through shardgen.Engine(backend='deepspeed')."""
+    r0, r1 = dsworld.run(sc.seed_script_engine, user_partitioned, gather, timeout=90)
+    assert (r0["calls"], r1["calls"]) == (2, 3)
+    if gather == "per-layer":
+        assert r0["stats"]["shadow_forwards"] > 0  # rank 0 kept rank 1's third call going
+    assert r0["describe"]["offload_param"] == "cpu"
+
+
+@pytest.mark.parametrize("user_partitioned", [False, True], ids=["shardgen-partitioned", "user-partitioned"])
+def test_moe_routing_does_not_change_gathers(dsworld, user_partitioned):
+    """An MoE block whose experts run only when routed to is made a ZeRO-3 leaf (reinstalling the
+    hooks of a user-partitioned model): real and shadow forwards route to different numbers of
+    experts but issue the same gathers."""
+    r0, r1 = dsworld.run(sc.toy_moe_lockstep, user_partitioned, timeout=60)
+    for r in (r0, r1):
+        assert r["leaf"] and r["same"], r
+        assert all(d <= TOL for d in r["diffs"]), r["diffs"]
+    assert r0["seq_lens"] == r1["seq_lens"]
+    calls = set(r0["experts_called"]) | set(r1["experts_called"])
+    assert len(calls) > 1, f"routing did not vary, the test proves nothing: {calls}"
+
+
+def test_seed_hang_plain_deepspeed_generate():
+    """The seed report, asserted: plain DeepSpeed ZeRO-3 + HF generate, rank 0 makes 2 calls and
+    rank 1 makes 3, then dist.barrier(): never finishes. The World kills the ranks by pid."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu"},
+            "stage3_param_persistence_threshold": 8192,
+            "memory_efficient_linear": False,
+        },
+    }
+    with World(2, env=ENV, start_timeout=120.0) as world:
+        world.run(sc.warm_up, timeout=300)  # so that the hang timeout does not include a JIT build
+        with pytest.raises(WorldHang) as info:
+            world.run(sc.seed_script_hangs, cfg, timeout=SEED_HANG_S)
+        assert world.broken
+    stacks = info.value.stacks
+    assert "in barrier" in stacks[0], stacks[0]  # rank 0 finished its 2 calls
+    assert "in generate" in stacks[1] and "in barrier" not in stacks[1], stacks[1]  # rank 1: third call
