@@ -262,3 +262,27 @@ def spinner(spin_s: float):
     elapsed = time.monotonic() - t0
     eng.close()
     return elapsed
+
+
+def moe_routing(backend: str = "fsdp2"):
+    """Mixtral-style MoE: ranks route their tokens to different experts; no deadlock, outputs = HF.
+
+    Returns this rank's per-expert token counts (first layer), so the test can assert that
+    routing really differed across ranks.
+    """
+    ref = tiny_model("mixtral", seed=25)
+    eng = shardgen.Engine(tiny_model("mixtral", seed=25), backend=backend)
+    counts = torch.zeros(4, dtype=torch.long)
+    gate = [m for n, m in eng.model.named_modules() if n.endswith("layers.0.mlp.gate")][0]
+
+    def record(_m, _inp, out):
+        counts.add_(torch.bincount(out[2].reshape(-1).cpu(), minlength=4))
+
+    handle = gate.register_forward_hook(record)
+    for c in range(1 + rank()):  # uneven numbers of calls too
+        ids, mask = batch([3 + 2 * rank(), 5], seed=200 + 7 * rank() + c)
+        _check(eng, ref, ids, mask, max_new_tokens=6 + 4 * rank())
+    dist.barrier()
+    eng.close()
+    handle.remove()
+    return counts.tolist()

@@ -93,3 +93,8 @@ def test_user_wrapped_fsdp2_model_is_moved_to_the_private_group(world2):
 def test_spinning_rank_does_not_stop_the_others(world2):
     t0, _ = world2.run(sc.spinner, 4.0, timeout=90)
     assert t0 < 4.0, f"rank 0 took {t0:.1f}s: it waited for the spinning rank's user thread"
+
+
+def test_moe_ranks_route_differently_without_deadlock(world2):
+    c0, c1 = world2.run(sc.moe_routing, "fsdp2", timeout=120)
+    assert c0 != c1 and sum(c0) > 0 and sum(c1) > 0, (c0, c1)
