@@ -33,9 +33,9 @@ def fidelity(arch: str, backend: str = "fsdp2"):
     return got.shape[1]
 
 
-def sampled_same_seed_any_rank():
+def sampled_same_seed_any_rank(backend: str = "fsdp2"):
     """The same (prompt, seed) gives the same tokens on every rank, alone or inside a batch."""
-    eng = shardgen.Engine(tiny_model("llama", seed=12), backend="fsdp2")
+    eng = shardgen.Engine(tiny_model("llama", seed=12), backend=backend)
     ids, mask = batch([5, 3, 7], seed=7)
     prompts = [ids[i][mask[i].bool()] for i in range(3)]
     opts = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.95)
@@ -49,10 +49,10 @@ def sampled_same_seed_any_rank():
     return out
 
 
-def eos_at_different_steps():
+def eos_at_different_steps(backend: str = "fsdp2"):
     """(a) rank r's single row hits EOS after 2 + 5r tokens; everybody else keeps decoding."""
     ref = tiny_model("llama", seed=13)
-    eng = shardgen.Engine(tiny_model("llama", seed=13), backend="fsdp2")
+    eng = shardgen.Engine(tiny_model("llama", seed=13), backend=backend)
     ids, mask = batch([4, 6], seed=20 + rank())
     eos = eos_after(ref, ids, mask, row=0, step=2 + 5 * rank())
     got = _check(eng, ref, ids, mask, max_new_tokens=25, eos_token_id=eos, pad_token_id=0)
@@ -60,10 +60,10 @@ def eos_at_different_steps():
     return eng.stats()["shadow_forwards"], got.shape[1]
 
 
-def seed_script():
+def seed_script(backend: str = "fsdp2"):
     """(b) The seed report: rank 0 makes two calls, rank 1 three; then a default-group barrier; close."""
     ref = tiny_model("llama", seed=14)
-    eng = shardgen.Engine(tiny_model("llama", seed=14), backend="fsdp2")
+    eng = shardgen.Engine(tiny_model("llama", seed=14), backend=backend)
     ids, mask = batch([3, 6, 2], seed=30)
     for c in range(2 if rank() == 0 else 3):
         _check(eng, ref, (ids + c) * mask, mask, max_new_tokens=12)
@@ -72,10 +72,10 @@ def seed_script():
     return eng.stats()["prefills"]
 
 
-def idle_rank_only_closes():
+def idle_rank_only_closes(backend: str = "fsdp2"):
     """(c) rank 1 submits nothing and only closes; rank 0 generates."""
     ref = tiny_model("gpt2", seed=15)
-    eng = shardgen.Engine(tiny_model("gpt2", seed=15), backend="fsdp2")
+    eng = shardgen.Engine(tiny_model("gpt2", seed=15), backend=backend)
     if rank() == 0:
         ids, mask = batch([4, 2, 5], seed=31)
         _check(eng, ref, ids, mask, max_new_tokens=10)
@@ -83,10 +83,10 @@ def idle_rank_only_closes():
     return eng.stats()
 
 
-def sleeper(sleep_s: float):
+def sleeper(sleep_s: float, backend: str = "fsdp2"):
     """(d) rank 1's main thread sleeps before its first call; the others finish meanwhile."""
     ref = tiny_model("qwen2", seed=16)
-    eng = shardgen.Engine(tiny_model("qwen2", seed=16), backend="fsdp2")
+    eng = shardgen.Engine(tiny_model("qwen2", seed=16), backend=backend)
     t0 = time.monotonic()
     if rank() == 1:
         time.sleep(sleep_s)
@@ -98,11 +98,11 @@ def sleeper(sleep_s: float):
     return done_at
 
 
-def random_workload(case: int, arch: str = "llama"):
+def random_workload(case: int, arch: str = "llama", backend: str = "fsdp2"):
     """(e) Random per-rank workload: 0..3 calls, random batches, EOS, sleeps, async submits."""
     rng = random.Random(1000 * case + rank())
     ref = tiny_model(arch, seed=case)
-    eng = shardgen.Engine(tiny_model(arch, seed=case), backend="fsdp2", max_batch_size=rng.choice([2, 4, 8]))
+    eng = shardgen.Engine(tiny_model(arch, seed=case), backend=backend, max_batch_size=rng.choice([2, 4, 8]))
     futures = []
     for _ in range(rng.randint(0, 3)):
         if rng.random() < 0.3:

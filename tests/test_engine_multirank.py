@@ -6,36 +6,43 @@ import engine_scenarios as sc
 import pytest
 
 pytestmark = pytest.mark.multirank
+BACKENDS = ["fsdp2", "deepspeed"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_fsdp2_greedy_matches_hf(world2, arch):
-    widths = world2.run(sc.fidelity, arch, timeout=120)
+def test_greedy_matches_hf(world2, arch, backend):
+    widths = world2.run(sc.fidelity, arch, backend, timeout=120)
     assert len(widths) == 2
 
 
-def test_sampling_same_seed_same_tokens_on_any_rank_alone_or_batched(world2):
-    r0, r1 = world2.run(sc.sampled_same_seed_any_rank, timeout=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampling_same_seed_same_tokens_on_any_rank_alone_or_batched(world2, backend):
+    r0, r1 = world2.run(sc.sampled_same_seed_any_rank, backend, timeout=120)
     assert r0 == r1
 
 
-def test_a_eos_at_different_steps(world2):
-    (shadow0, w0), (shadow1, w1) = world2.run(sc.eos_at_different_steps, timeout=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_eos_at_different_steps(world2, backend):
+    (shadow0, w0), (shadow1, w1) = world2.run(sc.eos_at_different_steps, backend, timeout=120)
     assert w0 < w1  # rank 0 finished earlier ...
     assert shadow0 > 0  # ... and kept the gathers going with shadow forwards
 
 
-def test_b_seed_script_uneven_calls_then_default_barrier(world2):
-    assert world2.run(sc.seed_script, timeout=120) == [2, 3]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_b_seed_script_uneven_calls_then_default_barrier(world2, backend):
+    assert world2.run(sc.seed_script, backend, timeout=120) == [2, 3]
 
 
-def test_c_rank_with_no_requests_only_closes(world2):
-    s0, s1 = world2.run(sc.idle_rank_only_closes, timeout=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_c_rank_with_no_requests_only_closes(world2, backend):
+    s0, s1 = world2.run(sc.idle_rank_only_closes, backend, timeout=120)
     assert s1["forwards"] == 0 and s1["shadow_forwards"] == s0["forwards"]
 
 
-def test_d_sleeping_rank_does_not_hold_up_others(world2):
-    t0, t1 = world2.run(sc.sleeper, 10.0, timeout=150)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_d_sleeping_rank_does_not_hold_up_others(world2, backend):
+    t0, t1 = world2.run(sc.sleeper, 10.0, backend, timeout=150)
     assert t0 < 10.0, f"rank 0 needed {t0:.1f}s: it waited for the sleeping rank"
     assert t1 >= 10.0
 
@@ -97,4 +104,14 @@ def test_spinning_rank_does_not_stop_the_others(world2):
 
 def test_moe_ranks_route_differently_without_deadlock(world2):
     c0, c1 = world2.run(sc.moe_routing, "fsdp2", timeout=120)
+    assert c0 != c1 and sum(c0) > 0 and sum(c1) > 0, (c0, c1)
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_e_random_workloads_world3_deepspeed(world3, case):
+    world3.run(sc.random_workload, 20 + case, "gpt2" if case % 2 else "llama", "deepspeed", timeout=180)
+
+
+def test_moe_on_deepspeed_routes_differently_without_deadlock(world2):
+    c0, c1 = world2.run(sc.moe_routing, "deepspeed", timeout=120)
     assert c0 != c1 and sum(c0) > 0 and sum(c1) > 0, (c0, c1)
