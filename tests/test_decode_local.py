@@ -106,7 +106,8 @@ def test_stats_count_ticks_forwards_and_tokens():
     assert sum(len(c.token_ids) for c in out) == st["generated_tokens"] == 10
     assert st["prefills"] == 1 and st["decode_steps"] == 4 and st["forwards"] == 5
     # local forwards need no lockstep: a burst of forwards per tick
-    assert 1 <= st["ticks"] < st["forwards"] and st["shadow_forwards"] == 0 and st["forward_s"] > 0
+    assert 1 <= st["forward_ticks"] < st["forwards"] and st["shadow_forwards"] == 0 and st["forward_s"] > 0
+    assert st["ticks"] >= st["forward_ticks"] + st["idle_ticks"]
 
 
 def test_text_prompts_with_a_tokenizer():

@@ -55,6 +55,7 @@ class EngineStats:
     """Counters of one rank's driver (``engine.stats()``)."""
 
     ticks: int = 0
+    forward_ticks: int = 0  # ticks that decided FORWARD (every rank forwarded)
     forwards: int = 0  # real forwards: prefills + decode steps
     prefills: int = 0  # waves and refills
     refills: int = 0  # prefills that joined a running batch
@@ -390,6 +391,7 @@ class Engine:
             decision = decide(state)
             if decision is Decision.FORWARD:
                 idle = 0
+                self._stats.forward_ticks += 1
                 if self.gather_policy == "once" and not self._gathered:
                     self.phase = "gather"
                     self.backend.gather_all()  # collective: every rank, this same tick
