@@ -1,0 +1,365 @@
+"""Tier 1 (no processes): the prompts reader, journals and merge, claiming, flags built from the configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+
+import pytest
+
+from shardgen import cli, jobs, progress
+from shardgen.config import EngineConfig, SamplingParams
+from shardgen.jobs import ExitCode, JobConfig, JobError, PromptRecord
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def jsonl(tmp_path, *objs, name: str = "p.jsonl") -> str:
+    return write(tmp_path, name, "".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+
+
+def read_error(path: str, **kw) -> JobError:
+    with pytest.raises(JobError) as info:
+        jobs.read_prompts(path, **kw)
+    assert "\n" not in str(info.value)  # one line
+    return info.value
+
+
+# ---------------------------------------------------------------- reading prompts
+
+
+def test_read_jsonl_with_generation_fields(tmp_path):
+    path = jsonl(
+        tmp_path, {"id": "a", "prompt": "x"}, {"id": 7, "prompt": "y", "max_new_tokens": 3, "top_k": 2}
+    )
+    recs = jobs.read_prompts(path)
+    assert [(r.id, r.prompt, r.options, r.line) for r in recs] == [
+        ("a", "x", {}, 1),
+        (7, "y", {"max_new_tokens": 3, "top_k": 2}, 2),
+    ]
+
+
+def test_read_plain_text_ids_are_line_numbers_blank_lines_skipped(tmp_path):
+    path = write(tmp_path, "p.txt", "first prompt\n\nthird { line\n")
+    assert [(r.id, r.prompt) for r in jobs.read_prompts(path)] == [(1, "first prompt"), (3, "third { line")]
+
+
+def test_jsonl_detected_by_first_line_without_suffix(tmp_path):
+    path = write(tmp_path, "p.txt", '\n{"id": 1, "prompt": "x"}\n')
+    assert jobs.read_prompts(path)[0].prompt == "x"
+
+
+def test_id_defaults_to_line_number(tmp_path):
+    assert jobs.read_prompts(jsonl(tmp_path, {"prompt": "x"}, {"prompt": "y"}))[1].id == 2
+
+
+@pytest.mark.parametrize("text", ["", "\n \n"])
+def test_empty_file(tmp_path, text):
+    err = read_error(write(tmp_path, "p.jsonl", text))
+    assert err.code == ExitCode.NO_PROMPTS and "empty" in str(err)
+
+
+def test_missing_file(tmp_path):
+    err = read_error(str(tmp_path / "nope.jsonl"))
+    assert err.code == ExitCode.NO_PROMPTS and "not found" in str(err)
+
+
+def test_unreadable_file(tmp_path):
+    err = read_error(str(tmp_path))  # a folder
+    assert err.code == ExitCode.NO_PROMPTS and "cannot read" in str(err)
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ('{"id": 2, "prompt": "b",}', ["p.jsonl:2:", "malformed JSON"]),
+        ('["a list"]', ["p.jsonl:2:", "JSON object", "array"]),
+        ('{"id": 2}', ["p.jsonl:2:", "missing 'prompt'"]),
+        ('{"id": 2, "prompt": 5}', ["p.jsonl:2:", "'prompt' must be a string", "number"]),
+        ('{"id": 2, "prompt": null}', ["p.jsonl:2:", "'prompt' must be a string", "null"]),
+        ('{"id": 1, "prompt": "again"}', ["p.jsonl:2:", "duplicate id 1", "line 1"]),
+        ('{"id": "1", "prompt": "same key"}', ["p.jsonl:2:", "duplicate id '1'"]),
+        ('{"id": 2.5, "prompt": "b"}', ["p.jsonl:2:", "'id' must be a string or an integer"]),
+        ('{"id": 2, "prompt": "b", "temp": 1, "colour": 2}', ["p.jsonl:2:", "'colour', 'temp'"]),
+        ('{"id": 2, "prompt": "b", "max_new_tokens": "ten"}', ["p.jsonl:2:", "'max_new_tokens'", "integer"]),
+        ('{"id": 2, "prompt": "b", "do_sample": 1}', ["p.jsonl:2:", "'do_sample'", "true/false"]),
+        ('{"id": 2, "prompt": "b", "top_p": 1.5}', ["p.jsonl:2:", "top_p must be in (0, 1]"]),
+    ],
+)
+def test_bad_line(tmp_path, line, words):
+    path = jsonl(tmp_path, {"id": 1, "prompt": "a"}, line)
+    err = read_error(path, cfg=JobConfig(prompts=path, out="o"), base=SamplingParams())
+    assert err.code == ExitCode.BAD_PROMPTS
+    for w in words:
+        assert w in str(err), str(err)
+
+
+def test_empty_prompt_is_not_a_file_error(tmp_path):
+    """An empty prompt is a bad single request: it gets an error field at run time, the job goes on."""
+    assert jobs.read_prompts(jsonl(tmp_path, {"id": 1, "prompt": ""}))[0].prompt == ""
+
+
+# ---------------------------------------------------------------- per-request settings
+
+
+def params(options: dict, **job) -> SamplingParams:
+    cfg = JobConfig(prompts="p", out="o", **job)
+    return jobs.request_params(cfg, SamplingParams(max_new_tokens=9), PromptRecord("a", "x", options, 1))
+
+
+def test_greedy_by_default():
+    p = params({})
+    assert not p.do_sample and p.seed is None and p.max_new_tokens == 9
+
+
+def test_temperature_means_sampling_with_a_seed_from_job_seed_and_id():
+    p = params({}, temperature=0.7, seed=3)
+    assert p.do_sample and p.temperature == 0.7 and p.seed == jobs.derive_seed(3, "a")
+    assert params({"temperature": 0.5}).do_sample  # a line's own temperature
+    assert not params({"temperature": 0.5, "do_sample": False}).do_sample
+    assert not params({"temperature": 0.0}, temperature=0.7).do_sample  # the line wins
+    assert params({"seed": 11}, temperature=0.7).seed == 11
+
+
+def test_derived_seeds_differ_by_id_and_base_and_are_stable():
+    assert jobs.derive_seed(0, "a") == jobs.derive_seed(0, "a")
+    assert len({jobs.derive_seed(b, i) for b in (0, 1) for i in ("a", "b", 1)}) == 6
+    assert jobs.derive_seed(0, 1) == jobs.derive_seed(0, "1")  # ids compare as strings
+    assert 0 <= jobs.derive_seed(5, "x") < 2**63
+
+
+# ---------------------------------------------------------------- journals and merge
+
+
+def result(rid, text="t", **extra):
+    return {"id": rid, "text": text, **extra}
+
+
+def records(*ids):
+    return [PromptRecord(i, f"p{i}", {}, n) for n, i in enumerate(ids, start=1)]
+
+
+def test_journal_appends_durably(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(jobs.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    path = str(tmp_path / "o.rank0.journal.jsonl")
+    j = jobs.Journal(path, header={"include_out": False})
+    j.append(result(1))
+    j.append(result(2))
+    assert len(synced) >= 3  # the header and each result, before append returns
+    with open(path) as f:  # readable by another process right away
+        assert [json.loads(x) for x in f] == [{"_job": {"include_out": False}}, result(1), result(2)]
+    j.close()
+
+
+def test_journal_repairs_a_torn_last_line(tmp_path):
+    path = tmp_path / "o.rank1.journal.jsonl"
+    path.write_text(json.dumps(result(1)) + "\n" + '{"id": 2, "te')
+    assert [r["id"] for r in jobs.read_jsonl(str(path))] == [1]  # torn line skipped by readers
+    j = jobs.Journal(str(path))
+    j.append(result(3))
+    j.close()
+    assert [r["id"] for r in jobs.read_jsonl(str(path))] == [1, 3]
+    assert path.read_text().count("\n") == 2
+
+
+def test_merge_input_order_dedupe_and_journals_removed(tmp_path):
+    out = str(tmp_path / "o.jsonl")
+    for rank, rows in enumerate([[result("c"), result("a", "first")], [result("b"), result("a", "again")]]):
+        j = jobs.Journal(jobs.journal_path(out, rank))
+        for r in rows:
+            j.append(r)
+        j.close()
+    assert jobs.merge_results(records("a", "b", "c"), out, include_out=False) == 3
+    lines = [json.loads(x) for x in open(out)]
+    assert [r["id"] for r in lines] == ["a", "b", "c"]
+    assert lines[0]["text"] == "first"  # a result journaled twice is written once
+    assert jobs.journal_paths(out) == [] and not os.path.exists(out + ".tmp")
+
+
+def test_merge_with_a_missing_result_writes_nothing(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text("old\n")
+    j = jobs.Journal(jobs.journal_path(str(out), 0))
+    j.append(result("a"))
+    j.close()
+    with pytest.raises(JobError) as info:
+        jobs.merge_results(records("a", "b"), str(out), include_out=False)
+    assert info.value.code == ExitCode.FAILED and "'b'" in str(info.value)
+    assert out.read_text() == "old\n" and len(jobs.journal_paths(str(out))) == 1
+
+
+def test_merge_is_atomic(tmp_path, monkeypatch):
+    out = tmp_path / "o.jsonl"
+    out.write_text("old\n")
+    j = jobs.Journal(jobs.journal_path(str(out), 0))
+    j.append(result("a"))
+    j.close()
+
+    def crash(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(jobs.os, "replace", crash)
+    with pytest.raises(OSError):
+        jobs.merge_results(records("a"), str(out), include_out=False)
+    assert out.read_text() == "old\n"  # never half-written
+    assert len(jobs.journal_paths(str(out))) == 1  # and nothing lost
+
+
+def test_resume_takes_results_from_out_and_journals(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps(result("a", "from out")) + "\n" + '{"id": "b", "tor')
+    j = jobs.Journal(jobs.journal_path(str(out), 3))
+    j.append(result("c"))
+    j.close()
+    done = jobs.load_results(str(out), include_out=True)
+    assert sorted(done) == ["a", "c"] and done["a"]["text"] == "from out"
+    assert sorted(jobs.load_results(str(out), include_out=False)) == ["c"]
+
+
+def test_plan(tmp_path):
+    out = str(tmp_path / "o.jsonl")
+    recs = records("a", "b", "c")
+    assert jobs._plan(JobConfig(prompts="p", out=out), recs) == {
+        "pending": [0, 1, 2],
+        "include_out": False,
+        "error": None,
+    }
+    j = jobs.Journal(jobs.journal_path(out, 0), header={"include_out": False})
+    j.append(result("b"))
+    j.close()
+    assert "pass --resume" in jobs._plan(JobConfig(prompts="p", out=out), recs)["error"]
+    with open(out, "w") as f:  # a stale --out from before the fresh run that wrote the journal
+        f.write(json.dumps(result("a")) + "\n")
+    plan = jobs._plan(JobConfig(prompts="p", out=out, resume=True), recs)
+    assert plan == {"pending": [0, 2], "include_out": False, "error": None}
+    os.remove(jobs.journal_path(out, 0))
+    plan = jobs._plan(JobConfig(prompts="p", out=out, resume=True), recs)  # a finished run's out counts
+    assert plan == {"pending": [1, 2], "include_out": True, "error": None}
+
+
+# ---------------------------------------------------------------- claiming
+
+
+class DictStore:
+    def __init__(self):
+        self.values: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def add(self, key: str, n: int) -> int:
+        with self.lock:
+            self.values[key] = self.values.get(key, 0) + n
+            return self.values[key]
+
+
+def test_claims_are_consecutive_and_cut_at_n():
+    c = jobs.Claimer(DictStore(), "k", 5)
+    assert list(c.claim(2)) == [0, 1] and not c.exhausted
+    assert list(c.claim(2)) == [2, 3]
+    assert list(c.claim(2)) == [4] and c.exhausted
+    assert list(c.claim(2)) == []
+    assert list(jobs.Claimer(DictStore(), "k", 0).claim(3)) == []
+
+
+@pytest.mark.parametrize("store_kind", ["dict", "c10d"])
+def test_concurrent_claimers_get_every_index_exactly_once(store_kind):
+    if store_kind == "c10d":
+        torch_dist = pytest.importorskip("torch.distributed")
+        store = torch_dist.HashStore()
+    else:
+        store = DictStore()
+    n, got = 500, [[] for _ in range(4)]
+
+    def worker(r: int) -> None:
+        c = jobs.Claimer(store, "job/next", n)
+        while not c.exhausted:
+            got[r].extend(c.claim(1 + r))  # ranks ask for different amounts
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(i for g in got for i in g) == list(range(n))
+
+
+# ---------------------------------------------------------------- CLI flags from the dataclasses
+
+
+def test_every_flag_comes_from_a_field_with_its_default_and_docstring():
+    parser = cli.make_parser()
+    run = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    actions = {a.dest: a for a in run._actions if a.dest != "help"}
+    expected = {f.name for f in dataclasses.fields(JobConfig)}
+    expected |= {"backend", "gather", "max_batch_size", "refill", "stall_timeout"}
+    expected |= {"max_new_tokens", "top_k", "top_p"}
+    assert set(actions) == expected
+    docs = cli.field_docs(EngineConfig)
+    assert actions["max_batch_size"].option_strings == ["--batch-size"]
+    assert actions["max_batch_size"].default == EngineConfig().max_batch_size
+    assert actions["max_batch_size"].help.startswith(docs["max_batch_size"])
+    assert actions["top_p"].default == SamplingParams().top_p
+    assert actions["prompts"].required and actions["resume"].default is False
+    assert actions["no_claim_ranks"].help == "==SUPPRESS=="  # demo/test knob, hidden
+    for code in ExitCode:
+        assert f"  {int(code)}  " in run.epilog
+
+
+def test_child_argv_round_trips():
+    job = JobConfig(
+        prompts="p.jsonl", out="o.jsonl", nproc=4, resume=True, temperature=0.5, no_claim_ranks=[3]
+    )
+    eng, base = EngineConfig(max_batch_size=3, gather="once", refill=False), SamplingParams(top_k=5)
+    argv = ["run"]
+    for obj, (_, names) in zip((job, eng, base), cli.RUN_FIELDS, strict=True):
+        argv += cli.to_argv(obj, names, skip=cli.LAUNCHER_ONLY)
+    assert "--nproc" not in argv and "--batch-size" in argv
+    ns = cli.make_parser().parse_args(argv)
+    rebuilt = [cli.build(cls, ns, names) for cls, names in cli.RUN_FIELDS]
+    assert rebuilt == [dataclasses.replace(job, nproc=None), eng, base]
+
+
+def test_flag_names_in_messages():
+    assert cli._flag_names("max_batch_size must be >= 1, got 0") == "--batch-size must be >= 1, got 0"
+
+
+# ---------------------------------------------------------------- model check, summary
+
+
+def test_check_model(tmp_path):
+    from shardgen.toy import toy_model_path
+
+    jobs.check_model(toy_model_path())
+    for bad in (str(tmp_path / "nope"), str(tmp_path)):  # missing; a folder without config.json
+        with pytest.raises(JobError) as info:
+            jobs.check_model(bad)
+        assert info.value.code == ExitCode.BAD_MODEL
+
+
+def test_summary_numbers():
+    def rep(rank, prompts, busy, fwd, shadow):
+        stats = {"busy_s": busy, "forwards": fwd, "shadow_forwards": shadow, "ticks": fwd + shadow}
+        return {"rank": rank, "prompts": prompts, "errors": 0, "tokens": 10 * prompts, "stats": stats}
+
+    s = progress.summarize(
+        [rep(0, 5, 2.0, 8, 2), rep(1, 5, 1.8, 7, 3), rep(2, 0, 0.0, 0, 10)],
+        prompts=10,
+        resumed=0,
+        wall_s=2.5,
+        load_s=1.0,
+        out="o",
+        engine_cfg=EngineConfig(),
+    )
+    assert s["generated_tokens"] == 100 and s["tokens_per_s"] == 40.0 and s["ticks"] == 10
+    assert s["busy_spread"] == pytest.approx(0.1)  # the idle rank does not count
+    assert s["shadow_forward_share"] == pytest.approx(15 / 30)
+    assert sum(r["busy_share"] for r in s["ranks"]) == pytest.approx(1.0)
+    table = progress.format_summary(s)
+    assert "tokens/s" in table and "busy share" in table
