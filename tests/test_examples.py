@@ -1,0 +1,152 @@
+"""The examples, run as a user would: under torchrun and the DeepSpeed launcher (2 CPU ranks).
+
+Each run is a subprocess in its own session; on a timeout its process group (the launcher and
+the ranks it started, nothing else) is killed and the output shown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardgen import toy
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+BIN = Path(sys.executable).parent
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+RUN_TIMEOUT_S = 150.0
+ZI_ARGS = ["--uneven", "--away-rank", "1", "--away-s", "3", "--loops", "2", "--gen-len", "8"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launcher(console_script: str, module: str) -> list[str]:
+    """The launcher's console script from this interpreter's venv, else ``python -m module``."""
+    script = BIN / console_script
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+def torchrun(script: str, *args: str) -> list[str]:
+    return [
+        *_launcher("torchrun", "torch.distributed.run"),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        str(EXAMPLES / script),
+        *args,
+    ]
+
+
+def deepspeed_launcher(script: str, *args: str) -> list[str]:
+    # On CPU (DS_ACCELERATOR=cpu) --num_gpus N starts N CPU ranks.
+    return [
+        *_launcher("deepspeed", "deepspeed.launcher.runner"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(EXAMPLES / script),
+        *args,
+    ]
+
+
+def run(cmd: list[str], timeout: float = RUN_TIMEOUT_S) -> tuple[int, str, float]:
+    """Run ``cmd`` in a new session; kill its process group on timeout. (rc, output, seconds)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not _cuda():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    pgid = proc.pid  # a new session: the launcher leads its own process group
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(pgid)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout:g}s: {' '.join(cmd)}\n--- output ---\n{out}")
+    finally:
+        if proc.returncode is None:
+            _kill_group(pgid)
+            proc.wait()
+    if proc.returncode != 0:
+        _kill_group(pgid)  # ranks the launcher may have left behind
+    elapsed = time.monotonic() - t0
+    print(f"$ {' '.join(cmd)}  ({elapsed:.1f}s, rc={proc.returncode})\n{out}")
+    return proc.returncode, out, elapsed
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_zero_inference(rc: int, out: str) -> None:
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    for what in ("prefill", "decode", "total"):
+        assert re.search(rf"{what} latency: [\d.]+ s\s+{what} throughput: [\d.]+ token/s", out), (
+            f"no {what} throughput line\n--- output ---\n{out}"
+        )
+    # --uneven --loops 2: rank r runs 2 + r batches; the away rank still does all of its own.
+    assert "per-rank batches done: rank 0: 2, rank 1: 3" in out, out
+    assert "rank 1: away for 3 s" in out, out
+    assert out.count("Summary (rank 0, last batch):") == 1, f"summary not printed by rank 0 only\n{out}"
+
+
+def test_basic_torchrun():
+    rc, out, _ = run(torchrun("basic.py"))
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    answers = re.findall(r"^rank (\d+): '([^']*)' -> '([^']*)' \((\w+)\)$", out, flags=re.M)
+    per_rank = {r: sum(1 for a in answers if a[0] == str(r)) for r in (0, 1)}
+    assert per_rank == {0: 1, 1: 2}, f"rank r should answer r+1 prompts: {per_rank}\n{out}"
+    for _, prompt, text, reason in answers:
+        assert reason == "eos" and toy.check_answer(prompt, text), f"{prompt!r} -> {text!r} ({reason})"
+
+
+def test_zero_inference_torchrun():
+    _check_zero_inference(*run(torchrun("zero_inference.py", *ZI_ARGS))[:2])
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_zero_inference_deepspeed_launcher():
+    _check_zero_inference(*run(deepspeed_launcher("zero_inference.py", *ZI_ARGS))[:2])
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_zero_inference_user_partitioned_cpu_offload():
+    """The seed report's setup: deepspeed.initialize at stage 3 with offload_param cpu, by the user."""
+    rc, out, _ = run(deepspeed_launcher("zero_inference.py", "--user-partitioned", "--cpu-offload", *ZI_ARGS))
+    _check_zero_inference(rc, out)
+    assert "backend deepspeed (user-partitioned), offload_param cpu" in out, out
