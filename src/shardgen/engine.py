@@ -30,14 +30,19 @@ from . import comm
 from .backends import Backend, make_backend
 from .backends.base import describe_model
 from .config import EngineConfig, SamplingParams
-from .decode import Batch
 from .errors import EngineClosedError, PeerFailedError, PeerStalledError, RendezvousTimeoutError
-from .liveness import Liveness
+from .liveness import Liveness, is_comm_error
 from .log import get_logger
+from .memory import kv_cache_bytes, memory_budget
 from .protocol import (
     FAILED,
+    FINGERPRINT,
+    FREE,
+    LIVE,
     NCOLS,
     OPEN,
+    PAUSE,
+    PENDING,
     ControlPlane,
     Decision,
     Fingerprint,
@@ -45,7 +50,8 @@ from .protocol import (
     check_fingerprints,
     decide,
 )
-from .requests import Completion, Request, build_request, completion_of
+from .requests import Completion, Request, build_request, completion_of, resolve_future
+from .scheduler import LocalWork
 
 log = get_logger()
 
@@ -152,8 +158,9 @@ class Engine:
         self._gathered = False
         self.gather_policy = self._resolve_gather_policy()
         self._cp = ControlPlane(self._control, self.rank, self.world)
-        self._batch: Batch | None = None
-        self._pending: deque[Request] = deque()
+        self._work = LocalWork(
+            self.model, self.backend, self.device, cfg, self._stats, on_finished=self._finished
+        )
         self._thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{self.rank}", daemon=True)
         if self._store is not None and self.world > 1:
             self._live = Liveness(
@@ -368,14 +375,14 @@ class Engine:
         idle = 0
         while True:
             with self._lock:
-                self._pending.extend(self._inbox)
+                self._work.pending.extend(self._inbox)
                 self._inbox.clear()
                 closed, pause = self._closed, self._pause_wanted
-            live = self._batch.live if self._batch is not None else 0
+            live = self._work.live
             row = [0] * NCOLS
-            row[0], row[1], row[OPEN] = live, len(self._pending), int(not closed)
-            row[3], row[4] = int(pause), self.config.max_batch_size - live
-            row[5] = self._fp.value if self.config.debug_collectives else 0
+            row[LIVE], row[PENDING], row[OPEN] = live, len(self._work.pending), int(not closed)
+            row[PAUSE], row[FREE] = int(pause), self.config.max_batch_size - live
+            row[FINGERPRINT] = self._fp.value if self.config.debug_collectives else 0
             self.phase = "tick"
             t0 = time.perf_counter()
             state = self._cp.agree(row, abort=lambda: self._failed)
@@ -431,8 +438,9 @@ class Engine:
         steps = 1 if lockstep else self.config.burst_steps
         did_work = False
         for _ in range(steps):
-            if not self._real_forward(state):
+            if not self._work.step(state.admit):
                 break
+            self.phase = self._work.phase
             did_work = True
         if not did_work and lockstep:
             self.phase = "shadow"
@@ -443,56 +451,12 @@ class Engine:
             self._fp.fold("forward", signature if lockstep else ())
         self._stats.forward_s += time.perf_counter() - t0
 
-    def _real_forward(self, state: TickState) -> bool:
-        """One prefill or decode step of this rank's own work; False when it has none."""
-        t0 = time.perf_counter()
-        if self._batch is None and self._pending and state.admit:
-            n = min(self.config.max_batch_size, len(self._pending))
-            take = [self._pending.popleft() for _ in range(n)]
-            self.phase = "prefill"
-            self._batch = Batch(self.model, self.backend.forward, [r.seq for r in take], self.device)
-            self._batch.prefill()
-            self._stats.prefills += 1
-            self._stats.requests += len(take)
-        elif self._batch is not None and self._pending and state.admit and self._should_refill(self._batch):
-            free = self._batch.free_slots() + self.config.max_batch_size - len(self._batch.seqs)
-            take = [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
-            self.phase = "refill"
-            self._batch.refill([r.seq for r in take], max_rows=self.config.max_batch_size)
-            self._stats.prefills += 1
-            self._stats.refills += 1
-            self._stats.requests += len(take)
-        elif self._batch is not None:
-            self.phase = "decode"
-            self._batch.step()
-            self._stats.decode_steps += 1
-        else:
-            return False
-        self._after_real_forward(t0)
-        return True
-
-    def _should_refill(self, batch: Batch) -> bool:
-        """Refill finished slots now? Each refill costs the live rows one tick, so wait until
-        a quarter of the slots are free, or until every waiting request fits."""
-        if not self.config.refill or not batch.can_refill():
-            return False
-        free = batch.free_slots() + self.config.max_batch_size - len(batch.seqs)
-        return free > 0 and free >= min(len(self._pending), max(1, self.config.max_batch_size // 4))
-
-    def _after_real_forward(self, t0: float) -> None:
-        self._stats.forwards += 1
-        self._stats.busy_s += time.perf_counter() - t0
-        batch = self._batch
-        assert batch is not None
-        for s in batch.seqs:
-            req: Request = s.tag
-            if s.finished and not req.future.done():
-                self._stats.generated_tokens += len(s.tokens)
-                with self._lock:
-                    self._open_reqs.discard(req)
-                _resolve(req.future, result=completion_of(s, self.tokenizer, self.rank))
-        if batch.done:
-            self._batch = None
+    def _finished(self, seq: Any) -> None:
+        """A request finished (driver thread): resolve its future."""
+        req: Request = seq.tag
+        with self._lock:
+            self._open_reqs.discard(req)
+        resolve_future(req.future, result=completion_of(seq, self.tokenizer, self.rank))
 
     def _pause_here(self) -> None:
         """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits."""
@@ -520,8 +484,8 @@ class Engine:
             return "per-layer"  # nothing to gather
         if policy != "auto":
             return policy
-        need = self.backend.full_param_bytes() + _kv_cache_bytes(self._hf_config, self.config.max_batch_size)
-        fits = need <= _memory_budget(self.config.memory_budget_gb, self.device)
+        need = self.backend.full_param_bytes() + kv_cache_bytes(self._hf_config, self.config.max_batch_size)
+        fits = need <= memory_budget(self.config.memory_budget_gb, self.device)
         if self.world > 1:
             flag = torch.tensor([int(fits)], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control)
@@ -537,7 +501,7 @@ class Engine:
             return self._failed
         if self._live is None or isinstance(err, (PeerFailedError, PeerStalledError)):
             return err
-        if not _is_comm_error(err):
+        if not is_comm_error(err):
             return err
         self.phase = "comm-error"
         deadline = time.monotonic() + self.config.stall_timeout + 2 * self._live.interval
@@ -562,7 +526,7 @@ class Engine:
             self._open_reqs.clear()
         self.phase = "failed"
         for r in reqs:
-            _resolve(r.future, error=err)
+            resolve_future(r.future, error=err)
         self._paused.set()  # unblock a waiting paused()
         if self._live is not None and threading.current_thread() is self._thread:
             self._live.stop()
@@ -578,26 +542,6 @@ class Engine:
         self._control = self._params = None
 
 
-def _resolve(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Set a future once; a race with another thread's resolution is not an error."""
-    from concurrent.futures import InvalidStateError
-
-    with contextlib.suppress(InvalidStateError):
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-
-def _is_comm_error(err: BaseException) -> bool:
-    if isinstance(err, getattr(dist, "DistError", ())):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(
-        w in text for w in ("gloo", "nccl", "connection", "timed out", "peer", "socket")
-    )
-
-
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -608,40 +552,10 @@ def _exit_guard() -> None:
     for eng in list(_ENGINES):
         if eng._failed is not None and eng._thread.is_alive():
             log.error("rank %d: exiting with a driver stuck after: %s", eng.rank, eng._failed)
-            logging_flush()
+            for h in log.handlers:
+                with contextlib.suppress(Exception):
+                    h.flush()
             os._exit(1)
-
-
-def logging_flush() -> None:
-    for h in log.handlers:
-        with contextlib.suppress(Exception):
-            h.flush()
-
-
-def _kv_cache_bytes(cfg: Any, batch: int, tokens: int = 2048) -> int:
-    """A generous KV-cache estimate: ``batch`` sequences of ``tokens`` (capped by the context)."""
-    from .requests import context_length
-
-    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 1)
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
-    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
-    n_ctx = context_length(text) or tokens
-    return 2 * layers * kv_heads * head_dim * min(tokens, n_ctx) * batch * 4
-
-
-def _memory_budget(budget_gb: float | None, device: torch.device) -> int:
-    """Bytes this rank may spend on full weights: the configured budget, else 80% of what is free."""
-    if budget_gb is not None:
-        return int(budget_gb * 1e9)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(0.8 * free)
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on a host share its RAM
-    return int(0.8 * avail / max(local_ranks, 1))
 
 
 def _model_device(model: Any) -> torch.device:

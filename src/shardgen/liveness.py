@@ -203,3 +203,15 @@ class Liveness:
         if rec.get("host") == self.host and isinstance(rec.get("pid"), int):
             msg += "\n--- its Python stack ---\n" + local_stack(rec["pid"])
         return PeerStalledError(msg)
+
+
+def is_comm_error(err: BaseException) -> bool:
+    """A broken collective (a symptom: the cause is usually a peer that died or stalled)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        w in text for w in ("gloo", "nccl", "connection", "timed out", "peer", "socket")
+    )

@@ -6,9 +6,10 @@ Validation happens here, in the caller's thread, so a bad request raises
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,3 +104,12 @@ def completion_of(seq: Sequence, tokenizer: Any, rank: int) -> Completion:
         seed=seq.params.seed if seq.params.do_sample else None,
         rank=rank,
     )
+
+
+def resolve_future(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a future once; a race with another thread's resolution is not an error."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)

@@ -1,0 +1,34 @@
+"""Memory estimates for the ``auto`` gather policy (full weights + KV cache vs a budget)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .requests import context_length
+
+
+def kv_cache_bytes(cfg: Any, batch: int, tokens: int = 2048) -> int:
+    """A generous KV-cache estimate: ``batch`` sequences of ``tokens`` (capped by the context)."""
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 1)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
+    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
+    n_ctx = context_length(text) or tokens
+    return 2 * layers * kv_heads * head_dim * min(tokens, n_ctx) * batch * 4
+
+
+def memory_budget(budget_gb: float | None, device: torch.device) -> int:
+    """Bytes this rank may spend on full weights: the configured budget, else 80% of what is free."""
+    if budget_gb is not None:
+        return int(budget_gb * 1e9)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.8 * free)
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on a host share its RAM
+    return int(0.8 * avail / max(local_ranks, 1))
