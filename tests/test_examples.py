@@ -140,13 +140,9 @@ def test_zero_inference_torchrun():
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_zero_inference_deepspeed_launcher():
-    _check_zero_inference(*run(deepspeed_launcher("zero_inference.py", *ZI_ARGS))[:2])
-
-
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_zero_inference_user_partitioned_cpu_offload():
-    """The seed report's setup: deepspeed.initialize at stage 3 with offload_param cpu, by the user."""
+    """The seed report's setup, under the DeepSpeed launcher: deepspeed.initialize at stage 3 with
+    offload_param cpu, by the user (shardgen-partitioned models: tests/test_deepspeed_backend.py)."""
     rc, out, _ = run(deepspeed_launcher("zero_inference.py", "--user-partitioned", "--cpu-offload", *ZI_ARGS))
     _check_zero_inference(rc, out)
     assert "backend deepspeed (user-partitioned), offload_param cpu" in out, out
