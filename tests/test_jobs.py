@@ -363,3 +363,17 @@ def test_summary_numbers():
     assert sum(r["busy_share"] for r in s["ranks"]) == pytest.approx(1.0)
     table = progress.format_summary(s)
     assert "tokens/s" in table and "busy share" in table
+
+
+def test_readme_lists_every_exit_code():
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    if not os.path.exists(readme):
+        pytest.skip("no README.md")
+    text = open(readme, encoding="utf-8").read()
+    section = text.split("## Batch jobs: shardgen run", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        int(line.split("|")[1])
+        for line in section.splitlines()
+        if line.startswith("| ") and line[2].isdigit()
+    }
+    assert rows == {int(c) for c in ExitCode}

@@ -49,7 +49,7 @@ class DemoConfig:
 
     nproc: int = 4
     """Ranks to spawn (gloo on CPU). The last one claims no prompts; rank 1 steps away for a while."""
-    prompts: int = 96
+    prompts: int = 160
     """Number of toy prompts; skewed: most answers are 1-4 numbers long, about 15% are 20-25."""
     batch_size: int = 8
     """Requests in flight per rank."""
@@ -208,6 +208,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
     # Validate everything before any rank or engine starts (in the launcher when it spawns).
     records = read_prompts(job.prompts, job, base)
     check_model(job.model_path)
+    for path in (job.out, job.json_summary):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise JobError(ExitCode.USAGE, f"cannot write {path}: {folder} is not a writable folder")
     if job.nproc is not None and "RANK" not in os.environ:
         if journal_paths(job.out) and not job.resume:
             raise JobError(ExitCode.USAGE, _stale_journals(job.out))

@@ -50,7 +50,8 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     """the job failed while running (a rank crashed or raised; journals are intact: rerun with --resume)"""
     USAGE = 2
-    """bad command line (unknown flag, invalid value, journals of an unfinished run without --resume)"""
+    """bad command line (unknown flag, invalid value, --out folder not writable, journals of an
+    unfinished run without --resume)"""
     NO_PROMPTS = 3
     """prompts file missing, unreadable or empty"""
     BAD_PROMPTS = 4
