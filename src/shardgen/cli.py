@@ -49,7 +49,7 @@ class DemoConfig:
 
     nproc: int = 4
     """Ranks to spawn (gloo on CPU). The last one claims no prompts; rank 1 steps away for a while."""
-    prompts: int = 160
+    prompts: int = 256
     """Number of toy prompts; skewed: most answers are 1-4 numbers long, about 15% are 20-25."""
     batch_size: int = 8
     """Requests in flight per rank."""
