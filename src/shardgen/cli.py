@@ -55,7 +55,7 @@ class DemoConfig:
     """Requests in flight per rank."""
     away_s: float = 3.0
     """Seconds rank 1's main thread sleeps while its driver keeps serving shadow forwards."""
-    timeout: float = 240.0
+    timeout: float = 120.0
     """Exit 7 if the job has not finished after this many seconds."""
     keep: str | None = None
     """Folder that keeps the demo's prompts, results and summary (default: a temporary one, removed)."""
@@ -173,7 +173,7 @@ def make_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="4 ranks on the shipped toy model: skewed work, an idle rank, a rank that steps away",
-        description=DemoConfig.__doc__,
+        description=(DemoConfig.__doc__ or "").replace("``", ""),
         epilog=exit_code_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
