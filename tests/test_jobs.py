@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from shardgen import cli, jobs, progress
+from shardgen import cli, jobs, journal, progress
 from shardgen.config import EngineConfig, SamplingParams
 from shardgen.jobs import ExitCode, JobConfig, JobError, PromptRecord
 
@@ -150,7 +150,7 @@ def test_journal_appends_durably(tmp_path, monkeypatch):
     real_fsync = os.fsync
     monkeypatch.setattr(jobs.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     path = str(tmp_path / "o.rank0.journal.jsonl")
-    j = jobs.Journal(path, header={"include_out": False})
+    j = journal.Journal(path, header={"include_out": False})
     j.append(result(1))
     j.append(result(2))
     assert len(synced) >= 3  # the header and each result, before append returns
@@ -162,18 +162,18 @@ def test_journal_appends_durably(tmp_path, monkeypatch):
 def test_journal_repairs_a_torn_last_line(tmp_path):
     path = tmp_path / "o.rank1.journal.jsonl"
     path.write_text(json.dumps(result(1)) + "\n" + '{"id": 2, "te')
-    assert [r["id"] for r in jobs.read_jsonl(str(path))] == [1]  # torn line skipped by readers
-    j = jobs.Journal(str(path))
+    assert [r["id"] for r in journal.read_jsonl(str(path))] == [1]  # torn line skipped by readers
+    j = journal.Journal(str(path))
     j.append(result(3))
     j.close()
-    assert [r["id"] for r in jobs.read_jsonl(str(path))] == [1, 3]
+    assert [r["id"] for r in journal.read_jsonl(str(path))] == [1, 3]
     assert path.read_text().count("\n") == 2
 
 
 def test_merge_input_order_dedupe_and_journals_removed(tmp_path):
     out = str(tmp_path / "o.jsonl")
     for rank, rows in enumerate([[result("c"), result("a", "first")], [result("b"), result("a", "again")]]):
-        j = jobs.Journal(jobs.journal_path(out, rank))
+        j = journal.Journal(journal.journal_path(out, rank))
         for r in rows:
             j.append(r)
         j.close()
@@ -181,25 +181,25 @@ def test_merge_input_order_dedupe_and_journals_removed(tmp_path):
     lines = [json.loads(x) for x in open(out)]
     assert [r["id"] for r in lines] == ["a", "b", "c"]
     assert lines[0]["text"] == "first"  # a result journaled twice is written once
-    assert jobs.journal_paths(out) == [] and not os.path.exists(out + ".tmp")
+    assert journal.journal_paths(out) == [] and not os.path.exists(out + ".tmp")
 
 
 def test_merge_with_a_missing_result_writes_nothing(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text("old\n")
-    j = jobs.Journal(jobs.journal_path(str(out), 0))
+    j = journal.Journal(journal.journal_path(str(out), 0))
     j.append(result("a"))
     j.close()
     with pytest.raises(JobError) as info:
         jobs.merge_results(records("a", "b"), str(out), include_out=False)
     assert info.value.code == ExitCode.FAILED and "'b'" in str(info.value)
-    assert out.read_text() == "old\n" and len(jobs.journal_paths(str(out))) == 1
+    assert out.read_text() == "old\n" and len(journal.journal_paths(str(out))) == 1
 
 
 def test_merge_is_atomic(tmp_path, monkeypatch):
     out = tmp_path / "o.jsonl"
     out.write_text("old\n")
-    j = jobs.Journal(jobs.journal_path(str(out), 0))
+    j = journal.Journal(journal.journal_path(str(out), 0))
     j.append(result("a"))
     j.close()
 
@@ -210,18 +210,18 @@ def test_merge_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         jobs.merge_results(records("a"), str(out), include_out=False)
     assert out.read_text() == "old\n"  # never half-written
-    assert len(jobs.journal_paths(str(out))) == 1  # and nothing lost
+    assert len(journal.journal_paths(str(out))) == 1  # and nothing lost
 
 
 def test_resume_takes_results_from_out_and_journals(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text(json.dumps(result("a", "from out")) + "\n" + '{"id": "b", "tor')
-    j = jobs.Journal(jobs.journal_path(str(out), 3))
+    j = journal.Journal(journal.journal_path(str(out), 3))
     j.append(result("c"))
     j.close()
-    done = jobs.load_results(str(out), include_out=True)
+    done = journal.load_results(str(out), include_out=True)
     assert sorted(done) == ["a", "c"] and done["a"]["text"] == "from out"
-    assert sorted(jobs.load_results(str(out), include_out=False)) == ["c"]
+    assert sorted(journal.load_results(str(out), include_out=False)) == ["c"]
 
 
 def test_plan(tmp_path):
@@ -232,7 +232,7 @@ def test_plan(tmp_path):
         "include_out": False,
         "error": None,
     }
-    j = jobs.Journal(jobs.journal_path(out, 0), header={"include_out": False})
+    j = journal.Journal(journal.journal_path(out, 0), header={"include_out": False})
     j.append(result("b"))
     j.close()
     assert "pass --resume" in jobs._plan(JobConfig(prompts="p", out=out), recs)["error"]
@@ -240,7 +240,7 @@ def test_plan(tmp_path):
         f.write(json.dumps(result("a")) + "\n")
     plan = jobs._plan(JobConfig(prompts="p", out=out, resume=True), recs)
     assert plan == {"pending": [0, 2], "include_out": False, "error": None}
-    os.remove(jobs.journal_path(out, 0))
+    os.remove(journal.journal_path(out, 0))
     plan = jobs._plan(JobConfig(prompts="p", out=out, resume=True), recs)  # a finished run's out counts
     assert plan == {"pending": [1, 2], "include_out": True, "error": None}
 

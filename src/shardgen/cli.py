@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig, SamplingParams
-from .jobs import ExitCode, JobConfig, JobError, check_model, journal_paths, read_jsonl, read_prompts
+from .jobs import ExitCode, JobConfig, JobError, check_model, read_prompts
+from .journal import journal_paths, read_jsonl
 
 # The settings `shardgen run` exposes, per dataclass (None: every field). SamplingParams'
 # temperature and seed are JobConfig's own (0 = greedy; a base seed for per-request seeds).
@@ -252,7 +253,7 @@ def run_rank(job: JobConfig, engine_cfg: EngineConfig, base: SamplingParams, rec
             if not job.quiet:
                 print(format_summary(summary), flush=True)
             if job.json_summary:
-                from .jobs import atomic_write_text
+                from .journal import atomic_write_text
 
                 atomic_write_text(job.json_summary, [json.dumps(summary, indent=2) + "\n"])
         return ExitCode.OK
