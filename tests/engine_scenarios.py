@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 
@@ -250,6 +251,7 @@ def spinner(spin_s: float):
     """A rank whose user thread spins in pure Python: its driver still serves the peers (slower)."""
     ref = tiny_model("llama", seed=24)
     eng = shardgen.Engine(tiny_model("llama", seed=24), backend="fsdp2")
+    assert abs(sys.getswitchinterval() - 0.0002) < 1e-9  # the engine lowered it while open
     dist.barrier()
     t0 = time.monotonic()
     if rank() == 1:
@@ -261,6 +263,7 @@ def spinner(spin_s: float):
         _check(eng, ref, ids, mask, max_new_tokens=20)
     elapsed = time.monotonic() - t0
     eng.close()
+    assert abs(sys.getswitchinterval() - 0.005) < 1e-9  # restored with the last engine
     return elapsed
 
 

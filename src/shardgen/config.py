@@ -69,6 +69,10 @@ class EngineConfig:
     batch. False decodes in waves (a batch is exactly what HF would run)."""
     burst_steps: int = 8
     """Forwards a rank runs per tick when forwards need no gathers (gathered weights, local backend)."""
+    gil_switch_interval: float | None = 0.0002
+    """While an engine is open, Python's thread switch interval (s) is lowered to this, so a user
+    thread busy in pure Python cannot starve the driver (in lockstep, one slow driver paces every
+    rank). Restored when the last engine closes; None leaves the interpreter's setting alone."""
     idle_sleep_max: float = 0.005
     """Longest sleep (s) between ticks when no rank has work: bounds the latency of a new request."""
     init_timeout: float = 300.0
@@ -90,6 +94,10 @@ class EngineConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.gather not in ("per-layer", "once", "auto"):
             raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
+        if self.gil_switch_interval is not None and not self.gil_switch_interval > 0:
+            raise ValueError(
+                f"gil_switch_interval must be > 0 seconds or None, got {self.gil_switch_interval}"
+            )
         if self.burst_steps < 1:
             raise ValueError(f"burst_steps must be >= 1, got {self.burst_steps}")
         if self.max_batch_size < 1:
