@@ -567,8 +567,7 @@ _SAVED_SWITCH: list[float] = []
 
 def _lower_switch_interval(target: float | None) -> None:
     """A user thread spinning in pure Python holds the GIL for a whole switch interval each
-    time the driver wants it (after every op): at the default 5 ms a tiny model's 20 tokens
-    took 3.1 s against a spinning peer, at 0.2 ms 0.57 s (tests/engine_scenarios.spinner)."""
+    time the driver wants it (after every op): benchmarks/spin.py measures it."""
     if target is None:
         return
     current = sys.getswitchinterval()
