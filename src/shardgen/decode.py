@@ -73,6 +73,9 @@ class Batch:
         params = inspect.signature(hf_model.forward).parameters
         self._takes_positions = "position_ids" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
+        # transformers 5.24 renamed the cache argument (past_key_values -> cache).
+        prep = inspect.signature(hf_model.prepare_inputs_for_generation).parameters
+        self._cache_kw = "cache" if "cache" in prep else "past_key_values"
 
         width = max(len(s.prompt_ids) for s in seqs)
         ids = torch.full((len(seqs), width), 0, dtype=torch.long)
@@ -178,7 +181,7 @@ class Batch:
         return torch.ones(self.input_ids.shape, dtype=torch.long, device=self.device)
 
     def _model_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {"past_key_values": self.cache, "use_cache": True}
+        kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
         kw["attention_mask"] = self.attention_mask
         if self._takes_positions:
             kw["position_ids"] = self.position_ids
@@ -205,8 +208,9 @@ class Batch:
     def _consume(self, outputs: Any) -> None:
         # Same as HF: float32 copy of the last position's logits.
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
-        if getattr(outputs, "past_key_values", None) is not None:
-            self.cache = outputs.past_key_values
+        returned = getattr(outputs, self._cache_kw, None)
+        if returned is not None:
+            self.cache = returned
         del outputs
         tokens = select_tokens(
             logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
