@@ -82,7 +82,12 @@ class Engine:
     """Deadlock-free generation on a model sharded across all ranks.
 
     ``Engine(model, tokenizer=tok, backend="fsdp2")`` is collective: every rank
-    constructs it, with the same settings and the same model architecture.
+    constructs it, with the same settings and the same model architecture, and
+    engines are constructed in the same order on every rank. In order, it:
+    waits for every rank on the store (``init_timeout``, naming absent ranks);
+    creates two groups with ``new_group`` on the default group; all-gathers the
+    settings on the control group; shards the model on the parameter group; and,
+    for ``gather="auto"``, all-reduces whether the full model fits.
     """
 
     def __init__(
@@ -137,7 +142,7 @@ class Engine:
         self._control = self._params = None
         self._store: Any = None
         self._pause_epoch = 0
-        if self.world > 1 or dist.is_initialized():
+        if dist.is_initialized():
             self.engine_id = comm.next_engine_id()
             self._store = store = comm.default_store()
             comm.arrive(store, f"shardgen/engine{self.engine_id}", self.rank, self.world, cfg.init_timeout)
