@@ -289,3 +289,12 @@ def moe_routing(backend: str = "fsdp2"):
     eng.close()
     handle.remove()
     return counts.tolist()
+
+
+def late_close(idle_s: float, stall: float):
+    """Both ranks idle longer than stall_timeout, then close one second apart: no error."""
+    eng = shardgen.Engine(tiny_model("gpt2", seed=26), backend="fsdp2", stall_timeout=stall)
+    eng.generate([[5, 6, 7]], max_new_tokens=3)
+    time.sleep(idle_s + rank())  # rank 1 closes a second after rank 0
+    eng.close()
+    return True

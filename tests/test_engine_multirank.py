@@ -115,3 +115,8 @@ def test_e_random_workloads_world3_deepspeed(world3, case):
 def test_moe_on_deepspeed_routes_differently_without_deadlock(world2):
     c0, c1 = world2.run(sc.moe_routing, "deepspeed", timeout=120)
     assert c0 != c1 and sum(c0) > 0 and sum(c1) > 0, (c0, c1)
+
+
+def test_close_after_a_long_idle_waits_for_a_late_peer(world2):
+    # idle 3 s > stall_timeout 2 s before close(): only waiting inside close() may count
+    assert world2.run(sc.late_close, 3.0, 2.0, timeout=60) == [True, True]

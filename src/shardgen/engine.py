@@ -281,16 +281,18 @@ class Engine:
         """Collective join: stop taking requests, finish all work on every rank, stop the driver.
 
         Returns once every rank closed and all work is done. A rank that never closes
-        is named in a ``RendezvousTimeoutError`` after ``timeout`` seconds without any
-        forward (default: ``stall_timeout``). Idempotent.
+        is named in a ``RendezvousTimeoutError`` once this call has waited ``timeout``
+        seconds (default: ``stall_timeout``) with no forward anywhere. Idempotent.
         """
         with self._lock:
             self._closed = True
         self._wake.set()
         limit = self.config.stall_timeout if timeout is None else timeout
+        called = time.monotonic()
         while self._thread.is_alive() and self._failed is None:
             self._thread.join(0.05)
-            if self._thread.is_alive() and time.monotonic() - self._last_forward_t > limit:
+            quiet_since = max(called, self._last_forward_t)  # idle time before close() does not count
+            if self._thread.is_alive() and time.monotonic() - quiet_since > limit:
                 st = self._last_state
                 absent = [r for r, o in enumerate(st.col(OPEN)) if o] if st is not None else []
                 raise RendezvousTimeoutError(
