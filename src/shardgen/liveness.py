@@ -54,6 +54,16 @@ def enable_stack_dumps() -> None:
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
 
 
+def pid_namespace() -> str:
+    """This kernel's boot id and PID-namespace inode: equal for two processes exactly when
+    their pids mean the same thing (same host, same container), unlike hostnames."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"{socket.gethostname()}:?"
+
+
 def _process_state(pid: int) -> str | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -110,6 +120,7 @@ class Liveness:
         self.status = status
         self.on_failure = on_failure
         self.host = socket.gethostname()
+        self.pidns = pid_namespace()
         self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shardgen-liveness-r{rank}", daemon=True)
@@ -129,7 +140,7 @@ class Liveness:
         tick, cur = self.status()
         self._seq += 1
         rec = {"seq": self._seq, "tick": tick, "phase": phase or cur, "time": time.time()}
-        rec.update(pid=os.getpid(), host=self.host)
+        rec.update(pid=os.getpid(), host=self.host, pidns=self.pidns)
         self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(rec))
 
     def report_error(self, err: BaseException) -> None:
@@ -186,7 +197,7 @@ class Liveness:
                 continue
             if rec["seq"] != last[r][0]:
                 last[r] = (rec["seq"], now)
-            if rec.get("host") == self.host and _process_state(int(rec["pid"])) in (None, "Z"):
+            if rec.get("pidns") == self.pidns and _process_state(int(rec["pid"])) in (None, "Z"):
                 return self._stalled(r, rec, now - last[r][1])  # dead on this host: no need to wait
             if now - last[r][1] > self.stall_timeout:
                 return self._stalled(r, rec, now - last[r][1])
@@ -200,7 +211,7 @@ class Liveness:
             else f"sent no heartbeat for {silent_s:.1f}s (stall_timeout={self.stall_timeout:g}s)"
         )
         msg = f"rank {r} ({where}) {why}; last phase {rec.get('phase')!r} at tick {rec.get('tick')}"
-        if rec.get("host") == self.host and isinstance(rec.get("pid"), int):
+        if rec.get("pidns") == self.pidns and isinstance(rec.get("pid"), int):
             msg += "\n--- its Python stack ---\n" + local_stack(rec["pid"])
         return PeerStalledError(msg)
 
