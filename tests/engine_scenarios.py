@@ -298,3 +298,20 @@ def late_close(idle_s: float, stall: float):
     time.sleep(idle_s + rank())  # rank 1 closes a second after rank 0
     eng.close()
     return True
+
+
+def pause_alone(stall: float):
+    """Only rank 0 enters paused(): it is told which rank never came, then both close normally."""
+    eng = shardgen.Engine(tiny_model("gpt2", seed=27), backend="fsdp2", stall_timeout=stall)
+    msg = "no error"
+    if rank() == 0:
+        try:
+            with eng.paused():
+                pass
+        except shardgen.RendezvousTimeoutError as e:
+            msg = str(e)
+        eng.generate([[5, 6]], max_new_tokens=2)  # the engine still works afterwards
+    else:
+        time.sleep(stall + 2)
+    eng.close()
+    return msg

@@ -120,3 +120,8 @@ def test_moe_on_deepspeed_routes_differently_without_deadlock(world2):
 def test_close_after_a_long_idle_waits_for_a_late_peer(world2):
     # idle 3 s > stall_timeout 2 s before close(): only waiting inside close() may count
     assert world2.run(sc.late_close, 3.0, 2.0, timeout=60) == [True, True]
+
+
+def test_paused_names_a_rank_that_never_enters(world2):
+    m0, m1 = world2.run(sc.pause_alone, 2.0, timeout=60)
+    assert "rank(s) [1] never entered paused()" in m0 and m1 == "no error"

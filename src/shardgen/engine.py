@@ -262,15 +262,25 @@ class Engine:
 
         The pause begins once every rank asked for it and every live sequence
         finished (requests still queued wait); it ends on each rank when its block exits.
+        Ranks that never enter are named in a ``RendezvousTimeoutError`` once this rank
+        has waited ``stall_timeout`` with no forward anywhere.
         """
         self._check_usable()
         with self._lock:
             self._pause_wanted = True
             self._resume.clear()
         self._wake.set()
+        called = time.monotonic()
         try:
             while not self._paused.wait(0.05):
                 self._raise_if_failed()
+                if time.monotonic() - max(called, self._last_forward_t) > self.config.stall_timeout:
+                    st = self._last_state
+                    absent = [r for r, p in enumerate(st.col(PAUSE)) if not p] if st is not None else []
+                    raise RendezvousTimeoutError(
+                        f"rank {self.rank}: paused() waited {self.config.stall_timeout:g}s with no work "
+                        f"left; rank(s) {absent} never entered paused()"
+                    )
             yield
         finally:
             with self._lock:
