@@ -10,50 +10,18 @@ VOCAB = 96
 
 def tiny_config(arch: str, **over):
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    decoder = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+    gqa = dict(decoder, num_key_value_heads=2)
     if arch == "llama":
-        cfg = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            **common,
-        )
+        cfg = LlamaConfig(intermediate_size=64, **gqa, **common)
     elif arch == "qwen2":
-        cfg = Qwen2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            **common,
-        )
+        cfg = Qwen2Config(intermediate_size=64, **gqa, **common)
     elif arch == "gpt2":
         cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
     elif arch == "opt":
-        cfg = OPTConfig(
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=256,
-            word_embed_proj_dim=32,
-            **common,
-        )
+        cfg = OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **decoder, **common)
     elif arch == "mixtral":
-        cfg = MixtralConfig(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=256,
-            **common,
-        )
+        cfg = MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **gqa, **common)
     else:
         raise ValueError(arch)
     for k, v in over.items():
