@@ -208,7 +208,8 @@ def concurrent_user_threads():
 
 
 def gather_policy(gather: str, budget_gb: float | None = None):
-    """gather='once'/'auto': weights gathered when work starts, released when all idle; same outputs."""
+    """gather='once'/'auto': weights gathered when work starts, released when all idle, before a
+    pause and at close; same outputs."""
     ref = tiny_model("llama", seed=22)
     eng = shardgen.Engine(
         tiny_model("llama", seed=22), backend="fsdp2", gather=gather, memory_budget_gb=budget_gb
@@ -216,9 +217,18 @@ def gather_policy(gather: str, budget_gb: float | None = None):
     for c in range(2 if rank() == 0 else 1):
         ids, mask = batch([3, 6], seed=70 + 10 * rank() + c)
         _check(eng, ref, ids, mask, max_new_tokens=12 + 10 * rank())
+    # Pause and close requested while rank 0 still decodes: PAUSE / EXIT follow its last forward
+    # directly (no idle tick in between) and must release the gathered weights themselves.
+    fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
+    with eng.paused():
+        assert not eng._gathered  # a training step here must see (and update) the shards
+    assert fut is None or len(fut.result().token_ids) == 40
+    fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
     eng.close()
+    assert not eng._gathered
+    assert fut is None or len(fut.result().token_ids) == 40
     st = eng.stats()
-    return eng.gather_policy, st["shadow_forwards"], st["ticks"], st["forwards"]
+    return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"]
 
 
 def user_wrapped_fsdp2_seed_script():

@@ -423,23 +423,29 @@ class Engine:
                 self._forward_tick(state)
                 self._last_forward_t = time.monotonic()
             elif decision is Decision.IDLE:
-                if self._gathered:  # nobody has work: give the memory back
-                    self.backend.release_all()
-                    self._gathered = False
-                    if self.config.debug_collectives:
-                        self._fp.fold("release_all")
+                self._release_if_gathered()  # nobody has work: give the memory back
                 self._stats.idle_ticks += 1
                 self.phase = "idle"
                 self._wake.wait(min(self.config.idle_sleep_max, 0.0005 * (2**idle)))
                 self._wake.clear()
                 idle = min(idle + 1, 16)
             elif decision is Decision.PAUSE:
+                self._release_if_gathered()  # a training step inside would make the copies stale
                 self._pause_here()
                 idle = 0
             else:
                 assert decision is Decision.EXIT
+                self._release_if_gathered()  # hand the model back sharded, as it came
                 self.phase = "closed"
                 return
+
+    def _release_if_gathered(self) -> None:
+        """Back to sharded weights. Every rank calls it on the same (agreed) tick."""
+        if self._gathered:
+            self.backend.release_all()
+            self._gathered = False
+            if self.config.debug_collectives:
+                self._fp.fold("release_all")
 
     def _forward_tick(self, state: TickState) -> None:
         """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant).
