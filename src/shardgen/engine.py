@@ -37,7 +37,6 @@ from .log import get_logger
 from .memory import kv_cache_bytes, memory_budget
 from .protocol import (
     FINGERPRINT,
-    FREE,
     LIVE,
     NCOLS,
     OPEN,
@@ -274,13 +273,7 @@ class Engine:
         try:
             while not self._paused.wait(0.05):
                 self._raise_if_failed()
-                if time.monotonic() - max(called, self._last_forward_t) > self.config.stall_timeout:
-                    st = self._last_state
-                    absent = [r for r, p in enumerate(st.col(PAUSE)) if not p] if st is not None else []
-                    raise RendezvousTimeoutError(
-                        f"rank {self.rank}: paused() waited {self.config.stall_timeout:g}s with no work "
-                        f"left; rank(s) {absent} never entered paused()"
-                    )
+                self._bound_wait(called, self.config.stall_timeout, PAUSE, "paused()", "entered paused()")
             yield
         finally:
             with self._lock:
@@ -301,14 +294,8 @@ class Engine:
         called = time.monotonic()
         while self._thread.is_alive() and self._failed is None:
             self._thread.join(0.05)
-            quiet_since = max(called, self._last_forward_t)  # idle time before close() does not count
-            if self._thread.is_alive() and time.monotonic() - quiet_since > limit:
-                st = self._last_state
-                absent = [r for r, o in enumerate(st.col(OPEN)) if o] if st is not None else []
-                raise RendezvousTimeoutError(
-                    f"rank {self.rank}: close() waited {limit:g}s with no work left; "
-                    f"rank(s) {absent} never called close()"
-                )
+            if self._thread.is_alive():
+                self._bound_wait(called, limit, OPEN, "close()", "called close()", absent_if=1)
         self._raise_if_failed()
         self._teardown()
 
@@ -327,6 +314,20 @@ class Engine:
         if self._closed:
             raise EngineClosedError(f"rank {self.rank}: engine is closed")
         self._raise_if_failed()
+
+    def _bound_wait(
+        self, called: float, limit: float, col: int, what: str, never: str, absent_if: int = 0
+    ) -> None:
+        """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (last tick) is
+        ``absent_if``, once ``what`` has waited ``limit`` s with no forward anywhere. Idle time
+        before the call does not count."""
+        if time.monotonic() - max(called, self._last_forward_t) <= limit:
+            return
+        st = self._last_state
+        absent = [r for r, v in enumerate(st.col(col)) if v == absent_if] if st is not None else []
+        raise RendezvousTimeoutError(
+            f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
+        )
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
@@ -399,7 +400,7 @@ class Engine:
             live = self._work.live
             row = [0] * NCOLS
             row[LIVE], row[PENDING], row[OPEN] = live, len(self._work.pending), int(not closed)
-            row[PAUSE], row[FREE] = int(pause), self.config.max_batch_size - live
+            row[PAUSE] = int(pause)
             row[FINGERPRINT] = self._fp.value if self.config.debug_collectives else 0
             self.phase = "tick"
             t0 = time.perf_counter()
