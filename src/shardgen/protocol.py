@@ -40,8 +40,8 @@ import torch
 from .errors import CollectiveDivergenceError
 
 # Columns of a rank's row in the tick vector.
-LIVE, PENDING, OPEN, PAUSE, FREE, FINGERPRINT = range(6)
-NCOLS = 6
+LIVE, PENDING, OPEN, PAUSE, FINGERPRINT = range(5)
+NCOLS = 5
 
 
 class Decision(enum.Enum):

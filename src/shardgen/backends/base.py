@@ -65,7 +65,8 @@ class Backend:
         return sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
 
     def describe(self) -> dict[str, str]:
-        """Settings every rank must agree on (checked collectively at construction)."""
+        """What this backend runs with (logs, tests). The cross-rank check at construction uses
+        ``describe_model`` on the model before sharding, since sharding itself is collective."""
         return {"backend": self.name, **describe_model(self.hf_model)}
 
     def units(self) -> list[torch.nn.Module]:
