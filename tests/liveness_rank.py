@@ -30,7 +30,7 @@ def main(scenario: str) -> None:
 
     rank, world = shardgen.init()
     stall = float(os.environ.get("STALL_TIMEOUT", "4"))
-    victim = world - 1
+    victim = int(os.environ.get("VICTIM", world - 1))
     event("started", pid=os.getpid())
 
     if scenario == "never_constructs" and rank == victim:
@@ -51,6 +51,25 @@ def main(scenario: str) -> None:
             return real(**kw)
 
         engine.backend.forward = flaky
+
+    if scenario == "driver_deadlock" and rank == victim:
+        real, calls = engine.backend.forward, [0]
+
+        def hangs(**kw):
+            calls[0] += 1
+            if calls[0] == 4:
+                event("deadlocked")
+                threading.Event().wait()  # the driver never comes back; the heartbeat runs on
+            return real(**kw)
+
+        engine.backend.forward = hangs
+
+    if scenario == "skip_forward" and rank == victim:
+        # This rank has no requests, so it shadows every forward: it returns without gathering.
+        engine.backend.shadow_forward = lambda: event("skipped")
+        while engine._failed is None:  # not close(): its own bound would race the verdict
+            time.sleep(0.1)
+        raise engine._failed
 
     if scenario == "user_thread_stuck" and rank == victim:
         event("stuck")

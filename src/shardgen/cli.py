@@ -270,6 +270,9 @@ def run_rank(job: JobConfig, engine_cfg: EngineConfig, base: SamplingParams, rec
             flush=True,
         )
         sys.stdout.flush()
+        from .liveness import linger
+
+        linger()  # on rank 0, the store's host: let peers read who failed first
         os._exit(ExitCode.FAILED)  # peers may be blocked in collectives: do not wait for teardown
     finally:
         with contextlib.suppress(Exception):

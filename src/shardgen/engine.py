@@ -51,6 +51,8 @@ from .protocol import (
 )
 from .requests import Completion, Request, build_request, completion_of, resolve_future
 from .scheduler import LocalWork
+from .stalls import GatherCounter
+from .verdict import describe, last_seen
 
 log = get_logger()
 
@@ -167,13 +169,19 @@ class Engine:
         )
         self._thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{self.rank}", daemon=True)
         if self._store is not None and self.world > 1:
+            gathers = GatherCounter(self.backend)  # the heartbeat shows how far the driver got
             self._live = Liveness(
                 self._store,
                 f"shardgen/engine{self.engine_id}",
                 self.rank,
                 self.world,
                 cfg.stall_timeout,
-                status=lambda: (self.tick, self.phase),
+                status=lambda: (
+                    self.tick,
+                    self.phase,
+                    self._stats.forwards + self._stats.shadow_forwards,
+                    gathers.count,
+                ),
                 on_failure=self._on_peer_failure,
             )
             self._live.start()
@@ -274,6 +282,7 @@ class Engine:
             while not self._paused.wait(0.05):
                 self._raise_if_failed()
                 self._bound_wait(called, self.config.stall_timeout, PAUSE, "paused()", "entered paused()")
+            self._raise_if_failed()  # a failure also ends the wait: no pause then
             yield
         finally:
             with self._lock:
@@ -325,9 +334,11 @@ class Engine:
             return
         st = self._last_state
         absent = [r for r, v in enumerate(st.col(col)) if v == absent_if] if st is not None else []
-        raise RendezvousTimeoutError(
-            f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
-        )
+        msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
+        if self._live is None or not absent:
+            raise RendezvousTimeoutError(msg)
+        rec = self._live.peer(absent[0])
+        raise self._live.blame(absent[0], "absent", f"{msg}; {describe(absent[0], rec)}, {last_seen(rec)}")
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
@@ -387,7 +398,8 @@ class Engine:
             self._fail(err)
         else:
             if self._live is not None:
-                self._live.beat("closed")
+                with contextlib.suppress(Exception):  # rank 0 (the store) may already be gone
+                    self._live.beat("closed")
                 self._live.stop()
 
     def _loop(self) -> None:
