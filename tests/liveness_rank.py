@@ -37,7 +37,10 @@ def main(scenario: str) -> None:
         event("away")
         time.sleep(3600)
     engine = shardgen.Engine(
-        tiny_model("llama", seed=3), backend="fsdp2", stall_timeout=stall, init_timeout=stall
+        tiny_model("llama", seed=3),
+        backend="fsdp2",
+        stall_timeout=stall,
+        init_timeout=stall if scenario == "never_constructs" else 120,  # a loaded machine starts slowly
     )
     event("constructed")
 

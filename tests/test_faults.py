@@ -49,7 +49,7 @@ CASES = [(w, v) for w in (3, 4) for v in (0, 1)]
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_signal_is_named_by_every_healthy_rank(ranks_factory, world, victim, sig):
     ranks = ranks_factory("sigkill", world, victim)
-    ranks.wait_event(victim, "call_done", count=2, timeout=180)
+    ranks.wait_event(victim, "call_done", count=2, timeout=300)
     t_fault = time.time()
     os.kill(ranks.procs[victim].pid, getattr(signal, sig))
     check_every_healthy_rank_names(ranks, victim, world, sig, t_fault)
@@ -58,7 +58,7 @@ def test_signal_is_named_by_every_healthy_rank(ranks_factory, world, victim, sig
 @pytest.mark.parametrize(("world", "victim"), CASES, ids=[f"w{w}-rank{v}" for w, v in CASES])
 def test_exception_in_a_forward_is_named_by_every_healthy_rank(ranks_factory, world, victim):
     ranks = ranks_factory("driver_raises", world, victim)
-    code, _ = ranks.wait_exit(victim, 120)
+    code, _ = ranks.wait_exit(victim, 300)
     assert code != 0 and "injected failure" in ranks.text(victim), ranks.dump()
     t_fault = ranks.events(victim, "error")[0]["t"]
     check_every_healthy_rank_names(ranks, victim, world, "exception in a forward", t_fault)
@@ -70,12 +70,12 @@ def test_exception_in_a_forward_is_named_by_every_healthy_rank(ranks_factory, wo
 @pytest.mark.parametrize("victim", [0, 1])
 def test_deadlocked_driver_with_live_heartbeat_is_named(ranks_factory, victim):
     ranks = ranks_factory("driver_deadlock", 3, victim)
-    t_fault = ranks.wait_event(victim, "deadlocked", timeout=120)["t"]
+    t_fault = ranks.wait_event(victim, "deadlocked", timeout=300)["t"]
     check_every_healthy_rank_names(ranks, victim, 3, "driver deadlocked, heartbeat alive", t_fault)
     assert "stopped reaching the tick" in ranks.events((victim + 1) % 3, "error")[0]["msg"]
 
 
 def test_driver_that_skips_its_gathers_is_named_not_its_blocked_peer(ranks_factory):
     ranks = ranks_factory("skip_forward", 3, 1)
-    t_fault = ranks.wait_event(1, "skipped", timeout=120)["t"]
+    t_fault = ranks.wait_event(1, "skipped", timeout=300)["t"]
     check_every_healthy_rank_names(ranks, 1, 3, "driver skipped a forward's gathers", t_fault)

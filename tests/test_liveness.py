@@ -69,7 +69,8 @@ def test_exception_in_a_driver_reaches_every_rank(ranks_factory):
     assert "ValueError" in ranks.text(1) and "injected failure" in ranks.text(1)
     err0 = ranks.events(0, "error")
     assert err0 and err0[0]["type"] == "PeerFailedError", ranks.dump()
-    assert "rank 1 raised ValueError: injected failure in the forward" in err0[0]["msg"]
+    assert err0[0]["msg"].startswith("rank 1 (host "), ranks.dump()
+    assert "raised ValueError: injected failure in the forward; last phase" in err0[0]["msg"]
     _no_process_left(ranks, 0)
     _no_process_left(ranks, 1)
 

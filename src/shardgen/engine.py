@@ -583,12 +583,14 @@ _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 @atexit.register
 def _exit_guard() -> None:
-    """At interpreter exit, a driver stuck in a collective with a dead peer would hold the exit
-    (process-group teardown waits for it): leave at once, non-zero, instead."""
+    """At interpreter exit, a failed engine may leave gloo work that never completes (a driver
+    stuck in a gather, or a tick's all-reduce abandoned when the verdict came): the groups'
+    destructors would join their worker threads until the group timeout. Leave at once,
+    non-zero, instead."""
     for eng in list(_ENGINES):
-        if eng._failed is not None and eng._thread.is_alive():
-            log.error("rank %d: exiting with a driver stuck after: %s", eng.rank, eng._failed)
-            for h in log.handlers:
+        if eng._failed is not None:
+            log.error("rank %d: exiting after: %s", eng.rank, eng._failed)
+            for h in [*log.handlers, sys.stdout, sys.stderr]:
                 with contextlib.suppress(Exception):
                     h.flush()
             os._exit(1)
