@@ -106,6 +106,13 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` (``EngineConfig`` fields) applied; ``ValueError`` on unknown names."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes) if changes else self
+
     def agreed(self) -> dict[str, str]:
         """The settings every rank must share (checked collectively at construction)."""
         return {
