@@ -194,7 +194,7 @@ def concurrent_user_threads():
         try:
             ids, mask = batch([2 + t, 4], seed=60 + 10 * rank() + t)
             _check(eng, ref, ids, mask, max_new_tokens=5 + t)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, process
-from .backends import Backend, make_backend
+from .backends import Backend, check_backend_name, make_backend
 from .backends.base import describe_model
 from .config import EngineConfig, SamplingParams
 from .driver import Driver, EngineStats, Shared
@@ -62,6 +62,7 @@ class Engine:
     ) -> None:
         cfg = (config if config is not None else EngineConfig()).replace(**overrides)
         cfg.validate()
+        check_backend_name(cfg.backend)  # before any collective
         self.config, self.tokenizer = cfg, tokenizer
         self.timeouts = derive(cfg.stall_timeout, cfg.init_timeout)
         self._shared = Shared()

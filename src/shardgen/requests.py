@@ -64,7 +64,12 @@ def build_request(
     generation_config: Any,
     tokenizer: Any = None,
 ) -> Request:
-    """Validate one request and make its ``Sequence``. Raises ``ValueError`` with the numbers."""
+    """Validate one request and make its ``Sequence``. Raises ``ValueError`` with the numbers.
+
+    The one validation point: unset fields take the model's ``generation_config``, then the
+    library defaults (``SamplingParams.resolved``), and the result is checked.
+    """
+    params = params.resolved(generation_config)
     params.validate()
     ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
     if not ids:
