@@ -2,7 +2,8 @@
 
 Every function here that issues a collective says so; all of them are called from
 the user thread during the (collective) engine constructor, on every rank, in
-the same order.
+the same order (``destroy_groups``: at close). The timeouts they wait with come
+from ``timeouts.derive``.
 """
 
 from __future__ import annotations

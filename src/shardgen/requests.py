@@ -1,7 +1,8 @@
 """Requests and results: turning a user's prompt and options into a decoder ``Sequence``.
 
 Validation happens here, in the caller's thread, so a bad request raises
-``ValueError`` for that call only and never reaches the driver.
+``ValueError`` for that call only and never reaches the driver; so does filling
+the fields the user left unset from the model's ``generation_config``.
 """
 
 from __future__ import annotations

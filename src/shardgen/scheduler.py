@@ -1,6 +1,6 @@
 """This rank's own work: requests waiting for a slot, and the batch decoding them.
 
-Driver thread only; no collectives. The engine asks it for ONE real forward per
+Driver thread only; no collectives. The driver asks it for ONE real forward per
 call (``step``): a new wave's prefill, a refill of finished slots, or a decode
 step; the protocol decides whether a forward happens at all.
 """
