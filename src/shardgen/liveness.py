@@ -2,11 +2,11 @@
 
 One thread per engine (``shardgen-liveness-r<R>``) does both jobs, so a driver
 that is busy (a long prefill) or blocked in a collective never delays its own
-heartbeat. Every ``interval`` it:
+heartbeat. Every ``timeouts.heartbeat`` seconds it:
 
 1. writes ``<prefix>/hb/<rank>`` = JSON {seq, tick, phase, time, pid, host};
 2. reads every peer's heartbeat: a peer whose ``seq`` has not changed for
-   ``stall_timeout`` (measured on this host's monotonic clock, so hosts' clocks
+   ``timeouts.stall`` (measured on this host's monotonic clock, so hosts' clocks
    never matter) is stalled; a peer that wrote ``<prefix>/error/<rank>`` failed.
 
 On the first stalled or failed peer it calls ``on_failure(error)`` once and stops.
@@ -38,6 +38,7 @@ from typing import Any
 from . import verdict
 from .log import get_logger
 from .stalls import find_laggard, progress_key
+from .timeouts import Timeouts
 from .verdict import Verdict, describe, last_seen
 
 log = get_logger()
@@ -56,7 +57,7 @@ def enable_stack_dumps() -> None:
         return
     path = stack_file_path(os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
-    _stack_file = open(path, "w")  # noqa: SIM115 - faulthandler needs it open for the process lifetime
+    _stack_file = open(path, "w")  # faulthandler writes to it for the process lifetime
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
 
 
@@ -113,19 +114,20 @@ class Liveness:
         prefix: str,
         rank: int,
         world: int,
-        stall_timeout: float,
+        timeouts: Timeouts,
         status: Callable[[], tuple[int, str, int, int]],
         on_failure: Callable[[BaseException], None],
     ) -> None:
         self.prefix = prefix
         self.rank = rank
         self.world = world
-        self.stall_timeout = stall_timeout
-        self.interval = min(1.0, max(0.05, stall_timeout / 10))
+        self.stall_timeout = timeouts.stall
+        self.interval = timeouts.heartbeat
+        self.linger_s = timeouts.verdict_linger
         # Store calls on a connection of our own, bounded where the store allows (get, wait);
         # a stopped store host blocks the others (check, set): the watchdog thread sees that.
-        self.store = _own_connection(store, max(0.5, min(stall_timeout / 2, 5.0)))
-        self.store_grace = min(stall_timeout, max(1.0, 3 * self.interval))
+        self.store = _own_connection(store, timeouts.store_call)
+        self.store_grace = timeouts.store_lost
         self._records: dict[int, dict[str, Any]] = {}
         self._alive_t = time.monotonic()  # the last time a round of store calls completed
         self._fired = threading.Lock()
@@ -175,7 +177,7 @@ class Liveness:
         proposal = Verdict(culprit, kind, message, self.rank)
         try:
             self.verdict = verdict.publish(self.store, self.prefix, proposal)
-        except Exception as e:  # noqa: BLE001 - the store may be gone with its host
+        except Exception as e:  # the store may be gone with its host
             log.warning("rank %d: could not publish the verdict to peers: %s", self.rank, e)
             self.verdict = proposal
         return self.verdict.error(self.rank)
@@ -227,7 +229,7 @@ class Liveness:
                         v = self.verdict
                 store_down_since = None
                 self._alive_t = time.monotonic()
-            except Exception as e:  # noqa: BLE001 - a dead store host is a failure of its own
+            except Exception as e:  # a dead store host is a failure of its own
                 if self._stop.is_set():
                     return
                 now = time.monotonic()
@@ -336,7 +338,7 @@ def _own_connection(store: Any, timeout_s: float) -> Any:
         mine = store.clone()
         mine.set_timeout(datetime.timedelta(seconds=timeout_s))
         return mine
-    except Exception:  # noqa: BLE001 - stores without clone(): share the caller's connection
+    except Exception:  # stores without clone(): share the caller's connection
         return store
 
 
@@ -354,8 +356,7 @@ def linger() -> None:
     peer has read the verdict, so none of them finds the store gone and blames rank 0.
     Call it before ``os._exit``; ``atexit`` calls it otherwise."""
     for live in list(_HOSTED):
-        bound = max(2.0, 3 * live.interval + 1.0)
-        missing = verdict.wait_for_acks(live.store, live.prefix, live.world, live.rank, bound)
+        missing = verdict.wait_for_acks(live.store, live.prefix, live.world, live.rank, live.linger_s)
         if missing:
             log.warning(
                 "rank %d: exiting; rank(s) %s never acknowledged the failure verdict", live.rank, missing
