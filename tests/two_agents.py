@@ -35,7 +35,7 @@ def run_once(workdir: Path, prompts: Path, timeout: float = 150.0) -> dict:
     out = workdir / f"out-{port}.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     src = os.environ.get("SHARDGEN_SRC", str(HERE.parent / "src"))
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([src, str(HERE / "exitcheck"), env.get("PYTHONPATH", "")])
     procs, logs = [], []
     t0 = time.monotonic()
     for node in range(2):
@@ -60,11 +60,13 @@ def run_once(workdir: Path, prompts: Path, timeout: float = 150.0) -> dict:
             codes.append(None)
     texts = [log.read_text() for log in logs]
     rows = len(out.read_text().splitlines()) if out.exists() else 0
+    leftover = [line for t in texts for line in t.splitlines() if "EXIT-THREADS" in line and "[]" not in line]
     return {
         "codes": codes,
         "seconds": round(time.monotonic() - t0, 1),
         "terminate": any("terminate called" in t for t in texts),
         "rows": rows,
+        "threads_at_exit": leftover,
         "outputs": texts,
     }
 
@@ -81,9 +83,11 @@ def main(runs: int) -> int:
         for i in range(runs):
             res = run_once(work, prompts)
             ok = res["codes"] == [0, 0] and not res["terminate"] and res["rows"] == 12
+            ok = ok and not res["threads_at_exit"]
             bad += not ok
-            print(f"run {i}: codes={res['codes']} seconds={res['seconds']} terminate={res['terminate']} "
-                  f"rows={res['rows']} {'ok' if ok else 'FAILED'}", flush=True)  # fmt: skip
+            line = f"run {i}: codes={res['codes']} seconds={res['seconds']} terminate={res['terminate']}"
+            line += f" rows={res['rows']} threads_at_exit={res['threads_at_exit']} {'ok' if ok else 'FAILED'}"
+            print(line, flush=True)
             if not ok:
                 for t in res["outputs"]:
                     print(t[-4000:])
