@@ -105,10 +105,12 @@ def _ref_logits(ref, ids, mask=None):
         return ref(input_ids=ids, attention_mask=mask).logits
 
 
-def _create(model, group, ds_config=None):
+def _create(model, group, ds_config=None, **options):
     from shardgen.backends.deepspeed import DeepSpeedBackend
 
-    return DeepSpeedBackend.create(model, param_group=group, device=torch.device("cpu"), ds_config=ds_config)
+    return DeepSpeedBackend.create(
+        model, param_group=group, device=torch.device("cpu"), ds_config=ds_config, **options
+    )
 
 
 def _ds_initialize(model, offload: bool):
@@ -172,14 +174,17 @@ def logits_match(arch: str = "llama", offload: bool = False) -> dict:
     }
 
 
-def lockstep_uneven() -> dict:
+def lockstep_uneven(bucket_bytes: int | None = None) -> dict:
     """Rank 0: 3 real forwards; rank 1: shadow, real, shadow. Then a ``once`` phase with an
-    unequal number of local forwards, and lockstep again. Every forward's collectives recorded."""
+    unequal number of local forwards, and lockstep again. Every forward's collectives recorded.
+    ``bucket_bytes``: the gather plan's bucket size (None: the default)."""
     _install_recorder()
     rank = dist.get_rank()
     group = _param_group()
     model, ref = _pair("llama")
-    backend = _create(model, group)
+    backend = _create(model, group, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+    n_units = len(backend.units())
+    n_buckets = len(backend.plan) if backend.plan is not None else None
     seqs, diffs = [], []
     plan = ["real", "real", "real"] if rank == 0 else ["shadow", "real", "shadow"]
     shapes = [[5, 3], [7], [2, 6, 4]]
@@ -218,6 +223,8 @@ def lockstep_uneven() -> dict:
         "gather_all_calls": rec_gather.calls,
         "release_all_calls": rec_release.calls,
         "lockstep_flag_after": backend.lockstep,
+        "n_units": n_units,
+        "n_buckets": n_buckets,
     }
 
 

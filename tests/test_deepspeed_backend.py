@@ -120,10 +120,20 @@ def test_forward_logits_equal_unsharded(dsworld, arch, offload):
         assert "MixtralSparseMoeBlock" in r0["leaves"]
 
 
-def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld):
+@pytest.mark.parametrize("bucket_bytes", [None, 20_000, 0], ids=["default-plan", "7-buckets", "per-module"])
+def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld, bucket_bytes):
     """Rank 0: 3 real forwards of different shapes; rank 1: shadow, real, shadow. Then gather
-    policy 'once' with 3 vs 1 local forwards (different trace histories), then lockstep again."""
-    r0, r1 = dsworld.run(sc.lockstep_uneven, timeout=90)
+    policy 'once' with 3 vs 1 local forwards (different trace histories), then lockstep again.
+    With a bucket plan, each forward issues exactly one all-gather per bucket."""
+    r0, r1 = dsworld.run(sc.lockstep_uneven, bucket_bytes, timeout=90)
+    per_forward = {len(seq) for r in (r0, r1) for seq in r["seqs"]}
+    if bucket_bytes == 0:
+        assert r0["n_buckets"] is None and per_forward == {r0["n_units"]}  # one per module
+    else:
+        assert per_forward == {r0["n_buckets"]}, (per_forward, r0["n_buckets"])
+        assert r0["n_buckets"] < r0["n_units"]  # the plan is what makes it fewer
+        if bucket_bytes:
+            assert r0["n_buckets"] > 2  # several buckets: the next one is prefetched
     ref = r0["seqs"][0]
     assert ref and all(c[1] == "param" for c in ref), ref
     for r in (r0, r1):

@@ -86,6 +86,10 @@ class EngineConfig:
     """Budget for ``gather='auto'``; None uses 80% of the free device memory."""
     ds_config: dict[str, Any] | None = field(default=None)
     """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
+    bucket_mb: float = 64.0
+    """(agreed) ``backend='deepspeed'``, per-layer gathers: full parameters fetched by one coalesced
+    all-gather (consecutive modules in module order; the next bucket travels while one computes).
+    0 gathers module by module, as DeepSpeed's own hooks do."""
 
     def validate(self) -> None:
         from .backends import BACKENDS
@@ -98,6 +102,8 @@ class EngineConfig:
             raise ValueError(
                 f"gil_switch_interval must be > 0 seconds or None, got {self.gil_switch_interval}"
             )
+        if not self.bucket_mb >= 0:
+            raise ValueError(f"bucket_mb must be >= 0, got {self.bucket_mb}")
         if self.burst_steps < 1:
             raise ValueError(f"burst_steps must be >= 1, got {self.burst_steps}")
         if self.max_batch_size < 1:
@@ -112,4 +118,5 @@ class EngineConfig:
             "backend": self.backend,
             "gather": self.gather,
             "debug_collectives": str(self.debug_collectives),
+            "bucket_mb": str(self.bucket_mb),
         }

@@ -152,7 +152,9 @@ class Engine:
             )
             settings = {**cfg.agreed(), **describe_model(raw), "world_size": str(self.world)}
             comm.check_same_settings(settings, self._control, self.rank, self.world)
-        options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
+        options = {}
+        if cfg.backend == "deepspeed":
+            options = {"ds_config": cfg.ds_config, "bucket_bytes": int(cfg.bucket_mb * 2**20)}
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
         )

@@ -9,10 +9,13 @@ Collective contract (all ranks of ``param_group``, in the same order):
 
 * ``create``: a plain model: ``zero.Init`` broadcasts every weight from the group's first
   rank; a user-partitioned one: no collective.
-* ``forward`` / ``shadow_forward``: for each module call, in execution order, one all-gather
-  of that module's own parameters (the whole subtree for a ZeRO-3 leaf), on ``param_group``.
-  A function of the module call order only (prefetch, reuse and persistence are off), so a
-  1x1 dummy forward issues exactly the gathers of any real forward.
+* ``forward`` / ``shadow_forward``: with ``bucket_bytes > 0`` (default), one coalesced
+  all-gather per bucket of consecutive modules of a fixed plan (``buckets.py``), the next
+  bucket issued while one computes; with ``bucket_bytes=0``, for each module call in
+  execution order one all-gather of that module's own parameters (the whole subtree for a
+  ZeRO-3 leaf). Either way, on ``param_group`` and a function of the module call order only
+  (DeepSpeed's prefetch, reuse and persistence are off), so a 1x1 dummy forward issues
+  exactly the gathers of any real forward.
 * ``gather_all``: one coalesced all-gather of every parameter; forwards then issue nothing
   until ``release_all`` (local, plus one all-reduce when ZeRO sanity checks are on).
 * ``close``: no collective.
@@ -33,6 +36,8 @@ from . import internals as ds
 
 log = get_logger()
 
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
 
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
@@ -45,6 +50,24 @@ class DeepSpeedBackend(Backend):
         self.created = created  # True when shardgen partitioned the model itself
         self.lockstep = True
         self._gathered_ctx = None  # the open GatheredParameters of gather policy ``once``
+        self.plan = None  # BucketPlan: the coalesced gathers of a lockstep forward
+
+    def use_buckets(self, bucket_bytes: int, prefetch: bool = True) -> None:
+        """Gather in a fixed plan of buckets of ``bucket_bytes`` (0: module by module). Every
+        rank must call it with the same values before its first forward."""
+        from .buckets import BucketPlan
+
+        if self.plan is not None:
+            self.plan.remove()
+            self.plan = None
+        if bucket_bytes > 0:
+            self.plan = BucketPlan(self.module, self.units(), self.offload, bucket_bytes, prefetch)
+            log.info(
+                "shardgen: %d modules gathered in %d buckets of <= %.1f MB",
+                len(self.units()),
+                len(self.plan),
+                bucket_bytes / 2**20,
+            )
 
     @classmethod
     def create(
@@ -54,6 +77,8 @@ class DeepSpeedBackend(Backend):
         param_group: Any,
         device: torch.device,
         ds_config: dict | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        prefetch: bool = True,
         **_: Any,
     ) -> DeepSpeedBackend:
         """Partition ``model`` on ``param_group`` (or move a partitioned one there).
@@ -93,7 +118,7 @@ class DeepSpeedBackend(Backend):
 
             offload, odev = adopt(engine, module, param_group, device)
             created = False
-        return cls(
+        backend = cls(
             module,
             module,
             device,
@@ -102,6 +127,8 @@ class DeepSpeedBackend(Backend):
             offload_device=odev,
             created=created,
         )
+        backend.use_buckets(bucket_bytes, prefetch)
+        return backend
 
     # ------------------------------------------------------------------ forwards
     def forward(self, **inputs: Any) -> Any:
@@ -169,7 +196,11 @@ class DeepSpeedBackend(Backend):
         return d
 
     def close(self) -> None:
-        """Drop the pins and the full copies of ``gather_all``. Local (no sanity all-reduce)."""
+        """Drop the pins and the full copies of ``gather_all``, and the bucket hooks (the model
+        goes back with DeepSpeed's own hooks only). Local (no sanity all-reduce)."""
+        if self.plan is not None:
+            self.plan.remove()
+            self.plan = None
         if self._gathered_ctx is not None:
             ctx, self._gathered_ctx = self._gathered_ctx, None
             params = list(self.module.parameters())

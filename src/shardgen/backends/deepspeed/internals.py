@@ -284,3 +284,39 @@ def drop_gathered_locally(ctx, params: list) -> None:
 def full_numel(param) -> int:
     """Elements of the unpartitioned parameter."""
     return int(getattr(param, "ds_numel", param.numel()))
+
+
+# ----------------------------------------------------------------------------- bucket plan (buckets.py)
+def in_lockstep_forward() -> bool:
+    """True inside ``lockstep_forward`` on this thread (one of shardgen's own forwards)."""
+    return bool(getattr(_tls, "lockstep", False))
+
+
+def unit_params(unit: torch.nn.Module) -> list:
+    """The parameters a unit's pre-forward hook fetches (its own, or its subtree for a ZeRO-3 leaf)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    from deepspeed.utils import z3_leaf_module
+
+    return list(dict.fromkeys(iter_params(unit, recurse=z3_leaf_module(unit))))
+
+
+def after_reset_hook(offload, root: torch.nn.Module) -> None:
+    """Move DeepSpeed's start-of-forward hook (``reset_step``, which waits for and releases every
+    gather in flight) in front of every other pre-hook of the root, so gathers issued by hooks
+    registered with ``prepend=True`` survive it."""
+    handle = getattr(offload, "fwd_pre_hook", None)
+    assert handle is not None and handle.id in root._forward_pre_hooks, "DeepSpeed's root hook not found"
+    root._forward_pre_hooks.move_to_end(handle.id, last=False)
+
+
+def gather_async(offload, params: list) -> None:
+    """Start one coalesced all-gather of those of ``params`` that are not available, registered as
+    in flight with the coordinator (each module's fetch waits for its own). Collective on the
+    parameters' group when any is unavailable; nothing otherwise."""
+    coord = offload.get_param_coordinator()
+    coord._PartitionedParameterCoordinator__all_gather_params(params, forward=True)
+
+
+def drain_in_flight(offload) -> None:
+    """Wait for every registered gather and release what no module holds. Local."""
+    offload.get_param_coordinator()._clean_inflight_param_registry()
