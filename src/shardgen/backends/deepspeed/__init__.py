@@ -133,12 +133,14 @@ class DeepSpeedBackend(Backend):
     # ------------------------------------------------------------------ forwards
     def forward(self, **inputs: Any) -> Any:
         with ds.lockstep_forward():
-            return self.module(**inputs)
+            if self.plan is None:
+                return self.module(**inputs)
+            with self.plan.forward():
+                return self.module(**inputs)
 
     def shadow_forward(self) -> None:
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with ds.lockstep_forward():
-            self.module(input_ids=ids, use_cache=False)
+        self.forward(input_ids=ids, use_cache=False)
 
     # ------------------------------------------------------------------ gather policy once
     def gather_all(self) -> None:

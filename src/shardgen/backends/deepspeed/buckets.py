@@ -1,31 +1,37 @@
 """A fixed plan of coalesced gathers for DeepSpeed ZeRO-3 forwards: few, early collectives.
 
 With prefetch, reuse and persistence off (their collectives depend on per-rank trace state),
-DeepSpeed's hooks issue one all-gather per parameterized module call: 21 per forward for a
-tiny Llama. The plan puts them back together without giving up the lockstep guarantee:
+DeepSpeed's hooks issue one all-gather per parameterized module call (21 per forward for a
+tiny Llama), and their Python bookkeeping costs about as much again per module. In
+shardgen's own forwards the plan replaces them:
 
-* computed once, from the module structure only: the gathering units (``units``, module
-  order) are cut into consecutive buckets of at most ``bucket_bytes`` of full parameters
-  (a unit larger than that is a bucket of its own);
-* the first time in a forward that a unit of bucket *b* is called, one coalesced all-gather
-  of every parameter of bucket *b* that is not available is issued, and (``prefetch``) the
-  same for bucket *b+1*, so the next bucket travels while this one computes;
-* the gathers go through DeepSpeed's coordinator, which registers them as in flight: each
-  module's own hook then waits for its parameters instead of gathering them, and releases
-  them after the module runs, as it always does (so at most about two buckets are whole);
-* at the end of the forward, anything still in flight is waited for and released.
+* computed once, from the module structure only: the gathering units (modules that own
+  parameters, ZeRO-3 leaves as a whole; module order) are cut into consecutive buckets of at
+  most ``bucket_bytes`` of full parameters (a larger unit is a bucket of its own);
+* during the forward DeepSpeed's module hooks are set aside (``internals.hooks_suspended``);
+  the plan's own pre-hook on each unit makes its bucket available: the first time a bucket
+  is needed, one coalesced all-gather of its parameters that are not available, and
+  (``prefetch``) the same for the next bucket, issued before waiting, so it travels while
+  this one computes;
+* a bucket is released once each of its units has run (module order and call order differ:
+  a Llama layer lists its norms last but calls one first), keeping the parameters that a
+  started, unreleased bucket also needs; the end of the forward waits for and
+  releases everything left. Nothing survives a forward: every forward starts with all
+  parameters partitioned.
 
-Collective contract: every gather above is a function of the sequence of module calls of the
-forward (which buckets have started, which parameters are available), never of the data, of
-trace state or of earlier forwards (nothing survives a forward). HF decoders call the same
-modules in the same order in every forward, real or a 1x1 shadow, so every rank issues the
-same gathers in the same order, on ``param_group``. The plan is only active inside
-shardgen's own forwards (``internals.lockstep_forward``); a user's forwards (training in
-``Engine.paused()``) run DeepSpeed's hooks untouched.
+Collective contract: the gathers are a function of the sequence of unit calls of the
+forward only (which buckets are started or released, which parameters are available, all
+reset at each forward), never of the data, of DeepSpeed's trace state or of earlier
+forwards. HF decoders call the same modules in the same order in every forward, real or a
+1x1 shadow, so every rank issues the same gathers in the same order, on ``param_group``.
+Outside shardgen's forwards (a user's training step in ``Engine.paused()``) the plan's
+hooks do nothing and DeepSpeed's own hooks run as installed.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,7 +54,7 @@ def cut_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
 
 
 class BucketPlan:
-    """The gather schedule of one model; installs forward hooks on its units and root."""
+    """The gather schedule of one model; owns forward hooks on its units."""
 
     def __init__(
         self,
@@ -58,59 +64,106 @@ class BucketPlan:
         bucket_bytes: int,
         prefetch: bool = True,
     ) -> None:
+        self.root = root
         self.offload = offload
         self.prefetch = prefetch
-        self.unit_params = [ds.unit_params(u) for u in units]
-        sizes = [sum(ds.full_numel(p) * p.element_size() for p in ps) for ps in self.unit_params]
+        unit_params = [ds.unit_params(u) for u in units]
+        sizes = [sum(ds.full_numel(p) * p.element_size() for p in ps) for ps in unit_params]
         self.buckets = cut_buckets(sizes, bucket_bytes)
         self.bucket_params: list[list[Any]] = []
         for members in self.buckets:
             seen: dict[int, Any] = {}
             for i in members:
-                for p in self.unit_params[i]:
+                for p in unit_params[i]:
                     seen.setdefault(id(p), p)
             self.bucket_params.append(list(seen.values()))
+        self._bucket_ids = [{id(p) for p in ps} for ps in self.bucket_params]
         self._bucket_of = {id(units[i]): b for b, members in enumerate(self.buckets) for i in members}
-        self._started: set[int] = set()  # buckets gathered in this forward (driver thread only)
-        self._handles: list[Any] = []
-        for unit in units:
-            self._handles.append(unit.register_forward_pre_hook(self._pre_unit, prepend=True))
-        self._handles.append(root.register_forward_pre_hook(self._start, prepend=True))
-        ds.after_reset_hook(offload, root)  # our root hooks run after DeepSpeed's reset_step
-        self._handles.append(root.register_forward_hook(self._end))
+        # Per-forward state (driver thread only): bucket -> gather handle / owned parameters /
+        # units not run yet.
+        self._active = False
+        self._handle: dict[int, Any] = {}
+        self._owned: dict[int, list[Any]] = {}
+        self._pending: dict[int, set[int]] = {}
+        self._units = units
+        self._hooks = [u.register_forward_pre_hook(self._pre_unit) for u in units]
+        self._hooks += [u.register_forward_hook(self._post_unit) for u in units]
+
+    def _members(self, b: int) -> list[torch.nn.Module]:
+        return [self._units[i] for i in self.buckets[b]]
 
     def __len__(self) -> int:
         return len(self.buckets)
 
-    # -------------------------------------------------------------------- hooks
-    def _start(self, _module, _args) -> None:
-        if ds.in_lockstep_forward():
-            self._started = set()
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around one of shardgen's forwards: DeepSpeed's hooks set aside, the plan's active."""
+        assert not self._active, "nested plan forward"
+        with ds.hooks_suspended(self.offload, self.root):
+            self._active = True
+            try:
+                yield
+            finally:
+                self._active = False
+                self._finish()
+                self._pending = {}
 
+    # -------------------------------------------------------------------- hooks
     def _pre_unit(self, module, _args) -> None:
-        if not ds.in_lockstep_forward():
+        if not self._active:
             return
         b = self._bucket_of[id(module)]
-        if b in self._started:
-            return
-        self._gather(b)
+        if b in self._handle and self._handle[b] is None:
+            return  # available
+        self._start(b)
         if self.prefetch and b + 1 < len(self.buckets):
-            self._gather(b + 1)
+            self._start(b + 1)
+        handle = self._handle[b]
+        if handle is not None:
+            handle.wait()
+            self._handle[b] = None
 
-    def _gather(self, b: int) -> None:
-        """One coalesced all-gather of bucket ``b``'s unavailable parameters (async; the
-        module hooks wait). Collective on the parameters' group, in the same order everywhere."""
-        if b in self._started:
+    def _post_unit(self, module, _args, _output) -> None:
+        if not self._active:
             return
-        self._started.add(b)
-        ds.gather_async(self.offload, self.bucket_params[b])
+        b = self._bucket_of[id(module)]
+        pending = self._pending.setdefault(b, {id(m) for m in self._members(b)})
+        pending.discard(id(module))
+        if not pending and b in self._handle:
+            self._release(b)
 
-    def _end(self, _module, _args, _output) -> None:
-        if ds.in_lockstep_forward():
-            ds.drain_in_flight(self.offload)  # local: these gathers were issued on every rank
-            self._started = set()
+    # -------------------------------------------------------------------- gathers
+    def _start(self, b: int) -> None:
+        """Issue bucket ``b``'s gather unless started. Collective on the parameters' group (one
+        coalesced all-gather per dtype of its unavailable parameters), same order on every rank."""
+        if b in self._handle:
+            return
+        todo = ds.unavailable(self.bucket_params[b])
+        self._owned[b] = todo
+        self._handle[b] = ds.gather_async(todo) if todo else None
+
+    def _release(self, b: int) -> None:
+        """Partition what bucket ``b`` gathered, except what a started bucket still needs. Local."""
+        if b not in self._handle:
+            return
+        handle = self._handle.pop(b)
+        if handle is not None:
+            handle.wait()
+        free: list[Any] = []
+        for p in self._owned.pop(b):
+            heir = next((c for c in self._handle if id(p) in self._bucket_ids[c]), None)
+            if heir is None:
+                free.append(p)
+            else:
+                self._owned[heir].append(p)
+        ds.release(free)
+
+    def _finish(self) -> None:
+        """End of a forward: wait for and release whatever is left. Local."""
+        for b in list(self._handle):
+            self._release(b)
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in self._hooks:
             h.remove()
-        self._handles = []
+        self._hooks = []

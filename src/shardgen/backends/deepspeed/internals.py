@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -300,23 +301,48 @@ def unit_params(unit: torch.nn.Module) -> list:
     return list(dict.fromkeys(iter_params(unit, recurse=z3_leaf_module(unit))))
 
 
-def after_reset_hook(offload, root: torch.nn.Module) -> None:
-    """Move DeepSpeed's start-of-forward hook (``reset_step``, which waits for and releases every
-    gather in flight) in front of every other pre-hook of the root, so gathers issued by hooks
-    registered with ``prepend=True`` survive it."""
-    handle = getattr(offload, "fwd_pre_hook", None)
-    assert handle is not None and handle.id in root._forward_pre_hooks, "DeepSpeed's root hook not found"
-    root._forward_pre_hooks.move_to_end(handle.id, last=False)
+def unavailable(params: list) -> list:
+    """Those of ``params`` that are partitioned (neither gathered nor in flight)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
-def gather_async(offload, params: list) -> None:
-    """Start one coalesced all-gather of those of ``params`` that are not available, registered as
-    in flight with the coordinator (each module's fetch waits for its own). Collective on the
-    parameters' group when any is unavailable; nothing otherwise."""
-    coord = offload.get_param_coordinator()
-    coord._PartitionedParameterCoordinator__all_gather_params(params, forward=True)
+def gather_async(params: list):
+    """Start gathering ``params`` (all partitioned): one coalesced all-gather per dtype (one
+    per parameter for a single one), on their ``ds_process_group``; returns a handle whose
+    ``wait()`` makes them available. Collective: every rank of the group, same order."""
+    return params[0].all_gather_coalesced(params)
 
 
-def drain_in_flight(offload) -> None:
-    """Wait for every registered gather and release what no module holds. Local."""
-    offload.get_param_coordinator()._clean_inflight_param_registry()
+def release(params: list) -> None:
+    """Partition gathered ``params`` again (free the full copies). Local."""
+    if params:
+        params[0].partition(param_list=params, has_been_updated=False)
+
+
+@contextlib.contextmanager
+def hooks_suspended(offload, root: torch.nn.Module) -> Iterator[None]:
+    """Set DeepSpeed's module hooks (fetch/release, backward setup, the root's ``reset_step``)
+    aside for the duration: the hook dicts of the affected modules are swapped for copies
+    without them, and the originals (which DeepSpeed's handles point at) put back after.
+    Other hooks keep their order. Local; the caller's thread only runs forwards meanwhile."""
+    handles = [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]
+    ds_ids: dict[int, set[int]] = {}
+    for h in handles:
+        d = h.hooks_dict_ref()
+        if d is not None:
+            ds_ids.setdefault(id(d), set()).add(h.id)
+    saved = []
+    for m in root.modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks"):
+            d = getattr(m, attr)
+            drop = ds_ids.get(id(d))
+            if drop:
+                saved.append((m, attr, d))
+                setattr(m, attr, OrderedDict((k, v) for k, v in d.items() if k not in drop))
+    try:
+        yield
+    finally:
+        for m, attr, d in saved:
+            setattr(m, attr, d)
