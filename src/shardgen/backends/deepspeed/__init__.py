@@ -16,8 +16,8 @@ Collective contract (all ranks of ``param_group``, in the same order):
   ZeRO-3 leaf). Either way, on ``param_group`` and a function of the module call order only
   (DeepSpeed's prefetch, reuse and persistence are off), so a 1x1 dummy forward issues
   exactly the gathers of any real forward.
-* ``gather_all``: one coalesced all-gather of every parameter; forwards then issue nothing
-  until ``release_all`` (local, plus one all-reduce when ZeRO sanity checks are on).
+* ``gather_all``: one coalesced all-gather per bucket (per unit without a plan), copied into
+  a plain replica; forwards then issue nothing until ``release_all`` (local: frees it).
 * ``close``: no collective.
 
 DeepSpeed is imported lazily, with an install hint, when a backend is created.
@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ...log import get_logger
 from ..base import Backend
+from ..replica import Replica
 from . import internals as ds
 
 log = get_logger()
@@ -49,7 +50,6 @@ class DeepSpeedBackend(Backend):
         self.offload_device = offload_device
         self.created = created  # True when shardgen partitioned the model itself
         self.lockstep = True
-        self._gathered_ctx = None  # the open GatheredParameters of gather policy ``once``
         self.plan = None  # BucketPlan: the coalesced gathers of a lockstep forward
 
     def use_buckets(self, bucket_bytes: int, prefetch: bool = True) -> None:
@@ -132,6 +132,8 @@ class DeepSpeedBackend(Backend):
 
     # ------------------------------------------------------------------ forwards
     def forward(self, **inputs: Any) -> Any:
+        if self.replica is not None and self.replica.live:
+            return self.replica(**inputs)
         with ds.lockstep_forward():
             if self.plan is None:
                 return self.module(**inputs)
@@ -144,29 +146,34 @@ class DeepSpeedBackend(Backend):
 
     # ------------------------------------------------------------------ gather policy once
     def gather_all(self) -> None:
-        """Gather every parameter and pin it until ``release_all``. Collective on the param
-        group (one coalesced all-gather), every rank in the same tick."""
-        import deepspeed
-
-        if self._gathered_ctx is not None:
+        """Fill the plain replica (``replica.py``) chunk by chunk: the plan's buckets, else one
+        unit at a time; forwards then run on it. Collective on the param group: one coalesced
+        all-gather per chunk, every rank in the same tick and order."""
+        if self.replica is not None and self.replica.live:
             return
-        params = list(self.module.parameters())
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        if self.replica is None:
+            self.replica = Replica(self.module, type(self.module), self.device)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        if self.plan is not None:
+            chunks = self.plan.bucket_params
+        else:
+            chunks = [ds.unit_params(u) for u in self.units()]
         with ds.lockstep_forward():
-            ctx.__enter__()
-        ds.pin(params)
-        self._gathered_ctx = ctx
+            for chunk in chunks:
+                chunk = [p for p in chunk if not self.replica.has(names[id(p)])]
+                todo = ds.unavailable(chunk)
+                if todo:
+                    ds.gather_async(todo).wait()
+                for p in chunk:
+                    self.replica.load(names[id(p)], p.data)
+                ds.release(todo)
+        self.replica.finish()
         self.lockstep = False
 
     def release_all(self) -> None:
-        """Back to partitioned weights. Every rank in the same tick (an all-reduce when ZeRO
-        sanity checks are on, else local)."""
-        if self._gathered_ctx is None:
-            return
-        ctx, self._gathered_ctx = self._gathered_ctx, None
-        ds.unpin(self.module.parameters())
-        with ds.lockstep_forward():
-            ctx.__exit__(None, None, None)
+        """Free the replica; forwards gather per bucket again. Local (no collective)."""
+        if self.replica is not None:
+            self.replica.free()
         self.lockstep = True
 
     # ------------------------------------------------------------------ introspection
@@ -198,14 +205,9 @@ class DeepSpeedBackend(Backend):
         return d
 
     def close(self) -> None:
-        """Drop the pins and the full copies of ``gather_all``, and the bucket hooks (the model
-        goes back with DeepSpeed's own hooks only). Local (no sanity all-reduce)."""
+        """Free the replica and remove the bucket hooks (the model goes back with DeepSpeed's own
+        hooks only). Local."""
         if self.plan is not None:
             self.plan.remove()
             self.plan = None
-        if self._gathered_ctx is not None:
-            ctx, self._gathered_ctx = self._gathered_ctx, None
-            params = list(self.module.parameters())
-            ds.unpin(params)
-            ds.drop_gathered_locally(ctx, params)
-            self.lockstep = True
+        self.release_all()

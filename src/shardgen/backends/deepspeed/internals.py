@@ -2,9 +2,10 @@
 
 Checked against DeepSpeed 0.19.8 (docs/DEEPSPEED.md says what each one is for and how it
 was found). A DeepSpeed upgrade should touch this module only: private attribute names,
-the coordinator's construction, hook re-installation, the ``GatheredParameters`` pin, the
-closures through which a user's coordinator and ``zero.Init`` are found, and the
-environment ``zero.Init`` reads. Nothing here issues a collective unless its docstring says so.
+the coordinator's construction, hook re-installation and suspension, gathering and
+releasing a list of parameters, the closures through which a user's coordinator and
+``zero.Init`` are found, and the environment ``zero.Init`` reads. Nothing here issues a
+collective unless its docstring says so.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ log = get_logger()
 
 INSTALL_HINT = "the deepspeed backend needs DeepSpeed: pip install 'shardgen[deepspeed]'"
 CHECKED_VERSION = "0.19.8"
-# A ds_active_sub_modules entry that no module has (module ds_ids are >= 0): while present
-# the coordinator never releases the parameter.
-PIN = -0x5EED
 
 _tls = threading.local()
 _patch_lock = threading.Lock()
@@ -257,29 +255,6 @@ def lockstep_coordinator(offload, module: torch.nn.Module) -> None:
     offload.param_numel_persistence_threshold = 0
     offload._prefetch_bucket_sz = 0
     offload._max_reuse_distance_in_numel = 0
-
-
-# ----------------------------------------------------------------------------- pins (gather policy once)
-def pin(params: Iterable) -> None:
-    """Keep gathered parameters gathered across forwards (the post-forward hook skips them)."""
-    for p in params:
-        p.ds_active_sub_modules.add(PIN)
-
-
-def unpin(params: Iterable) -> None:
-    for p in params:
-        p.ds_active_sub_modules.discard(PIN)
-
-
-def drop_gathered_locally(ctx, params: list) -> None:
-    """Leave a ``GatheredParameters`` context without its exit's collectives: free the full
-    copies and clear the context depth. Local (for ``close``)."""
-    from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR as attr
-
-    ctx._partition_params(params, has_been_updated=False)
-    for p in params:
-        if hasattr(p, attr):
-            delattr(p, attr)
 
 
 def full_numel(param) -> int:
