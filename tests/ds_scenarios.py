@@ -162,9 +162,19 @@ def logits_match(arch: str = "llama", offload: bool = False) -> dict:
     backend = _create(model, group, cfg)
     part_numel = sum(p.ds_tensor.numel() for p in backend.module.parameters())
     diff, calls = _forward_checked(backend, ref, [5, 3], seed=dist.get_rank())
+    backend.use_buckets(8192)  # several small buckets: tied weights and leaves across buckets
+    diff_small, calls_small = _forward_checked(backend, ref, [4, 6], seed=dist.get_rank())
+    n_small = len(backend.plan)
+    backend.gather_all()  # the plain replica: tied weights, buffers, MoE experts
+    diff_replica, calls_replica = _forward_checked(backend, ref, [2, 5], seed=dist.get_rank())
     backend.close()
     return {
         "diff": diff,
+        "diff_small_buckets": diff_small,
+        "small_buckets": (n_small, len(calls_small)),
+        "diff_replica": diff_replica,
+        "replica_calls": calls_replica,
+        "replica_freed": backend.gathered_bytes() == 0,
         "groups": sorted({c[1] for c in calls}),
         "n_gathers": len(calls),
         "partitioned": part_numel < sum(p.numel() for p in ref.parameters()),

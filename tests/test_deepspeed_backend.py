@@ -108,9 +108,13 @@ def test_missing_deepspeed_gives_install_hint(monkeypatch):
     "arch, offload", [("llama", False), ("llama", True), ("gpt2", False), ("mixtral", False)]
 )
 def test_forward_logits_equal_unsharded(dsworld, arch, offload):
+    """Default plan, small buckets (one gather per bucket) and the gather-once replica."""
     r0, r1 = dsworld.run(sc.logits_match, arch, offload, timeout=90)
     for r in (r0, r1):
-        assert r["diff"] <= TOL, r
+        assert r["diff"] <= TOL and r["diff_small_buckets"] <= TOL, r
+        assert r["diff_replica"] <= TOL and r["replica_calls"] == [] and r["replica_freed"], r
+        n_buckets, n_calls = r["small_buckets"]
+        assert n_calls == n_buckets > 1, r["small_buckets"]
         assert r["partitioned"] and r["full_bytes_ok"]
         assert r["groups"] == ["param"], f"gathers outside the private group: {r['groups']}"
         assert r["describe"]["zero_stage"] == "3"
