@@ -204,7 +204,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--bucket-mb", type=float, default=None, help="default: the engine's")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if "RANK" in os.environ:

@@ -79,7 +79,8 @@ class Engine:
             prefix = f"shardgen/engine{self.engine_id}"
         options = {}
         if cfg.backend == "deepspeed":
-            options = {"ds_config": cfg.ds_config, "bucket_bytes": int(cfg.bucket_mb * 2**20)}
+            mb = cfg.bucket_mb
+            options = {"ds_config": cfg.ds_config, "bucket_bytes": None if mb is None else int(mb * 2**20)}
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
         )
