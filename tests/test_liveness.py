@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -24,17 +24,11 @@ STALL = 4.0
 HARD_TIMEOUT = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Ranks:
     """N rank processes of tests/liveness_rank.py, killed by pid on exit."""
 
     def __init__(self, scenario: str, world: int = 2) -> None:
-        port = _free_port()
+        port = free_port()
         self.logs = [HERE.parent / f".liveness-{os.getpid()}-{scenario}-{r}.log" for r in range(world)]
         self.procs = []
         for r in range(world):
