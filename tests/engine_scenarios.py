@@ -30,6 +30,17 @@ def _generated(rows: torch.Tensor, width: int, eos: int | None) -> int:
     return total
 
 
+def assert_lockstep(stats: list[dict], one_forward_per_tick: bool = True) -> None:
+    """For the tests, on the ``engine.stats()`` the scenarios return: the tick's invariant. Every
+    rank ran the same ticks, decided FORWARD on the same ones and (gathering per layer, so one
+    forward per tick) ran exactly one real or shadow forward in each."""
+    assert len({s["ticks"] for s in stats}) == 1, [s["ticks"] for s in stats]
+    assert len({s["forward_ticks"] for s in stats}) == 1, [s["forward_ticks"] for s in stats]
+    if one_forward_per_tick:
+        for r, s in enumerate(stats):
+            assert s["forwards"] + s["shadow_forwards"] == s["forward_ticks"], (r, s)
+
+
 def fidelity(arch: str, backend: str = "fsdp2"):
     """Each rank generates its own batch of prompts of different lengths; greedy == HF."""
     ref = tiny_model(arch, seed=11)

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import engine_scenarios as sc
 import pytest
+from engine_scenarios import assert_lockstep
 
 pytestmark = pytest.mark.multirank
 BACKENDS = ["fsdp2", "deepspeed"]
-
-
-def assert_lockstep(stats: list[dict], one_forward_per_tick: bool = True) -> None:
-    """The tick's invariant seen in engine.stats(): every rank ran the same ticks, decided FORWARD
-    on the same ones and (gathering per layer) ran exactly one real or shadow forward in each."""
-    assert len({s["ticks"] for s in stats}) == 1, [s["ticks"] for s in stats]
-    assert len({s["forward_ticks"] for s in stats}) == 1, [s["forward_ticks"] for s in stats]
-    if one_forward_per_tick:
-        for r, s in enumerate(stats):
-            assert s["forwards"] + s["shadow_forwards"] == s["forward_ticks"], (r, s)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
