@@ -341,7 +341,7 @@ def late_close(idle_s: float, stall: float):
     eng.generate([[5, 6, 7]], max_new_tokens=3)
     time.sleep(idle_s + rank())  # rank 1 closes a second after rank 0
     eng.close()
-    return True
+    return eng.stats()
 
 
 def pause_alone(stall: float):

@@ -133,8 +133,9 @@ def test_user_wrapped_fsdp2_model_is_moved_to_the_private_group(world2):
 
 
 def test_spinning_rank_does_not_stop_the_others(world2):
-    t0, _ = world2.run(sc.spinner, 8.0, timeout=90)
+    t0, t1 = world2.run(sc.spinner, 8.0, timeout=90)
     assert t0 < 8.0, f"rank 0 took {t0:.1f}s: it waited for the spinning rank's user thread"
+    assert t1 >= 8.0, f"rank 1 spun only {t1:.1f}s: the test did not overlap the two"
 
 
 def test_moe_ranks_route_differently_without_deadlock(world2):
@@ -156,7 +157,9 @@ def test_moe_on_deepspeed_routes_differently_without_deadlock(world2):
 
 def test_close_after_a_long_idle_waits_for_a_late_peer(world2):
     # idle 3 s > stall_timeout 2 s before close(): only waiting inside close() may count
-    assert world2.run(sc.late_close, 3.0, 2.0, timeout=60) == [True, True]
+    stats = world2.run(sc.late_close, 3.0, 2.0, timeout=60)
+    assert [s["requests"] for s in stats] == [1, 1] and all(s["idle_ticks"] > 0 for s in stats), stats
+    assert_lockstep(stats)
 
 
 def test_paused_names_a_rank_that_never_enters(world2):
