@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from shardgen.config import SamplingParams
+from shardgen import SamplingParams
 from shardgen.sampling import make_generator, select_tokens, warpers_for
 
 NEG = -float("inf")
