@@ -151,3 +151,12 @@ def test_draws_follow_the_hf_distribution(name, t, k, p):
         sigma = math.sqrt(q * (1 - q) / n)
         freq = float(counts[tok]) / n
         assert abs(freq - q) <= 5 * sigma + 1e-9, f"token {tok}: drawn {freq:.4f}, HF p={q:.4f} ({n} draws)"
+
+
+def test_unset_knobs_count_at_hf_defaults():
+    """Fields left None (the model's generation_config decides) act as HF's defaults: t=1, k=0, p=1."""
+    logits = DISTRIBUTIONS["distinct"]
+    ours = shardgen_probs(logits, SamplingParams(do_sample=True, top_p=0.66))
+    theirs = hf_probs(logits, 1.0, 0, 0.66)
+    assert allowed(ours) == allowed(theirs) == {0, 1, 3}
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-6)
