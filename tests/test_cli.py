@@ -192,9 +192,11 @@ def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) 
     """``torchrun ... -m shardgen run`` (the package's __main__) is the shardgen command."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     args = ["-m", "shardgen", "run", "--prompts", "prompts.jsonl", "--out", "torchrun.jsonl", "--quiet"]
-    job = Job(args, workdir, "torchrun", command=torchrun)
+    job = Job([*args, "--timeline", "timeline.png"], workdir, "torchrun", command=torchrun)
     assert job.wait(120) == 0, job.output()
     assert comparable(read_results(workdir / "torchrun.jsonl")) == comparable(reference)
+    png = (workdir / "timeline.png").read_bytes()  # --timeline: one row per rank
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     helped = subprocess.run(
         [sys.executable, "-m", "shardgen", "run", "--help"], env=ENV, capture_output=True, text=True
     )

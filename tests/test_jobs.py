@@ -291,6 +291,24 @@ def test_concurrent_claimers_get_every_index_exactly_once(store_kind):
     assert sorted(i for g in got for i in g) == list(range(n))
 
 
+def test_claims_go_longest_first_input_order_among_equals():
+    recs = [
+        PromptRecord("a", "short", SamplingParams(max_new_tokens=8), 1),
+        PromptRecord("b", "a longer prompt", SamplingParams(max_new_tokens=8), 2),
+        PromptRecord("c", "x", SamplingParams(max_new_tokens=64), 3),
+        PromptRecord("d", "short", SamplingParams(max_new_tokens=8), 4),
+    ]
+    assert jobs.longest_first(recs, [0, 1, 2, 3]) == [2, 1, 0, 3]
+    assert jobs.longest_first(recs, [0, 3]) == [0, 3]  # only what is pending
+
+
+def test_plan_orders_pending_by_claim_order(tmp_path):
+    recs = [PromptRecord(i, "p" * (i + 1), SamplingParams(), i + 1) for i in range(4)]
+    out = str(tmp_path / "o.jsonl")
+    assert jobs._plan(JobConfig(prompts="p", out=out), recs)["pending"] == [3, 2, 1, 0]
+    assert jobs._plan(JobConfig(prompts="p", out=out, claim_order="input"), recs)["pending"] == [0, 1, 2, 3]
+
+
 # ---------------------------------------------------------------- CLI flags from the dataclasses
 
 

@@ -1,11 +1,11 @@
-"""The ``shardgen`` command: ``shardgen run`` (batch jobs) and ``shardgen demo``.
+"""The ``shardgen`` command: ``shardgen run`` (batch jobs), ``shardgen bench``, ``shardgen demo``.
 
     shardgen run --prompts prompts.jsonl --out results.jsonl --nproc 4
     torchrun --nproc-per-node 4 -m shardgen run --prompts prompts.jsonl --out results.jsonl
     python -m shardgen run ...          # the same as the shardgen command
 
 Every flag is a dataclass field (``JobConfig``, ``EngineConfig``, ``SamplingParams``,
-``DemoConfig``): its name, type, default and help (the docstring under the
+``DemoConfig``, ``BenchConfig``): its name, type, default and help (the docstring under the
 field) are declared there once and turned into flags by :mod:`shardgen.flags`.
 """
 
@@ -19,6 +19,7 @@ import os
 import sys
 import textwrap
 
+from .bench import BenchConfig
 from .config import EngineConfig, JobConfig, SamplingParams
 from .demo import DemoConfig
 from .errors import ExitCode, JobError
@@ -69,6 +70,13 @@ def make_parser() -> argparse.ArgumentParser:
         **raw,
     )
     add_fields(demo, DemoConfig)
+    bench = sub.add_parser(
+        "bench",
+        help="every generation method side by side on the toy model: table, JSON, timelines",
+        description=(BenchConfig.__doc__ or "").replace("``", ""),
+        **raw,
+    )
+    add_fields(bench, BenchConfig)
     return parser
 
 
@@ -80,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import cmd_demo
 
             return cmd_demo(build(DemoConfig, ns))
+        if ns.command == "bench":
+            from .bench import cmd_bench
+
+            return cmd_bench(build(BenchConfig, ns))
         return cmd_run(ns)
     except JobError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same input error; say it once
@@ -98,9 +110,16 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         job = dataclasses.replace(job, resume=True)  # a restarted worker group picks up the journals
     # Validate everything before any rank or engine starts (in the launcher when it spawns).
+    if job.timeline:
+        from .timeline import pyplot
+
+        try:
+            pyplot()
+        except ImportError as e:
+            raise JobError(ExitCode.USAGE, str(e)) from None
     records = read_prompts(job.prompts, job, base)
     check_model(job.model_path)
-    for path in (job.out, job.json_summary):
+    for path in (job.out, job.json_summary, job.timeline):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             raise JobError(ExitCode.USAGE, f"cannot write {path}: {folder} is not a writable folder")

@@ -82,6 +82,9 @@ class EngineConfig:
     debug_collectives: bool = False
     """(agreed) Fold a fingerprint of each rank's collective sequence into every tick; a mismatch raises
     ``CollectiveDivergenceError`` instead of hanging."""
+    timeline: bool = False
+    """Record what the driver does over time (``engine.timeline()``: prefill, decode, shadow, gather,
+    tick, idle spans); off by default (one list append per tick phase when on)."""
     memory_budget_gb: float | None = None
     """Budget for ``gather='auto'``; None uses 80% of the free device memory."""
     ds_config: dict[str, Any] | None = field(default=None)
@@ -142,10 +145,16 @@ class JobConfig:
     seed: int = 0
     """Base seed: a sampled request without its own seed gets one derived from (seed, id), so its
     tokens do not depend on the rank that served it."""
+    claim_order: str = "longest"
+    """Order in which ranks claim prompts: longest (largest max_new_tokens, then longest prompt,
+    first, so that no rank starts a long request last) or input."""
     quiet: bool = False
     """No progress bar and no summary table."""
     json_summary: str | None = None
     """Also write the summary as JSON to this file."""
+    timeline: str | None = None
+    """Draw each rank's timeline (prefill, decode, shadow, gather, idle over time) to this PNG
+    (needs matplotlib: pip install 'shardgen[plot]')."""
     no_claim_ranks: list[int] = field(default_factory=list, metadata={"hidden": True})
     """Ranks that never claim prompts (demo and tests: a rank with no work must not block others)."""
     away_rank: int | None = field(default=None, metadata={"hidden": True})
@@ -168,5 +177,7 @@ class JobConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.claim_order not in ("longest", "input"):
+            raise ValueError(f"--claim-order must be longest or input, got {self.claim_order!r}")
         if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -51,6 +51,7 @@ from .protocol import (
 )
 from .requests import Completion, Request, build_request, completion_of, resolve_future
 from .scheduler import LocalWork
+from .timeline import Span, Timeline
 
 log = get_logger()
 
@@ -118,6 +119,7 @@ class Engine:
         self._paused = threading.Event()
         self._resume = threading.Event()
         self._stats = EngineStats()
+        self._timeline = Timeline(self.config.timeline)  # driver thread appends; off by default
         self._fp = Fingerprint()
         self._last_state: TickState | None = None
         self._last_forward_t = time.monotonic()
@@ -249,6 +251,10 @@ class Engine:
             out[i, input_ids.shape[1] :] = r.seq.pad_id
             out[i, input_ids.shape[1] : input_ids.shape[1] + len(c.token_ids)] = torch.tensor(c.token_ids)
         return out.to(input_ids.device)
+
+    def timeline(self) -> list[Span]:
+        """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``shardgen.timeline``)."""
+        return list(self._timeline.spans)
 
     def stats(self) -> dict[str, Any]:
         """This rank's driver counters (a snapshot)."""
@@ -405,7 +411,7 @@ class Engine:
             self.phase = "tick"
             t0 = time.perf_counter()
             state = self._cp.agree(row, abort=lambda: self._failed)
-            self._stats.control_s += time.perf_counter() - t0
+            self._stats.control_s += self._timeline.since(t0, "tick") - t0
             self._stats.ticks += 1
             self.tick += 1
             self._last_state = state
@@ -417,7 +423,9 @@ class Engine:
                 self._stats.forward_ticks += 1
                 if self.gather_policy == "once" and not self._gathered:
                     self.phase = "gather"
+                    t0 = time.perf_counter()
                     self.backend.gather_all()  # collective: every rank, this same tick
+                    self._timeline.since(t0, "gather")
                     self._gathered = True
                     if self.config.debug_collectives:
                         self._fp.fold("gather_all")
@@ -427,12 +435,16 @@ class Engine:
                 self._release_if_gathered()  # nobody has work: give the memory back
                 self._stats.idle_ticks += 1
                 self.phase = "idle"
+                t0 = time.perf_counter()
                 self._wake.wait(min(self.config.idle_sleep_max, 0.0005 * (2**idle)))
+                self._timeline.since(t0, "idle")
                 self._wake.clear()
                 idle = min(idle + 1, 16)
             elif decision is Decision.PAUSE:
                 self._release_if_gathered()  # a training step inside would make the copies stale
+                t0 = time.perf_counter()
                 self._pause_here()
+                self._timeline.since(t0, "paused")
                 idle = 0
             else:
                 assert decision is Decision.EXIT
@@ -443,7 +455,9 @@ class Engine:
     def _release_if_gathered(self) -> None:
         """Back to sharded weights. Every rank calls it on the same (agreed) tick."""
         if self._gathered:
+            t0 = time.perf_counter()
             self.backend.release_all()
+            self._timeline.since(t0, "release")
             self._gathered = False
             if self.config.debug_collectives:
                 self._fp.fold("release_all")
@@ -459,14 +473,17 @@ class Engine:
         lockstep = self.backend.lockstep
         steps = 1 if lockstep else self.config.burst_steps
         did_work = False
+        t = t0
         for _ in range(steps):
             if not self._work.step(state.admit):
                 break
             self.phase = self._work.phase
+            t = self._timeline.since(t, self._work.phase)
             did_work = True
         if not did_work and lockstep:
             self.phase = "shadow"
             self.backend.shadow_forward()
+            self._timeline.since(t, "shadow")
             self._stats.shadow_forwards += 1
         if self.config.debug_collectives:
             signature = self.backend.collective_signature()  # always drained

@@ -151,6 +151,7 @@ class RankReport:
     errors: int = 0
     tokens: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    spans: list[Any] = field(default_factory=list)  # the driver's timeline (--timeline), from t0
 
 
 def _plan(cfg: JobConfig, records: Sequence[PromptRecord]) -> dict[str, Any]:
@@ -164,7 +165,21 @@ def _plan(cfg: JobConfig, records: Sequence[PromptRecord]) -> dict[str, Any]:
     include_out = include_out_file(cfg.out, cfg.resume)
     done = load_results(cfg.out, include_out=include_out) if cfg.resume else {}
     pending = [i for i, r in enumerate(records) if id_key(r.id) not in done]
+    if cfg.claim_order == "longest":
+        pending = longest_first(records, pending)
     return {"pending": pending, "include_out": include_out, "error": None}
+
+
+def longest_first(records: Sequence[PromptRecord], pending: Sequence[int]) -> list[int]:
+    """``pending`` in claim order: the most expected work first, input order among equals.
+
+    A rank's busy time ends with its last request; a long request claimed last makes that
+    rank finish alone. Claiming the longest first leaves short requests for the end, where
+    they even out the ranks (longest-processing-time-first scheduling). Expected work: the
+    request's ``max_new_tokens`` (the bound on its decode steps), then its prompt length
+    (prefill, and in most workloads a predictor of the answer's length).
+    """
+    return sorted(pending, key=lambda i: (-records[i].params.max_new_tokens, -len(records[i].prompt), i))
 
 
 def run_job(
@@ -203,6 +218,8 @@ def run_job(
     store = comm.default_store()
     t_load = time.perf_counter()
     _quiet_transformers()
+    if cfg.timeline:
+        engine_cfg = dataclasses.replace(engine_cfg, timeline=True)
     engine = Engine.from_pretrained(
         cfg.model_path, dtype=None if cfg.dtype == "auto" else cfg.dtype, config=engine_cfg
     )
@@ -231,11 +248,18 @@ def run_job(
         journal.close()
     wall_s = time.perf_counter() - t0
     report.stats = engine.stats()
+    report.spans = [(max(a - t0, 0.0), b - t0, k) for a, b, k in engine.timeline() if b > t0]
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, dataclasses.asdict(report))  # after close(): every rank's work is done
     if rank != 0:
         return None
     merge_results(records, cfg.out, include_out=plan["include_out"])
+    if cfg.timeline:
+        from .timeline import plot
+
+        rows = {f"rank {r['rank']}": r.pop("spans") for r in reports}
+        title = f"shardgen run: {len(records) - resumed} prompts on {world} ranks"
+        plot(rows, cfg.timeline, title=title, origin=dict.fromkeys(rows, 0.0))
     return summarize(
         reports,
         prompts=len(records),
