@@ -5,10 +5,12 @@
 
 Runs ``shardgen run --nproc N`` on the toy model's skewed prompts with ``--claim-order input``
 and ``--claim-order longest``, rounds interleaved, and reports each run's ``busy_spread``
-((max - min) / max of the ranks' busy seconds) from the job summary. Two workloads: ``plain``
-(every line has the job's max_new_tokens, so nothing tells a long request from a short one
-before it runs) and ``bounded`` (each line carries its own max_new_tokens, the answer's length
-+ 1, as a user sets it who knows the bound of each kind of request).
+((max - min) / max of the ranks' busy seconds) from the job summary, and the same spread of
+the ranks' real forwards (the work itself, free of the CPU contention in busy seconds).
+Two workloads: ``plain`` (every line has the job's max_new_tokens, so nothing tells a long
+request from a short one before it runs) and ``bounded`` (each line carries its own
+max_new_tokens, the answer's length + 1, as a user sets it who knows the bound of each kind of
+request).
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def run_job(folder: str, prompts: str, nproc: int, order: str, extra: list[str])
         s = json.load(f)
     os.remove(out)
     busy = [r["busy_s"] for r in s["ranks"]]
-    return {"busy_spread": s["busy_spread"], "wall_s": s["wall_s"], "busy_s": busy}
+    forwards = [r["forwards"] for r in s["ranks"]]  # real forwards: the work, free of CPU noise
+    fwd_spread = (max(forwards) - min(forwards)) / max(forwards)
+    return {"busy_spread": s["busy_spread"], "forward_spread": fwd_spread, "wall_s": s["wall_s"],
+            "busy_s": busy, "forwards": forwards}  # fmt: skip
 
 
 def main() -> None:
@@ -60,13 +65,14 @@ def main() -> None:
                     r = run_job(tmp, path, args.nproc, order, args.extra)
                     results[workload][order].append(r)
                     busy = [round(b, 1) for b in r["busy_s"]]
-                    spread = f"busy spread {100 * r['busy_spread']:5.1f}%"
+                    spread = f"busy spread {100 * r['busy_spread']:5.1f}% forwards {r['forwards']}"
                     print(f"{workload:8} {order:8} {spread} wall {r['wall_s']:.1f}s busy {busy}", flush=True)
     for workload, by_order in results.items():
         for order, runs in by_order.items():
-            spreads = [100 * r["busy_spread"] for r in runs]
-            median = statistics.median(spreads)
-            print(f"{workload:8} {order:8} median busy spread {median:5.1f}% over {len(runs)} run(s)")
+            busy = statistics.median([100 * r["busy_spread"] for r in runs])
+            fwd = statistics.median([100 * r["forward_spread"] for r in runs])
+            n = len(runs)
+            print(f"{workload:8} {order:8} median spread: busy {busy:5.1f}%, forwards {fwd:5.1f}% ({n} runs)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": vars(args), "results": results}, f, indent=1)

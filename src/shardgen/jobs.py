@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -176,10 +177,16 @@ def longest_first(records: Sequence[PromptRecord], pending: Sequence[int]) -> li
     A rank's busy time ends with its last request; a long request claimed last makes that
     rank finish alone. Claiming the longest first leaves short requests for the end, where
     they even out the ranks (longest-processing-time-first scheduling). Expected work: the
-    request's ``max_new_tokens`` (the bound on its decode steps), then its prompt length
-    (prefill, and in most workloads a predictor of the answer's length).
+    request's ``max_new_tokens`` (the bound on its decode steps; unset counts as the largest, as
+    the model's default bounds it), then its prompt length (the prefill's cost). Requests alike
+    in both keep their input order: this helps only where the bounds tell requests apart.
     """
-    return sorted(pending, key=lambda i: (-records[i].params.max_new_tokens, -len(records[i].prompt), i))
+
+    def key(i: int) -> tuple[float, int, int]:
+        bound = records[i].params.max_new_tokens
+        return (-(math.inf if bound is None else bound), -len(records[i].prompt), i)
+
+    return sorted(pending, key=key)
 
 
 def run_job(
