@@ -40,9 +40,10 @@ def test_read_jsonl_with_generation_fields(tmp_path):
         tmp_path, {"id": "a", "prompt": "x"}, {"id": 7, "prompt": "y", "max_new_tokens": 3, "top_k": 2}
     )
     recs = prompts.read_prompts(path, base=SamplingParams(max_new_tokens=9, top_p=0.5))
+    seed = prompts.derive_seed  # the model may sample: each request has its seed
     assert [(r.id, r.prompt, r.params, r.line) for r in recs] == [
-        ("a", "x", SamplingParams(max_new_tokens=9, top_p=0.5), 1),
-        (7, "y", SamplingParams(max_new_tokens=3, top_k=2, top_p=0.5), 2),
+        ("a", "x", SamplingParams(max_new_tokens=9, top_p=0.5, seed=seed(0, "a")), 1),
+        (7, "y", SamplingParams(max_new_tokens=3, top_k=2, top_p=0.5, seed=seed(0, 7)), 2),
     ]
 
 
@@ -114,9 +115,12 @@ def params(options: dict, **job) -> SamplingParams:
     return prompts.request_params(SamplingParams(max_new_tokens=9), options, "a", **job)
 
 
-def test_greedy_by_default():
+def test_the_model_decides_by_default_greedy_at_temperature_zero():
     p = params({})
-    assert not p.do_sample and p.seed is None and p.max_new_tokens == 9
+    assert p.do_sample is None and p.max_new_tokens == 9  # the model's generation_config decides
+    assert p.seed == prompts.derive_seed(0, "a")  # in case the model samples
+    p = params({}, temperature=0.0)
+    assert p.do_sample is False and p.seed is None and p.temperature is None
 
 
 def test_temperature_means_sampling_with_a_seed_from_job_seed_and_id():

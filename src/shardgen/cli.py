@@ -19,6 +19,7 @@ import os
 import sys
 import textwrap
 
+from .backends import check_backend_name
 from .bench import BenchConfig
 from .config import EngineConfig, JobConfig, SamplingParams
 from .demo import DemoConfig
@@ -104,6 +105,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         job, engine_cfg, base = (build(cls, ns, names) for cls, names in RUN_FIELDS)
         job.validate()
         engine_cfg.validate()
+        check_backend_name(engine_cfg.backend)
         base.validate()
     except ValueError as e:
         raise JobError(ExitCode.USAGE, flag_names(str(e), RUN_FIELDS)) from None

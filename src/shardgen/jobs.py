@@ -320,7 +320,7 @@ def _serve(
             for i in claimer.claim(free):
                 rec = records[pending[i]]
                 try:
-                    inflight[engine.submit(rec.prompt, **dataclasses.asdict(rec.params))] = rec
+                    inflight[engine.submit(rec.prompt, rec.params)] = rec
                 except ValueError as e:  # a bad single request: answered with an error, the job goes on
                     done.append((rec, error_record(rec, e, rank)))
         for rec, result in done:

@@ -47,7 +47,7 @@ def read_prompts(
     when its name ends in .jsonl/.ndjson/.json or its first non-blank line starts with ``{``;
     otherwise each line is one prompt.
     """
-    temperature, seed = (cfg.temperature, cfg.seed) if cfg is not None else (0.0, 0)
+    temperature, seed = (cfg.temperature, cfg.seed) if cfg is not None else (None, 0)
     base = base if base is not None else SamplingParams()
     try:
         with open(path, encoding="utf-8") as f:
@@ -116,21 +116,27 @@ def _parse_line(line: str, n: int, where: str, seen: dict[str, int]) -> tuple[st
 
 
 def request_params(
-    base: SamplingParams, options: dict[str, Any], rid: str | int, *, temperature: float = 0.0, seed: int = 0
+    base: SamplingParams,
+    options: dict[str, Any],
+    rid: str | int,
+    *,
+    temperature: float | None = None,
+    seed: int = 0,
 ) -> SamplingParams:
     """A request's SamplingParams: the job's (``base``, ``temperature``, ``seed``), then ``options``.
 
-    As with ``--temperature``, a line's ``temperature`` > 0 means sampling unless it sets
-    ``do_sample`` itself. Sampled requests without a ``seed`` get :func:`derive_seed`. Raises
-    ``ValueError`` (from ``SamplingParams.replace``/``validate``).
+    As with ``--temperature``, a ``temperature`` > 0 means sampling and 0 greedy, unless the line
+    sets ``do_sample`` itself; with neither, the model's ``generation_config`` decides. A request
+    that may sample and has no ``seed`` gets :func:`derive_seed` (unused if it turns out greedy).
+    Raises ``ValueError`` (from ``SamplingParams.replace``/``validate``).
     """
     opts = dict(options)
     temperature = opts.pop("temperature", temperature)
-    do_sample = opts.pop("do_sample", temperature > 0)
-    if temperature <= 0 and not do_sample:
-        temperature = base.temperature  # unused when greedy; keep SamplingParams valid
+    do_sample = opts.pop("do_sample", None if temperature is None else temperature > 0)
+    if temperature is not None and temperature <= 0 and not do_sample:
+        temperature = None  # greedy: no temperature applies (sampling at 0 fails validation)
     params = base.replace(**opts, do_sample=do_sample, temperature=temperature)
-    if params.do_sample and params.seed is None:
+    if params.do_sample is not False and params.seed is None:
         params = params.replace(seed=derive_seed(seed, rid))
     params.validate()
     return params
