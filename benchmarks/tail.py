@@ -30,7 +30,10 @@ def run_job(folder: str, prompts: str, nproc: int, order: str, extra: list[str])
     out, summary = os.path.join(folder, "r.jsonl"), os.path.join(folder, "s.json")
     cmd = [sys.executable, "-m", "shardgen", "run", "--prompts", prompts, "--out", out, "--nproc", str(nproc),
            "--claim-order", order, "--json-summary", summary, "--quiet", *extra]  # fmt: skip
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+        # once more: on a busy machine the launcher's free port can be taken before rank 0 binds it
+        subprocess.run([*cmd, "--resume"], check=True, env=env, stdout=subprocess.DEVNULL)
     with open(summary, encoding="utf-8") as f:
         s = json.load(f)
     os.remove(out)
