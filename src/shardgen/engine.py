@@ -30,6 +30,7 @@ from .errors import EngineClosedError
 from .log import get_logger
 from .protocol import OPEN, PAUSE
 from .requests import Completion, build_requests, encode_prompt, padded_output, resolve_future, unpadded_rows
+from .timeline import Span
 from .timeouts import derive
 
 log = get_logger()
@@ -160,6 +161,10 @@ class Engine:
             unpadded_rows(input_ids, attention_mask), params, overrides, as_requests=True
         )
         return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
+
+    def timeline(self) -> list[Span]:
+        """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``shardgen.timeline``)."""
+        return list(self._driver.timeline.spans)
 
     def stats(self) -> dict[str, Any]:
         """This rank's driver counters (a snapshot)."""
