@@ -25,6 +25,13 @@ def make_backend(
     same ``name`` (sharding issues collectives on ``param_group``).
     """
     options = dict(options or {})
+    from ..loading import materialize, source_of
+    from ..memory import return_freed_weights_to_os
+
+    if name != "local" and torch.device(device).type == "cpu":
+        return_freed_weights_to_os()  # per-layer gathers would otherwise stay resident
+    if source_of(model) is not None:  # Engine.from_pretrained: load straight into shards on param_group
+        model = materialize(name, model, param_group=param_group, device=device, options=options)
     if name == "local":
         from .local import LocalBackend
 

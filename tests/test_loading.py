@@ -1,0 +1,125 @@
+"""Loading straight into shards (loading.py, loading_ds.py, checkpoint.py).
+
+Unit tests read checkpoints in-process. Multi-rank tests load with ``Engine.from_pretrained``
+on 2 gloo ranks, one fresh World per backend (VmHWM is a lifetime peak, so the memory check
+is the first thing those ranks do), and compare greedy outputs with HF ``generate()`` on
+the same weights: single-file and index-sharded checkpoints, tied and untied embeddings,
+fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from loading_scenarios import scenario_load_and_generate, write_checkpoint
+from world import World
+
+from shardgen import loading
+from shardgen.checkpoint import Checkpoint
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+N = 2
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    """Written once per session: tiny checkpoints, and a ~180 MB one (untied, index-sharded) for memory."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name in ("tied-single", "tied-index", "untied-index"):
+        out[name] = write_checkpoint(
+            str(root / name), tied=name.startswith("tied"), shards=name.endswith("index")
+        )
+    out["big"] = write_checkpoint(str(root / "big"), tied=False, shards=True, big=True)
+    return out
+
+
+def bound_mb(path: str, n: int) -> float:
+    """The target: 1.25 x (checkpoint / N) + two decoder layers, in MB."""
+    ck = Checkpoint(path)
+    total = sum(e.numel * e.itemsize for e in ck.entries.values())
+    layer = sum(e.numel * e.itemsize for k, e in ck.entries.items() if ".layers.0." in k)
+    return (1.25 * total / n + 2 * layer) / 2**20
+
+
+# ----------------------------------------------------------------------------- in-process
+def test_checkpoint_reads_rows_and_ranges_of_index_sharded_files(ckpts):
+    from safetensors.torch import load_file
+
+    path = ckpts["untied-index"]
+    full = {}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            full.update(load_file(os.path.join(path, name)))
+    with Checkpoint(path) as ck:
+        assert set(ck.entries) == set(full)
+        w = full["model.layers.1.mlp.up_proj.weight"]
+        rows = torch.empty((5, w.shape[1]), dtype=torch.bfloat16)
+        ck.read_rows("model.layers.1.mlp.up_proj.weight", 7, rows)
+        assert torch.equal(rows, w[7:12].to(torch.bfloat16))
+        flat = torch.empty(13)
+        ck.read_flat("model.embed_tokens.weight", 40, flat)
+        assert torch.equal(flat, full["model.embed_tokens.weight"].reshape(-1)[40:53])
+        with pytest.raises(ValueError, match="outside"):
+            ck.read_flat("model.norm.weight", 30, torch.empty(5))
+
+
+def test_skeleton_has_meta_parameters_real_buffers_and_tied_weights(ckpts):
+    from transformers import AutoModelForCausalLM
+
+    sk = loading.skeleton(ckpts["tied-single"], "bfloat16")
+    ref = AutoModelForCausalLM.from_pretrained(ckpts["tied-single"])
+    assert all(p.is_meta for p in sk.parameters())
+    assert {p.dtype for p in sk.parameters()} == {torch.bfloat16}
+    assert sk.lm_head.weight is sk.model.embed_tokens.weight
+    bufs = dict(sk.named_buffers())
+    assert bufs and all(not b.is_meta for b in bufs.values())
+    for name, b in ref.named_buffers():
+        assert torch.equal(bufs[name], b), name  # rotary inv_freq computed at construction
+    assert loading.source_of(sk) == loading.Source(ckpts["tied-single"], torch.bfloat16)
+
+
+def test_resolve_dtype():
+    from transformers import LlamaConfig
+
+    assert loading.resolve_dtype("auto", LlamaConfig(dtype="bfloat16")) == torch.bfloat16
+    assert loading.resolve_dtype(None, LlamaConfig()) == torch.float32
+    assert loading.resolve_dtype("float16", LlamaConfig(dtype="bfloat16")) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        loading.resolve_dtype("int8", LlamaConfig())
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_sharded_loading_memory_and_outputs(ckpts, backend):
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    world = World(N, env=ENV, start_timeout=120.0)
+    try:
+        # First: the ~170 MB checkpoint, in ranks that have not allocated anything big yet.
+        big = world.run(
+            scenario_load_and_generate, ckpts["big"], backend, warm_path=ckpts["tied-single"], timeout=300
+        )
+        bound = bound_mb(ckpts["big"], N)
+        print(f"{backend}: bound {bound:.0f} MB", [(round(r["load_mb"]), round(r["gen_mb"])) for r in big])
+        for r, res in enumerate(big):
+            assert res["equal"], f"rank {r}: outputs differ from HF generate()"
+            assert res["load_mb"] <= bound, (
+                f"rank {r}: loading grew VmHWM by {res['load_mb']:.0f} MB > {bound:.0f}"
+            )
+            assert res["gen_mb"] <= bound, (
+                f"rank {r}: generating grew VmHWM to {res['gen_mb']:.0f} MB > {bound:.0f}"
+            )
+        # The big one is untied and index-sharded; then tied single-file fp32, tied index-sharded bf16.
+        assert not any(res["tied"] for res in big)
+        for name, dtype in (("tied-single", "float32"), ("tied-index", "bfloat16")):
+            for r, res in enumerate(
+                world.run(scenario_load_and_generate, ckpts[name], backend, dtype, timeout=120)
+            ):
+                assert res["equal"], f"{name} {dtype}, rank {r}: outputs differ from HF generate()"
+                assert res["tied"] and res["dtypes"] == {f"torch.{dtype}"}, (name, r, res)
+    finally:
+        world.close()
