@@ -12,7 +12,7 @@ import shardgen
 
 
 def write_checkpoint(path: str, *, tied: bool, shards: bool, big: bool = False) -> str:
-    """A Llama checkpoint from a config in code; ``big``: ~180 MB of fp32 in 28 layers (memory tests)."""
+    """A Llama checkpoint from a config in code; ``big``: ~250 MB of fp32 in 40 layers (memory tests)."""
     from transformers import AutoModelForCausalLM
 
     over: dict = dict(tie_word_embeddings=tied)
@@ -20,7 +20,7 @@ def write_checkpoint(path: str, *, tied: bool, shards: bool, big: bool = False) 
         over.update(
             hidden_size=384,
             intermediate_size=1024,
-            num_hidden_layers=28,
+            num_hidden_layers=40,
             num_attention_heads=6,
             num_key_value_heads=2,
             head_dim=64,
@@ -98,3 +98,30 @@ def scenario_write(path: str, **kw) -> None:
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
         write_checkpoint(path, **kw)
     dist.barrier()
+
+
+def scenario_hf_zero3(path: str, offload: bool, new: int = 5) -> bool:
+    """The seed's loading path: ``HfDeepSpeedConfig(ds_config)`` then ``from_pretrained``, into the engine.
+
+    transformers builds the model under ``zero.Init`` on the default group (partitioned at load);
+    the deepspeed backend moves its traffic to the private group. Equal to HF generate()?
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    zero: dict = {"stage": 3}
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+    ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}
+    dschf = HfDeepSpeedConfig(ds_config)  # must stay alive while from_pretrained runs
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    finally:
+        del dschf
+        unset_hf_deepspeed_config()
+    assert all(hasattr(p, "ds_id") for p in model.parameters()), "not partitioned at load"
+    ids, mask = batch([6, 3, 5], seed=dist.get_rank())
+    with shardgen.Engine(model, backend="deepspeed", max_batch_size=4) as engine:
+        out = engine.generate_ids(ids, mask, max_new_tokens=new)
+    return bool(torch.equal(out, _oracle(path, "auto", ids, mask, new)))

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from loading_scenarios import scenario_load_and_generate, write_checkpoint
+from loading_scenarios import scenario_hf_zero3, scenario_load_and_generate, write_checkpoint
 from world import World
 
 from shardgen import loading
@@ -25,7 +25,7 @@ N = 2
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory) -> dict[str, str]:
-    """Written once per session: tiny checkpoints, and a ~180 MB one (untied, index-sharded) for memory."""
+    """Written once per session: tiny checkpoints, and a ~250 MB one (untied, index-sharded) for memory."""
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
     for name in ("tied-single", "tied-index", "untied-index"):
@@ -121,5 +121,7 @@ def test_sharded_loading_memory_and_outputs(ckpts, backend):
             ):
                 assert res["equal"], f"{name} {dtype}, rank {r}: outputs differ from HF generate()"
                 assert res["tied"] and res["dtypes"] == {f"torch.{dtype}"}, (name, r, res)
+        if backend == "deepspeed":  # issue 10's seed path: HfDeepSpeedConfig + from_pretrained
+            assert world.run(scenario_hf_zero3, ckpts["untied-index"], True, timeout=120) == [True] * N
     finally:
         world.close()
