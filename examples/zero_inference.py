@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     t_load = time.perf_counter()
     engine = build_engine(args, config, dtype, model, tokenizer)  # collective
     log0(
-        f"model: {args.model}{' (dummy weights)' if args.dummy else f' (load {args.load})'}, {n_params / 1e6:.3f} M params "
+        f"model: {args.model}{' (dummy weights)' if args.dummy else f' (load {args.load})'}, "
+        f"{n_params / 1e6:.3f} M params "
         f"({n_params * torch.finfo(dtype).bits / 8 / 2**30:.3f} GB {str(dtype).removeprefix('torch.')}); "
         f"backend {args.backend}{' (user-partitioned)' if args.user_partitioned else ''}, "
         f"offload_param {'cpu' if args.cpu_offload else 'none'}, world {world}, "

@@ -125,3 +125,28 @@ def test_sharded_loading_memory_and_outputs(ckpts, backend):
             assert world.run(scenario_hf_zero3, ckpts["untied-index"], True, timeout=120) == [True] * N
     finally:
         world.close()
+
+
+# ----------------------------------------------------------------------------- gather="auto" inputs
+def test_kv_cache_estimate_follows_the_model_dtype():
+    from models import tiny_config
+
+    from shardgen.memory import kv_cache_bytes
+
+    fp32 = kv_cache_bytes(tiny_config("llama", dtype=torch.float32), batch=4, tokens=100)
+    bf16 = kv_cache_bytes(tiny_config("llama", dtype=torch.bfloat16), batch=4, tokens=100)
+    # 2 (K, V) x 2 layers x 2 kv heads x head_dim 8 x 100 tokens x 4 sequences
+    assert (fp32, bf16) == (2 * 2 * 2 * 8 * 100 * 4 * 4, 2 * 2 * 2 * 8 * 100 * 4 * 2)
+
+
+def test_memory_budget_is_what_the_host_has_free_now_split_between_local_ranks(monkeypatch):
+    from shardgen import memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 10_000)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert memory.memory_budget(None, torch.device("cpu")) == 4_000
+    assert memory.memory_budget(1.5, torch.device("cpu")) == 1_500_000_000
+    monkeypatch.undo()
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert 0 < memory.host_available_bytes() <= avail * 1.1  # free + reclaimable, not just free

@@ -64,13 +64,14 @@ def load_deepspeed(
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    from .backends.deepspeed import _ensure_ds_comm, _ensure_local_rank, _import_deepspeed, _lockstep_config
+    from .backends.deepspeed.internals import ensure_ds_comm, ensure_local_rank, import_deepspeed
+    from .backends.deepspeed.partition import lockstep_config
     from .loading import _check_shape, checkpoint_names
 
-    deepspeed = _import_deepspeed(device)
-    _ensure_ds_comm(deepspeed)
-    _ensure_local_rank(device)
-    cfg = _lockstep_config(ds_config)
+    deepspeed = import_deepspeed(device)
+    ensure_ds_comm(deepspeed)
+    ensure_local_rank(device)
+    cfg = lockstep_config(ds_config)
     parsed = DeepSpeedConfig(cfg)
     dtype = src.dtype
     for enabled, want in (
