@@ -2,6 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/loading.py --make /tmp/llama-320m   # once, 1.3 GB
     PYTHONPATH=src .venv/bin/python benchmarks/loading.py --model /tmp/llama-320m --nproc 2 4
+    PYTHONPATH=src .venv/bin/python benchmarks/loading.py --model /tmp/llama-320m --nproc 2 4 --dtype bfloat16
 
 For each backend, world size and method, a fresh set of ranks (VmHWM is a lifetime peak):
 ``full`` is the old path (``AutoModelForCausalLM.from_pretrained`` on every rank, then
@@ -83,11 +84,11 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     opts = dict(backend=args.backend, gather="per-layer", max_batch_size=1)
     if args.method == "full":
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
         engine = shardgen.Engine(model, **opts)
         del model
     else:
-        engine = shardgen.Engine.from_pretrained(args.model, dtype="float32", **opts)
+        engine = shardgen.Engine.from_pretrained(args.model, dtype=args.dtype, **opts)
     load_s = time.perf_counter() - t0
     loaded = vm("VmHWM")
     ids = torch.arange(3, 11).unsqueeze(0)
@@ -108,6 +109,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--backends", nargs="+", default=["fsdp2", "deepspeed"])
     p.add_argument("--methods", nargs="+", default=["full", "sharded"])
+    p.add_argument("--dtype", default="float32", help="load the (fp32) checkpoint in this dtype")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
@@ -120,7 +122,9 @@ def main() -> None:
         worker(args)
         return
     total, layer = sizes(args.model)
-    print(f"checkpoint {total / 1e6:.0f} MB, one decoder layer {layer / 1e6:.1f} MB")
+    if args.dtype in ("bfloat16", "float16"):
+        total, layer = total // 2, layer // 2  # the fp32 checkpoint, loaded in 16 bits
+    print(f"model in {args.dtype}: {total / 1e6:.0f} MB, one decoder layer {layer / 1e6:.1f} MB")
     print(
         "| backend | N | method | load s | baseline MB | peak after load, MB over baseline | "
         "peak after generate | bound | within |"
@@ -149,6 +153,8 @@ def main() -> None:
                         method,
                         "--out",
                         out,
+                        "--dtype",
+                        args.dtype,
                     ]
                     subprocess.run(
                         cmd,

@@ -41,6 +41,7 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
 
+CHUNK_BYTES = 16 << 20  # largest temporary when converting dtype or device
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -139,8 +140,10 @@ class Checkpoint:
     def read_flat(self, name: str, start: int, dst: torch.Tensor) -> None:
         """Copy elements ``[start, start + dst.numel())`` of the flattened tensor ``name`` into ``dst``.
 
-        Reads only those elements; converts dtype and device on the way (one temporary
-        of ``dst``'s size when they differ). Not collective.
+        Reads only those elements. Same dtype, contiguous CPU ``dst``: straight into it.
+        Otherwise (dtype conversion, another device) through a temporary of at most
+        ``CHUNK_BYTES``, so converting never holds more than that beside the destination.
+        Not collective.
         """
         entry = self.entries[name]
         count = dst.numel()
@@ -148,12 +151,22 @@ class Checkpoint:
             raise ValueError(f"{name}: elements [{start}, {start + count}) outside its {entry.numel}")
         if count == 0:
             return
-        direct = dst.is_contiguous() and dst.device.type == "cpu" and dst.dtype == entry.dtype
-        tmp = dst if direct else torch.empty(count, dtype=entry.dtype)
-        self._read(entry, start * entry.itemsize, tmp)
-        if not direct:
-            with torch.no_grad():
-                dst.copy_(tmp.view(dst.shape))
+        if dst.is_contiguous() and dst.device.type == "cpu" and dst.dtype == entry.dtype:
+            self._read(entry, start * entry.itemsize, dst)
+            return
+        flat = dst.view(-1) if dst.is_contiguous() else None
+        step = max(1, CHUNK_BYTES // entry.itemsize)
+        if flat is None:
+            step = count  # a non-contiguous destination is copied in one piece
+        tmp = torch.empty(min(step, count), dtype=entry.dtype)
+        with torch.no_grad():
+            for lo in range(0, count, step):
+                n = min(step, count - lo)
+                self._read(entry, (start + lo) * entry.itemsize, tmp[:n])
+                if flat is None:
+                    dst.copy_(tmp.view(dst.shape))
+                else:
+                    flat[lo : lo + n].copy_(tmp[:n])
 
     def read_rows(self, name: str, start: int, dst: torch.Tensor) -> None:
         """Copy rows ``[start, start + len(dst))`` (dim 0) of tensor ``name`` into ``dst``. Not collective."""

@@ -137,7 +137,8 @@ class EngineConfig:
     """(agreed) Fold a fingerprint of each rank's collective sequence into every tick; a mismatch raises
     ``CollectiveDivergenceError`` instead of hanging."""
     memory_budget_gb: float | None = None
-    """Budget for ``gather='auto'``; None uses 80% of the free device memory."""
+    """Budget for ``gather='auto'``; None uses 80% of the memory free once the model is loaded
+    (CPU: the host's available memory split between its local ranks)."""
     ds_config: dict[str, Any] | None = field(default=None)
     """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
 

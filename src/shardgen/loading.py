@@ -63,7 +63,7 @@ from .log import get_logger
 
 log = get_logger()
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
