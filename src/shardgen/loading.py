@@ -19,9 +19,9 @@ and reads each rank's part from the safetensors files:
   parameter group, and each rank reads its flat ZeRO partition.
 
 Every read is of this rank's bytes only (``checkpoint.py``), converted to the target dtype
-on the way (one shard-sized temporary), so ``dtype="bfloat16"`` never makes an fp32 copy
-of the model. Peak per rank: the shard, plus one shard-sized temporary; measured in
-docs/PERFORMANCE.md.
+on the way (through 16 MB chunks), so ``dtype="bfloat16"`` never makes an fp32 copy of the
+model. Peak per rank: the shard, plus one parameter's shard in flight (FSDP2 allocates a
+shard unpadded, then pads it); measured in docs/PERFORMANCE.md.
 
 What torch and transformers provide, and why this module does not use it:
 

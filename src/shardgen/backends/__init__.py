@@ -28,7 +28,10 @@ def make_backend(
     """Build backend ``name`` around ``model``.
 
     Collective: every rank of ``param_group`` calls it, in the same order, with the
-    same ``name`` (sharding issues collectives on ``param_group``).
+    same ``name`` (sharding issues collectives on ``param_group``). A skeleton from
+    ``Engine.from_pretrained`` (``loading.source_of(model)``) is first loaded into shards
+    on ``param_group`` (``loading.materialize``: no collective), then adopted like a model
+    the user sharded/partitioned there.
     """
     options = dict(options or {})
     from ..loading import materialize, source_of
