@@ -32,6 +32,12 @@ for which the prompts are the toy counting task (answers checked). With another 
 ``--dummy`` (random weights from the model's config, no checkpoint load), prompts are random token
 ids of ``--prompt-len`` tokens and EOS is ignored, so every row generates exactly ``--gen-len``.
 
+Loading (``--load``): ``sharded`` (default) reads only each rank's shard from the checkpoint,
+as ``Engine.from_pretrained`` does; ``hf-zero3`` is the original script's path,
+``HfDeepSpeedConfig(ds_config)`` then ``from_pretrained`` (transformers partitions under
+``zero.Init``; needs ``accelerate``, in ``shardgen[deepspeed]``), and shardgen adopts the model;
+``full`` loads the whole model on every rank first.
+
 Timing, as in the original: each batch is run once with ``max_new_tokens=1`` (prefill latency,
 i.e. time to the first token) and once with ``max_new_tokens=gen_len`` (total latency); decode
 latency = total - prefill. Rank 0 prints its last batch's numbers (the original prints the last
