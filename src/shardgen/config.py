@@ -140,7 +140,8 @@ class EngineConfig:
     """Record what the driver does over time (``engine.timeline()``: prefill, decode, shadow, gather,
     tick, idle spans); off by default (one list append per tick phase when on)."""
     memory_budget_gb: float | None = None
-    """Budget for ``gather='auto'``; None uses 80% of the free device memory."""
+    """Budget for ``gather='auto'``; None uses 80% of the memory free once the model is loaded
+    (CPU: the host's available memory split between its local ranks)."""
     ds_config: dict[str, Any] | None = field(default=None)
     """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
     bucket_mb: float | None = None

@@ -102,17 +102,14 @@ class Engine:
     def from_pretrained(
         cls, path: str, *, dtype: torch.dtype | str | None = None, tokenizer: Any = None, **kwargs: Any
     ) -> Engine:
-        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective.
 
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype) if dtype != "auto" else None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(path)
-            except (OSError, ValueError):
-                tokenizer = None
+        The weights go straight into each rank's shard (``loading.py``): no rank holds the
+        full model. ``dtype``: ``"auto"``/None (the checkpoint's), ``"bfloat16"``, ...
+        """
+        from .loading import pretrained
+
+        model, tokenizer = pretrained(path, dtype=dtype, tokenizer=tokenizer)
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ user API (not collective)
