@@ -9,20 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ports import free_port
+
 HERE = Path(__file__).parent
 STALL = 4.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Ranks:
@@ -31,7 +26,7 @@ class Ranks:
     def __init__(
         self, scenario: str, world: int = 2, victim: int | None = None, script: str = "liveness_rank.py"
     ) -> None:
-        port = _free_port()
+        port = free_port()
         tag = f"{scenario}-w{world}-v{victim}"
         self.logs = [HERE.parent / f".liveness-{os.getpid()}-{tag}-{r}.log" for r in range(world)]
         self.procs = []

@@ -13,25 +13,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ports import free_port
+
 HERE = Path(__file__).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_once(workdir: Path, prompts: Path, timeout: float = 150.0) -> dict:
     """One two-agent job; returns {codes, seconds, terminate, outputs}."""
-    port = _free_port()
+    port = free_port()
     out = workdir / f"out-{port}.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     src = os.environ.get("SHARDGEN_SRC", str(HERE.parent / "src"))
