@@ -53,7 +53,6 @@ from .scheduler import LocalWork
 from .stalls import GatherCounter
 from .timeline import Timeline
 from .timeouts import Timeouts
-from .verdict import describe, last_seen
 
 log = get_logger()
 
@@ -229,8 +228,7 @@ class Driver:
         msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
         if self.live is None or not absent:
             raise RendezvousTimeoutError(msg)
-        rec = self.live.peer(absent[0])  # the verdict: unless a peer's failure came first
-        raise self.live.blame(absent[0], "absent", f"{msg}; {describe(absent[0], rec)}, {last_seen(rec)}")
+        raise self.live.blame_absent(absent[0], msg)  # the verdict: unless a peer's failure came first
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:

@@ -127,6 +127,7 @@ class Liveness:
         # Store calls on a connection of our own, bounded where the store allows (get, wait);
         # a stopped store host blocks the others (check, set): the watchdog thread sees that.
         self.store = _own_connection(store, timeouts.store_call)
+        self.store_call_s = timeouts.store_call
         self.store_grace = timeouts.store_lost
         self._records: dict[int, dict[str, Any]] = {}
         self._alive_t = time.monotonic()  # the last time a round of store calls completed
@@ -181,6 +182,25 @@ class Liveness:
             log.warning("rank %d: could not publish the verdict to peers: %s", self.rank, e)
             self.verdict = proposal
         return self.verdict.error(self.rank)
+
+    def blame_absent(self, culprit: int, message: str) -> BaseException:
+        """``blame()`` for a user thread (``close()``/``paused()`` bounds): adds the culprit's last
+        heartbeat and never blocks past ``store_call`` s (a stopped store host blocks store calls;
+        the watchdog then names it)."""
+        if self.verdict is not None:
+            return self.verdict.error(self.rank)
+        box: list[BaseException] = []
+
+        def run() -> None:
+            rec = self.peer(culprit)
+            box.append(
+                self.blame(culprit, "absent", f"{message}; {describe(culprit, rec)}, {last_seen(rec)}")
+            )
+
+        t = threading.Thread(target=run, name=f"shardgen-blame-r{self.rank}", daemon=True)
+        t.start()
+        t.join(self.store_call_s)
+        return box[0] if box else Verdict(culprit, "absent", message, self.rank).error(self.rank)
 
     def report_error(self, err: BaseException) -> None:
         """This rank's driver raised: make it the verdict unless a peer's failure came first."""
