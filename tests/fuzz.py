@@ -130,6 +130,7 @@ def fuzz(n: int, seed0: int = 0, log: Any = print) -> dict[str, Any]:
     detect: list[float] = []
     t_start = time.monotonic()
     worlds = Worlds()
+    interrupted = False
     try:
         # In blocks of 20 seeds (so a partial run covers both kinds): the fault-free schedules by
         # world size (one World at a time), then the fault schedules.
@@ -149,10 +150,13 @@ def fuzz(n: int, seed0: int = 0, log: Any = print) -> dict[str, Any]:
                 failures.append({"seed": s["seed"], "result": result[:4000]})
             desc = f"fault={s['fault']['kind']}@rank{s['fault']['victim']}" if s["fault"] else "no fault"
             log(f"seed {s['seed']}: world {s['world']}, {desc}: {kind}" + (f" ({took:.1f}s)" if took else ""))
+    except KeyboardInterrupt:  # Ctrl-C: report the schedules run so far
+        interrupted = True
     finally:
         worlds.close()
     return {
-        "schedules": n,
+        "schedules": counts["faults"] + counts["fault_free"],
+        "interrupted": interrupted,
         "seed0": seed0,
         "fault_free": counts["fault_free"],
         "with_fault": counts["faults"],
@@ -181,7 +185,7 @@ def main() -> int:
         print(f"--- seed {f['seed']}\n{f['result']}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
-    return 0 if summary["ok"] == summary["schedules"] else 1
+    return 0 if summary["ok"] == summary["schedules"] == args.n else 1
 
 
 if __name__ == "__main__":

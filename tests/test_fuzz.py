@@ -30,4 +30,4 @@ def test_schedules_are_reproducible_and_collectives_line_up():
 def test_short_fuzz_no_hang_no_wrong_token_no_misattribution():
     summary = fuzz(N, seed0=int(os.environ.get("SHARDGEN_FUZZ_SEED0", "0")), log=print)
     print({k: v for k, v in summary.items() if k != "failures"})
-    assert summary["ok"] == summary["schedules"], summary["failures"]
+    assert summary["ok"] == summary["schedules"] == N, summary["failures"]
