@@ -200,7 +200,11 @@ class Liveness:
         t = threading.Thread(target=run, name=f"shardgen-blame-r{self.rank}", daemon=True)
         t.start()
         t.join(self.store_call_s)
-        return box[0] if box else Verdict(culprit, "absent", message, self.rank).error(self.rank)
+        if box:
+            return box[0]
+        rec = self._records.get(culprit)  # the store is unreachable: its last heartbeat seen here
+        full = f"{message}; {describe(culprit, rec)}, {last_seen(rec)}"
+        return Verdict(culprit, "absent", full, self.rank).error(self.rank)
 
     def report_error(self, err: BaseException) -> None:
         """This rank's driver raised: make it the verdict unless a peer's failure came first."""
