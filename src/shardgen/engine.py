@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, groups
 from .backends import Backend, make_backend
 from .backends.base import describe_model
 from .config import EngineConfig, SamplingParams
@@ -78,15 +78,25 @@ class EngineStats:
 
 
 class Engine:
-    """Deadlock-free generation on a model sharded across all ranks.
+    """Deadlock-free generation on a model sharded across the ranks of a group.
 
-    ``Engine(model, tokenizer=tok, backend="fsdp2")`` is collective: every rank
-    constructs it, with the same settings and the same model architecture, and
-    engines are constructed in the same order on every rank. In order, it:
-    waits for every rank on the store (``init_timeout``, naming absent ranks);
-    creates two groups with ``new_group`` on the default group; all-gathers the
-    settings on the control group; shards the model on the parameter group; and,
-    for ``gather="auto"``, all-reduces whether the full model fits.
+    ``Engine(model, tokenizer=tok, backend="fsdp2", group=None)`` spans ``group``: the
+    world by default, or, for a model sharded over a subgroup (``fully_shard`` on a 2-D
+    HSDP mesh or on a subgroup's mesh, DeepSpeed MiCS or an ``mpu`` data-parallel
+    subgroup), that shard group, derived from the model. It is collective on the group:
+    exactly the ranks of the group construct it, with the same settings and the same model
+    architecture, and each rank constructs its engines over a given rank set in the same
+    order as the other members do; ranks outside the group never call it and never wait
+    for it. Over the whole world, every rank constructs every engine in the same order
+    (``new_group`` on the default group). Over a subgroup the groups are made with
+    ``new_group(ranks, use_local_synchronization=True)``: members must have created the
+    same number of process groups before (checked, ``ValueError``), and engines over
+    overlapping groups must be constructed in the same order on every rank. In order, it:
+    waits for the group's ranks on the store (``init_timeout``, naming absent ranks);
+    creates two private groups over those ranks; all-gathers the settings on the control
+    group; shards the model on the parameter group; and, for ``gather="auto"``,
+    all-reduces whether the full model fits. ``rank`` is the global rank (messages name
+    global ranks), ``group_rank`` its index in ``ranks``, ``world`` the group's size.
     """
 
     def __init__(
@@ -96,6 +106,7 @@ class Engine:
         *,
         config: EngineConfig | None = None,
         device: torch.device | str | None = None,
+        group: Any = None,
         **overrides: Any,
     ) -> None:
         cfg = config if config is not None else EngineConfig()
@@ -124,15 +135,21 @@ class Engine:
         self.phase = "init"
         self.tick = 0
 
+        # rank: global (every message names it); group_rank: this rank's row in the tick.
         if dist.is_available() and dist.is_initialized():
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            if group is None:
+                group = groups.model_shard_group(model)
+            self.rank, self.ranks = dist.get_rank(), comm.group_ranks(group)
+            if self.rank not in self.ranks:
+                raise ValueError(f"rank {self.rank} is not in the engine's group {self.ranks}")
         elif cfg.backend == "local":
-            self.rank, self.world = 0, 1
+            self.rank, self.ranks = 0, [0]
         else:
             raise ValueError(
                 f"backend {cfg.backend!r} needs torch.distributed: call shardgen.init() first "
                 "(or use backend='local')"
             )
+        self.world, self.group_rank = len(self.ranks), self.ranks.index(self.rank)
         self.device = torch.device(device) if device is not None else _model_device(model)
         raw = getattr(model, "module", model)  # a DeepSpeedEngine wraps the HF model
         self._hf_config = raw.config
@@ -142,16 +159,20 @@ class Engine:
         self._store: Any = None
         self._pause_epoch = 0
         if dist.is_initialized():
-            self.engine_id = comm.next_engine_id()
+            self._prefix = prefix = comm.engine_prefix(self.ranks)
             self._store = store = comm.default_store()
-            comm.arrive(store, f"shardgen/engine{self.engine_id}", self.rank, self.world, cfg.init_timeout)
+            self._whole = whole = self.world == dist.get_world_size()
+            comm.arrive(store, prefix, self.rank, self.ranks, cfg.init_timeout)
+            if not whole:
+                comm.check_group_names(store, prefix, self.rank, self.ranks)
             # Liveness bounds every wait; the groups' own timeouts are only a backstop.
             self._control, self._params = comm.private_groups(
                 control_timeout_s=max(3600.0, 10 * cfg.stall_timeout),
                 param_timeout_s=cfg.stall_timeout + 30.0,
+                ranks=None if whole else self.ranks,
             )
             settings = {**cfg.agreed(), **describe_model(raw), "world_size": str(self.world)}
-            comm.check_same_settings(settings, self._control, self.rank, self.world)
+            comm.check_same_settings(settings, self._control, self.rank, self.world, self.ranks)
         options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
@@ -161,7 +182,7 @@ class Engine:
             self.backend.instrument()
         self._gathered = False
         self.gather_policy = self._resolve_gather_policy()
-        self._cp = ControlPlane(self._control, self.rank, self.world)
+        self._cp = ControlPlane(self._control, self.group_rank, self.world)
         self._work = LocalWork(
             self.model, self.backend, self.device, cfg, self._stats, on_finished=self._finished
         )
@@ -169,12 +190,13 @@ class Engine:
         if self._store is not None and self.world > 1:
             self._live = Liveness(
                 self._store,
-                f"shardgen/engine{self.engine_id}",
+                self._prefix,
                 self.rank,
                 self.world,
                 cfg.stall_timeout,
                 status=lambda: (self.tick, self.phase),
                 on_failure=self._on_peer_failure,
+                ranks=self.ranks,
             )
             self._live.start()
         _ENGINES.add(self)
@@ -324,7 +346,8 @@ class Engine:
         if time.monotonic() - max(called, self._last_forward_t) <= limit:
             return
         st = self._last_state
-        absent = [r for r, v in enumerate(st.col(col)) if v == absent_if] if st is not None else []
+        cols = st.col(col) if st is not None else []
+        absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
         raise RendezvousTimeoutError(
             f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
         )
@@ -491,7 +514,7 @@ class Engine:
         if self._store is not None:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.
-            key = f"shardgen/engine{self.engine_id}/resume{self._pause_epoch}"
+            key = f"{self._prefix}/resume{self._pause_epoch}"
             self._store.add(key, 1)
             while int(self._store.add(key, 0)) < self.world:
                 time.sleep(0.005)
@@ -560,9 +583,8 @@ class Engine:
         if not _ENGINES:
             _restore_switch_interval()
         self.backend.close()
-        for g in {id(g): g for g in (self._params, self._control) if g is not None}.values():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(g)
+        if self._control is not None:
+            comm.release_groups(self._control, self._params, None if self._whole else self.ranks)
         self._control = self._params = None
 
 

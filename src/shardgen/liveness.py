@@ -99,7 +99,11 @@ def local_stack(pid: int, wait_s: float = 1.0) -> str:
 
 
 class Liveness:
-    """Heartbeat writer and peer watcher for one engine on one rank."""
+    """Heartbeat writer and peer watcher for one engine on one rank.
+
+    ``rank`` and ``ranks`` are global ranks: the engine's group (default: all ``world``
+    ranks); only those are watched, and messages name them as users know them.
+    """
 
     def __init__(
         self,
@@ -110,8 +114,10 @@ class Liveness:
         stall_timeout: float,
         status: Callable[[], tuple[int, str]],
         on_failure: Callable[[BaseException], None],
+        ranks: list[int] | None = None,
     ) -> None:
         self.store = store
+        self.ranks = list(ranks) if ranks is not None else list(range(world))  # global ranks watched
         self.prefix = prefix
         self.rank = rank
         self.world = world
@@ -153,7 +159,7 @@ class Liveness:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        peers = [r for r in range(self.world) if r != self.rank]
+        peers = [r for r in self.ranks if r != self.rank]
         last: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in peers}
         records: dict[int, dict[str, Any]] = {}
         store_down_since: float | None = None

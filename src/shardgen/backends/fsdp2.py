@@ -51,7 +51,7 @@ def move_to_group(model: nn.Module, param_group: Any) -> None:
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
     mine = dist.get_process_group_ranks(param_group)
     infos = []
@@ -63,16 +63,19 @@ def move_to_group(model: nn.Module, param_group: Any) -> None:
                 if info is not None and all(info is not i for i in infos):
                     infos.append(info)
     for info in infos:
-        if isinstance(info, HSDPMeshInfo) or not isinstance(info, FSDPMeshInfo):
+        # HSDP (a 2-D replicate x shard mesh) gathers on its shard group only; the replicate
+        # group serves gradient all-reduces, which generation never issues.
+        if not isinstance(info, FSDPMeshInfo):  # HSDPMeshInfo is one
             raise ValueError(
-                f"the model is wrapped with {type(info).__name__} (hybrid/replicated sharding); shardgen can "
-                "only move plain fully_shard models to its private group: pass the unwrapped model instead"
+                f"the model is wrapped with {type(info).__name__} (replicate only); shardgen can only "
+                "move sharded fully_shard models to its private group: pass the unwrapped model instead"
             )
         theirs = dist.get_process_group_ranks(info.shard_process_group)
         if theirs != mine:
             raise ValueError(
                 f"the model is sharded over ranks {theirs}, shardgen's group spans ranks {mine}: pass the "
-                "unwrapped model (shardgen shards it) or shard it over all ranks"
+                "unwrapped model (shardgen shards it), or leave Engine(group=...) unset (one engine per "
+                "shard group)"
             )
     for info in infos:
         info.shard_process_group = param_group
