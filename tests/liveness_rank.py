@@ -36,8 +36,14 @@ def main(scenario: str) -> None:
     if scenario == "never_constructs" and rank == victim:
         event("away")
         time.sleep(3600)
+    group = None
+    if scenario == "group_sigkill":  # two engines, on ranks [0, 1] and [2, 3]; the victim is rank 3
+        import torch.distributed as dist
+
+        pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group = pgs[rank // 2]
     engine = shardgen.Engine(
-        tiny_model("llama", seed=3), backend="fsdp2", stall_timeout=stall, init_timeout=stall
+        tiny_model("llama", seed=3), backend="fsdp2", stall_timeout=stall, init_timeout=stall, group=group
     )
     event("constructed")
 
@@ -59,7 +65,10 @@ def main(scenario: str) -> None:
     ref = tiny_model("llama", seed=3)
     ids, mask = batch([4, 6, 3], seed=rank)
     n_calls = 2 if scenario == "user_thread_stuck" else 10_000
+    until = time.monotonic() + float(os.environ.get("GROUP_A_SECONDS", "0"))
     for i in range(n_calls):
+        if scenario == "group_sigkill" and rank < 2 and time.monotonic() > until:
+            break  # the healthy group stops on its own, after the other group's fault
         out = engine.generate_ids(ids, attention_mask=mask, max_new_tokens=40)
         if scenario == "user_thread_stuck":
             assert torch.equal(out, hf_generate(ref, ids, mask, max_new_tokens=40))
