@@ -47,7 +47,8 @@ def rank_main(args: argparse.Namespace) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [p["prompt"] for p in make_prompts(args.prompts, seed=rank, skew=True)]
 
-    mesh = init_device_mesh("cpu", (world // args.shard_size, args.shard_size), mesh_dim_names=("rep", "shard"))
+    shape = (world // args.shard_size, args.shard_size)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
     hsdp = AutoModelForCausalLM.from_pretrained(path).eval()
     for layer in hsdp.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -76,7 +77,8 @@ def rank_main(args: argparse.Namespace) -> None:
     if rank == 0:
         tok_s = {k: args.rounds * total.item() / v for k, v in times.items()}
         first, second = list(tok_s)
-        res = {"useful_tok_s": tok_s, "ratio": tok_s[second] / tok_s[first], "world": world, "config": vars(args)}
+        ratio = tok_s[second] / tok_s[first]
+        res = {"useful_tok_s": tok_s, "ratio": ratio, "world": world, "config": vars(args)}
         for k, v in tok_s.items():
             print(f"{k:6s} {v:9.1f} useful tok/s")
         print(f"{second} / {first} = {res['ratio']:.2f}")

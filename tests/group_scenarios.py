@@ -99,3 +99,53 @@ def hsdp(sleep_s: float, arch: str = "llama"):
     assert t.item() == 4.0
     assert_no_thread("shardgen-", timeout=5)
     return closed_at, eng.stats()["shadow_forwards"]
+
+
+def deepspeed_subgroup(kind: str, sleep_s: float):
+    """A ZeRO-3 model partitioned over a data-parallel subgroup ([0, 1] and [2, 3]): through
+    ``deepspeed.initialize(mpu=...)`` (``kind="mpu"``) or ``zero.Init(module=...,
+    data_parallel_group=...)`` (``kind="zero_init"``). The engine derives its group from the
+    parameters; rank 3 is away for ``sleep_s`` and group [0, 1] closes without waiting."""
+    import deepspeed
+
+    pgs = [dist.new_group(GROUPS[0]), dist.new_group(GROUPS[1])]
+    g = _mine()
+    model, ref = tiny_model("llama", seed=23), tiny_model("llama", seed=23)
+    zero = {"stage": 3, "memory_efficient_linear": False}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    if kind == "mpu":
+        other = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # the "model-parallel" dimension
+
+        class MPU:  # Megatron's interface, data parallelism over the subgroup
+            def get_data_parallel_group(self):
+                return pgs[g]
+
+            def get_data_parallel_rank(self):
+                return dist.get_rank(pgs[g])
+
+            def get_data_parallel_world_size(self):
+                return 2
+
+            def get_model_parallel_group(self):
+                return other[rank() % 2]
+
+            def get_model_parallel_rank(self):
+                return dist.get_rank(other[rank() % 2])
+
+            def get_model_parallel_world_size(self):
+                return 2
+
+        model, *_ = deepspeed.initialize(model=model, config=cfg, mpu=MPU())
+    else:
+        deepspeed.zero.Init(module=model, data_parallel_group=pgs[g], config_dict_or_path=cfg)
+    eng = shardgen.Engine(model, backend="deepspeed", stall_timeout=60)
+    assert eng.ranks == GROUPS[g], eng.ranks
+    t0 = time.monotonic()
+    if rank() == 3:
+        time.sleep(sleep_s)
+    calls = [1, 2, 1, 1][rank()]
+    _workload(eng, ref, calls, seed=80 + rank())
+    eng.close()
+    closed_at = time.monotonic() - t0
+    dist.barrier()
+    return closed_at
