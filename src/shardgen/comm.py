@@ -2,11 +2,13 @@
 
 Every function here that issues a collective says so; all of them are called from
 the user thread during the (collective) engine constructor, on every rank, in
-the same order.
+the same order (``destroy_groups``: at close). The timeouts they wait with come
+from ``timeouts.derive``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from .errors import RendezvousTimeoutError
 from .log import get_logger
+from .timeouts import Timeouts
 
 log = get_logger()
 
@@ -47,11 +50,31 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, in
     return dist.get_rank(), dist.get_world_size()
 
 
+def rank_and_world(backend: str) -> tuple[int, int]:
+    """(rank, world) of the default group; (0, 1) for the local backend without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if backend == "local":
+        return 0, 1
+    raise ValueError(
+        f"backend {backend!r} needs torch.distributed: call shardgen.init() first (or use backend='local')"
+    )
+
+
 def default_device() -> torch.device:
     """cuda:LOCAL_RANK when CUDA is available, else cpu."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def model_device(model: Any) -> torch.device:
+    """The model's device if it has real parameters there, else cuda:LOCAL_RANK / cpu."""
+    for p in model.parameters():
+        if p.device.type not in ("meta", "cpu"):
+            return p.device
+        break
+    return default_device()
 
 
 def default_store() -> Any:
@@ -144,18 +167,6 @@ def private_groups(
 _POOL: dict[tuple[int, ...], list[tuple[Any, Any]]] = {}
 
 
-def release_groups(control: Any, param: Any, ranks: list[int] | None) -> None:
-    """After an engine closed: destroy world groups, keep subgroups for reuse. Not collective."""
-    if ranks is not None:
-        _POOL.setdefault(tuple(ranks), []).append((control, param))
-        return
-    for g in {id(g): g for g in (param, control) if g is not None}.values():
-        try:
-            dist.destroy_process_group(g)
-        except Exception:  # noqa: BLE001, S110 - the world may be gone already
-            pass
-
-
 def _pg_count() -> int:
     from torch.distributed import distributed_c10d as c10d
 
@@ -194,3 +205,39 @@ def check_same_settings(
             problems.append(f"{key}: " + ", ".join(f"rank(s) {rs}={v!r}" for v, rs in values.items()))
     if problems:
         raise ValueError("engine settings differ across ranks: " + "; ".join(problems))
+
+
+def engine_groups(
+    settings: dict[str, str], rank: int, ranks: list[int], timeouts: Timeouts
+) -> tuple[str, Any, Any, Any]:
+    """(store prefix, store, control group, param group) for a new engine over ``ranks``.
+
+    Collective on ``ranks`` (global ranks; all of them: the world): every rank of ``ranks``
+    calls it from the engine constructor, in the same order; no other rank does. Waits for
+    them on the store (``arrive``), creates the private groups (``private_groups``: on the
+    default group for the world, member-only for a subgroup), then checks ``settings``
+    (plus the group size) on the control group.
+    """
+    whole = len(ranks) == dist.get_world_size()
+    prefix = engine_prefix(ranks)
+    store = default_store()
+    arrive(store, prefix, rank, ranks, timeouts.arrival)
+    if not whole:
+        check_group_names(store, prefix, rank, ranks)
+    # Liveness bounds every wait; the groups' own timeouts are only a backstop.
+    control, param = private_groups(timeouts.control_group, timeouts.param_group, None if whole else ranks)
+    check_same_settings({**settings, "world_size": str(len(ranks))}, control, rank, len(ranks), ranks)
+    return prefix, store, control, param
+
+
+def destroy_groups(param: Any, control: Any, ranks: list[int] | None = None) -> None:
+    """At close, every rank of the engine: destroy its world groups (each once; None skipped);
+    a subgroup's pair goes back to the pool (``_POOL``) for the next engine over ``ranks``.
+    Not collective."""
+    if ranks is not None and dist.is_initialized() and len(ranks) < dist.get_world_size():
+        _POOL.setdefault(tuple(ranks), []).append((control, param))
+        return
+    groups = (param, control)
+    for g in {id(g): g for g in groups if g is not None}.values():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(g)

@@ -42,6 +42,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def shard_group(model: Any) -> Any | None:
+    """The shard group of a model the user wrapped with ``fully_shard`` (the shard dimension of
+    an HSDP mesh), or ``None`` for a model without FSDP2 units. Not collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules() if isinstance(model, nn.Module) else ():
+        if isinstance(m, FSDPModule):
+            for pg in m._get_fsdp_state()._fsdp_param_groups:
+                return pg.mesh_info.shard_process_group
+    return None
+
+
 def move_to_group(model: nn.Module, param_group: Any) -> None:
     """Point the all-gathers of a model the user wrapped with ``fully_shard`` at ``param_group``.
 
