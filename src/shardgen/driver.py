@@ -264,7 +264,7 @@ class Driver:
             self.tick += 1
             self.last_state = state
             if cfg.debug_collectives:
-                check_fingerprints(state)
+                check_fingerprints(state, self.ranks)
             decision = decide(state)
             if decision is Decision.FORWARD:
                 idle = 0
