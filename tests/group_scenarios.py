@@ -34,9 +34,9 @@ def explicit_groups(sleep_s: float, arch: str = "llama"):
     """Two engines on explicit groups [0, 1] and [2, 3]; rank 3 is away for ``sleep_s`` first.
 
     Group A: uneven calls, an all_reduce on its own subgroup while its peer still generates,
-    then close (timed: it must not wait for group B), then a world barrier. Group B: rank 2
-    generates, then sits in a world barrier while rank 3 (back from its sleep) generates,
-    then an all_reduce on its subgroup, then close.
+    a pause (with a collective inside), then close (timed: it must not wait for group B),
+    then a world barrier. Group B: rank 2 generates, then sits in a world barrier while
+    rank 3 (back from its sleep) generates, then an all_reduce on its subgroup, then close.
     """
     pgs = [dist.new_group(GROUPS[0]), dist.new_group(GROUPS[1])]  # every rank, same order
     g = _mine()
@@ -51,6 +51,8 @@ def explicit_groups(sleep_s: float, arch: str = "llama"):
     t = torch.tensor([float(rank())])
     if g == 0:
         dist.all_reduce(t, group=pgs[g])  # a peer may still be generating
+        with eng.paused():  # group A's ranks only; group B keeps generating
+            dist.all_reduce(torch.ones(1), group=pgs[g])
         eng.close()
         closed_at = time.monotonic() - t0
         dist.barrier()
@@ -149,3 +151,17 @@ def deepspeed_subgroup(kind: str, sleep_s: float):
     closed_at = time.monotonic() - t0
     dist.barrier()
     return closed_at
+
+
+def replica_groups(shard_size: int):
+    """``groups.replica_group`` on every rank: (ranks of my group or None, replica) or the error."""
+    from shardgen.groups import replica_group
+
+    try:
+        group, replica = replica_group(shard_size)
+    except ValueError as e:
+        return str(e)
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    if group is not None:
+        dist.destroy_process_group(group)
+    return ranks, replica

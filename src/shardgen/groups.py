@@ -33,3 +33,23 @@ def model_shard_group(model: Any) -> Any | None:
         return None
     return group
 
+
+
+def replica_group(shard_size: int) -> tuple[Any, int]:
+    """(this rank's shard group, its replica index) for world/``shard_size`` replicas of
+    consecutive ranks (replica i: ranks i*K .. i*K+K-1); ``(None, 0)`` when K is the world.
+
+    Collective on the world: every rank calls it, in the same order (plain ``new_group`` for
+    each replica: torch numbers groups by call count, so every rank makes every group).
+    ``ValueError`` with the numbers when K does not divide the world.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(
+            f"--shard-size {shard_size} must divide the world of {world} ranks "
+            f"(world / shard size = {world / max(shard_size, 1):g} replicas)"
+        )
+    if shard_size == world:
+        return None, 0
+    groups = [dist.new_group(list(range(i, i + shard_size))) for i in range(0, world, shard_size)]
+    return groups[rank // shard_size], rank // shard_size
