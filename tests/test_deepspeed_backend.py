@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 import ds_scenarios as sc  # noqa: E402
+from engine_scenarios import assert_lockstep  # noqa: E402
 from world import World, WorldHang  # noqa: E402
 
 from shardgen.backends.deepspeed import internals as dsi  # noqa: E402
@@ -174,10 +175,15 @@ def test_model_partitioned_on_other_ranks_is_refused(dsworld):
 def test_seed_script_through_engine_completes(dsworld, user_partitioned, gather):
     """The seed's uneven calls + default barrier, through shardgen.Engine(backend='deepspeed')."""
     r0, r1 = dsworld.run(sc.seed_script_engine, user_partitioned, gather, timeout=90)
-    assert (r0["calls"], r1["calls"]) == (2, 3)
+    assert (r0["calls"], r1["calls"]) == (2, 3)  # outputs equal HF: asserted in the ranks
+    stats = [r0["stats"], r1["stats"]]
+    assert [s["prefills"] for s in stats] == [2, 3] and [s["requests"] for s in stats] == [6, 9], stats
     if gather == "per-layer":
         assert r0["stats"]["shadow_forwards"] > 0  # rank 0 kept rank 1's third call going
-    assert r0["describe"]["offload_param"] == "cpu"
+    else:
+        assert r0["stats"]["shadow_forwards"] == r1["stats"]["shadow_forwards"] == 0, stats
+    assert_lockstep(stats, one_forward_per_tick=gather == "per-layer")
+    assert r0["describe"]["offload_param"] == r1["describe"]["offload_param"] == "cpu"
 
 
 @pytest.mark.parametrize("user_partitioned", [False, True], ids=["shardgen-partitioned", "user-partitioned"])
