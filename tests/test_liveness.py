@@ -224,5 +224,7 @@ def test_fault_in_one_shard_group_spares_the_other(ranks_factory):
     for r in (0, 1):
         code, _ = ranks.wait_exit(r, 4 * STALL + 180)
         assert code == 0 and ranks.events(r, "closed") and not ranks.events(r, "error"), ranks.dump()
-        assert any(e["t"] > t_kill + STALL for e in ranks.events(r, "call_done")), ranks.dump()
+        done = ranks.events(r, "call_done")
+        assert any(e["t"] > t_kill + STALL for e in done), ranks.dump()
+        assert all(e["same_as_hf"] for e in done), ranks.dump()
         assert "rank 3" not in ranks.text(r), ranks.dump()
