@@ -165,3 +165,16 @@ def replica_groups(shard_size: int):
     if group is not None:
         dist.destroy_process_group(group)
     return ranks, replica
+
+
+def not_a_member():
+    """Ranks 2 and 3 pass a group of ranks [0, 1] (``new_group`` gave them NON_GROUP_MEMBER)."""
+    pg = dist.new_group(GROUPS[0])
+    if rank() in GROUPS[0]:
+        dist.destroy_process_group(pg)
+        return None
+    try:
+        shardgen.Engine(tiny_model("llama", seed=1), backend="fsdp2", group=pg)
+    except ValueError as e:
+        return str(e)
+    return "constructed"

@@ -63,3 +63,9 @@ def test_store_prefixes_are_per_rank_set():
     a1, b1, a2 = comm.engine_prefix([0, 1]), comm.engine_prefix([2, 3]), comm.engine_prefix([0, 1])
     assert len({a1, b1, a2}) == 3 and "g0-1" in a1 and "g2-3" in b1
     assert a1.rsplit("engine", 1)[1] == b1.rsplit("engine", 1)[1]  # numbered per rank set
+
+
+def test_a_rank_outside_the_group_is_refused_before_any_collective(world4):
+    out = world4.run(sc.not_a_member, timeout=60)
+    assert out[:2] == [None, None]
+    assert all(f"rank {r} is not in the engine's group" in out[r] for r in (2, 3)), out

@@ -101,13 +101,6 @@ def engine_prefix(ranks: list[int]) -> str:
     return f"shardgen/g{'-'.join(map(str, ranks))}/engine{_ENGINE_SEQ[key]}"
 
 
-def group_ranks(group: Any) -> list[int]:
-    """Global ranks of ``group`` in group-rank order (``None``: the whole world)."""
-    if group is None:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))
-
-
 def arrive(store: Any, prefix: str, rank: int, ranks: list[int], timeout_s: float) -> None:
     """Wait until every rank of ``ranks`` wrote ``prefix/arrived/<r>``; name the absent ones after
     ``timeout_s``.

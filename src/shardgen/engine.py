@@ -79,12 +79,8 @@ class Engine:
         self.timeouts = derive(cfg.stall_timeout, cfg.init_timeout)
         self._shared = Shared()
         self.rank, self.world = comm.rank_and_world(cfg.backend)
-        self.ranks = [self.rank]
-        if dist.is_initialized():  # the user's group, else the model's shard group, else the world
-            self.ranks = comm.group_ranks(group if group is not None else groups.model_shard_group(model))
-            if self.rank not in self.ranks:
-                raise ValueError(f"rank {self.rank} is not in the engine's group {self.ranks}")
-            self.world = len(self.ranks)
+        self.ranks = groups.engine_ranks(group, model) if dist.is_initialized() else [self.rank]
+        self.world = len(self.ranks)
         self.device = torch.device(device) if device is not None else comm.model_device(model)
         raw = getattr(model, "module", model)  # a DeepSpeedEngine wraps the HF model
         self._hf_config, self._gen_config = raw.config, getattr(raw, "generation_config", None)

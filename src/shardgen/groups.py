@@ -14,6 +14,22 @@ from typing import Any
 import torch.distributed as dist
 
 
+def engine_ranks(group: Any, model: Any) -> list[int]:
+    """The global ranks an engine spans: ``group``'s, else the model's shard group's, else the
+    world's; sorted, as ``new_group`` orders the private groups (a rank's index in the list is
+    its row in the tick). ``ValueError`` if this rank is not one of them. Not collective."""
+    rank = dist.get_rank()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to non-members
+        raise ValueError(f"rank {rank} is not in the engine's group: only the group's ranks construct it")
+    if group is None:
+        group = model_shard_group(model)
+    ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else []
+    ranks = ranks or list(range(dist.get_world_size()))
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in the engine's group {ranks}: only its ranks construct it")
+    return ranks
+
+
 def model_shard_group(model: Any) -> Any | None:
     """The process group ``model``'s parameters are gathered on, if it is not the whole world.
 
