@@ -30,6 +30,7 @@ from .errors import EngineClosedError
 from .log import get_logger
 from .protocol import OPEN, PAUSE
 from .requests import Completion, build_requests, encode_prompt, padded_output, resolve_future, unpadded_rows
+from .timeline import Span
 from .timeouts import derive
 
 log = get_logger()
@@ -90,7 +91,10 @@ class Engine:
             prefix, self._store, self._control, self._params = comm.engine_groups(
                 {**cfg.agreed(), **describe_model(raw)}, self.rank, self.ranks, self.timeouts
             )
-        options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
+        options = {}
+        if cfg.backend == "deepspeed":
+            mb = cfg.bucket_mb
+            options = {"ds_config": cfg.ds_config, "bucket_bytes": None if mb is None else int(mb * 2**20)}
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
         )
@@ -111,17 +115,14 @@ class Engine:
     def from_pretrained(
         cls, path: str, *, dtype: torch.dtype | str | None = None, tokenizer: Any = None, **kwargs: Any
     ) -> Engine:
-        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective.
 
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype) if dtype != "auto" else None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(path)
-            except (OSError, ValueError):
-                tokenizer = None
+        The weights go straight into each rank's shard (``loading.py``): no rank holds the
+        full model. ``dtype``: ``"auto"``/None (the checkpoint's), ``"bfloat16"``, ...
+        """
+        from .loading import pretrained
+
+        model, tokenizer = pretrained(path, dtype=dtype, tokenizer=tokenizer)
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ user API (not collective)
@@ -170,6 +171,10 @@ class Engine:
             unpadded_rows(input_ids, attention_mask), params, overrides, as_requests=True
         )
         return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
+
+    def timeline(self) -> list[Span]:
+        """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``shardgen.timeline``)."""
+        return list(self._driver.timeline.spans)
 
     def stats(self) -> dict[str, Any]:
         """This rank's driver counters (a snapshot)."""
