@@ -212,6 +212,10 @@ class JobConfig:
     seed: int = 0
     """Base seed: a sampled request without its own seed gets one derived from (seed, id), so its
     tokens do not depend on the rank that served it."""
+    shard_size: int | None = None
+    """Ranks per replica: world/K replicas of K consecutive ranks, each sharding the model K ways
+    with its own engine, all claiming from the one prompts file (K must divide the world).
+    Default: one engine over all ranks."""
     claim_order: str = "longest"
     """Order in which ranks claim prompts: longest (largest max_new_tokens, then longest prompt,
     first, so that no rank starts a long request last) or input."""
@@ -244,6 +248,10 @@ class JobConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.shard_size is not None and (self.shard_size < 1 or (self.nproc or 1) % self.shard_size):
+            raise ValueError(
+                f"--shard-size {self.shard_size} must divide the world of {self.nproc or 1} ranks (--nproc)"
+            )
         if self.claim_order not in ("longest", "input"):
             raise ValueError(f"--claim-order must be longest or input, got {self.claim_order!r}")
         if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
