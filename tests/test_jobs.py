@@ -395,7 +395,8 @@ def test_summary_numbers():
 def test_summary_per_replica():
     stats = {"busy_s": 1.0, "forwards": 4, "shadow_forwards": 1, "ticks": 5}
     reports = [
-        {"rank": r, "replica": r // 2, "prompts": p, "errors": 0, "tokens": 3 * p, "stats": stats}
+        {"rank": r, "engine_ranks": [r // 2 * 2, r // 2 * 2 + 1], "prompts": p, "errors": 0, "tokens": 3 * p,
+         "stats": stats}  # fmt: skip
         for r, p in enumerate([4, 3, 1, 2])
     ]
     s = progress.summarize(
@@ -403,8 +404,8 @@ def test_summary_per_replica():
         engine_cfg=EngineConfig(),
     )
     assert s["replicas"] == [
-        {"replica": 0, "ranks": [0, 1], "prompts": 7, "tokens": 21},
-        {"replica": 1, "ranks": [2, 3], "prompts": 3, "tokens": 9},
+        {"ranks": [0, 1], "prompts": 7, "tokens": 21},
+        {"ranks": [2, 3], "prompts": 3, "tokens": 9},
     ]
     table = progress.format_summary(s)
     line = next(x for x in table.splitlines() if x.startswith("prompts per replica"))

@@ -248,10 +248,12 @@ class JobConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.shard_size is not None and (self.shard_size < 1 or (self.nproc or 1) % self.shard_size):
-            raise ValueError(
-                f"--shard-size {self.shard_size} must divide the world of {self.nproc or 1} ranks (--nproc)"
-            )
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
+        if self.shard_size is not None and self.nproc is not None and self.nproc % self.shard_size:
+            # the launcher's check; a rank checks its world (torchrun) in jobs.run_job
+            k, n = self.shard_size, self.nproc
+            raise ValueError(f"--shard-size {k} must divide the world of {n} ranks (--nproc {n})")
         if self.claim_order not in ("longest", "input"):
             raise ValueError(f"--claim-order must be longest or input, got {self.claim_order!r}")
         if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):

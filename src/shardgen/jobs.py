@@ -148,7 +148,7 @@ class RankReport:
     """What one rank did (gathered to rank 0 for the summary)."""
 
     rank: int
-    replica: int = 0  # which shard group (--shard-size): world/K replicas of K ranks
+    engine_ranks: list[int] = field(default_factory=list)  # the ranks its engine spans (a replica)
     prompts: int = 0
     errors: int = 0
     tokens: int = 0
@@ -230,7 +230,7 @@ def run_job(
     if cfg.timeline:
         engine_cfg = dataclasses.replace(engine_cfg, timeline=True)
     try:  # collective on the world (new_group): every rank, here
-        group, replica = replica_group(cfg.shard_size) if cfg.shard_size else (None, 0)
+        group, _ = replica_group(cfg.shard_size) if cfg.shard_size else (None, 0)
     except ValueError as e:
         raise JobError(ExitCode.USAGE, str(e)) from None
     engine = Engine.from_pretrained(
@@ -260,7 +260,7 @@ def run_job(
         progress.stop()
         journal.close()
     wall_s = time.perf_counter() - t0
-    report.stats, report.replica = engine.stats(), replica
+    report.stats, report.engine_ranks = engine.stats(), engine.ranks
     report.spans = [(max(a - t0, 0.0), b - t0, k) for a, b, k in engine.timeline() if b > t0]
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, dataclasses.asdict(report))  # after close(): every rank's work is done

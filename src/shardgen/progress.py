@@ -117,13 +117,14 @@ def summarize(
 
 
 def _replicas(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Prompts and tokens per replica (``--shard-size``: one engine per replica), in replica order."""
-    out: dict[int, dict[str, Any]] = {}
+    """Prompts and tokens per replica (``--shard-size``: one engine per replica, as the engines
+    report their ranks), in rank order."""
+    out: dict[tuple[int, ...], dict[str, Any]] = {}
     for r in reports:
-        rep = out.setdefault(r.get("replica", 0), {"replica": r.get("replica", 0), "ranks": [], "prompts": 0})
-        rep["ranks"].append(r["rank"])
+        key = tuple(r.get("engine_ranks") or [x["rank"] for x in reports])
+        rep = out.setdefault(key, {"ranks": list(key), "prompts": 0, "tokens": 0})
         rep["prompts"] += r["prompts"]
-        rep["tokens"] = rep.get("tokens", 0) + r["tokens"]
+        rep["tokens"] += r["tokens"]
     return [out[k] for k in sorted(out)]
 
 
