@@ -197,7 +197,8 @@ def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dic
     summary = json.loads((workdir / "replicas.json").read_text())
     reps = summary["replicas"]
     assert [r["ranks"] for r in reps] == [[0, 1], [2, 3]] and summary["shard_size"] == 2
-    assert sum(r["prompts"] for r in reps) == len(reference) and all(r["prompts"] > 0 for r in reps)
+    # which replica serves how many depends on timing (a replica that loads late may find none left)
+    assert sum(r["prompts"] for r in reps) == len(reference)
     assert "prompts per replica" in job.stdout and "2 x 2 ranks" in job.stdout, job.output()
 
 
