@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from .protocol import (
 )
 from .requests import Completion, Request, build_request, completion_of, resolve_future
 from .scheduler import LocalWork
+
+if TYPE_CHECKING:
+    from .rollout import RolloutBatch
 
 log = get_logger()
 
@@ -249,6 +252,19 @@ class Engine:
             out[i, input_ids.shape[1] :] = r.seq.pad_id
             out[i, input_ids.shape[1] : input_ids.shape[1] + len(c.token_ids)] = torch.tensor(c.token_ids)
         return out.to(input_ids.device)
+
+    def rollout(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        *,
+        n: int = 1,
+        **overrides: Any,
+    ) -> RolloutBatch:
+        """``n`` samples per prompt as trainer-ready padded tensors (``shardgen.rollout``). Not collective."""
+        from .rollout import rollout
+
+        return rollout(self, prompts, params, n=n, **overrides)
 
     def stats(self) -> dict[str, Any]:
         """This rank's driver counters (a snapshot)."""
