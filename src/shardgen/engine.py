@@ -453,6 +453,7 @@ class Engine:
             else:
                 assert decision is Decision.EXIT
                 self._release_if_gathered()  # hand the model back sharded, as it came
+                self.backend.enter_pause()  # with the user's own setup (their groups outlive ours)
                 self.phase = "closed"
                 return
 
@@ -500,10 +501,12 @@ class Engine:
         """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits."""
         self.phase = "paused"
         self._pause_epoch += 1
+        self.backend.enter_pause()  # the model as the user set it up, for training
         self._paused.set()
         while not self._resume.wait(0.05):
             pass
         self._paused.clear()
+        self.backend.exit_pause()  # back to the generation settings before the next tick
         if self._store is not None:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.

@@ -134,6 +134,7 @@ import torch
 import torch.distributed as dist
 
 from ..log import get_logger
+from . import ds_pause
 from .base import Backend
 
 log = get_logger()
@@ -530,6 +531,12 @@ class DeepSpeedBackend(Backend):
                 "pass the DeepSpeedEngine returned by deepspeed.initialize instead of a wrapped module"
             )
 
+        # The user's setup, handed back for training steps inside Engine.paused() (ds_pause.py).
+        user_setup = None
+        if offload is not None:
+            inits = list({id(i): i for i in map(_find_init, params) if i is not None}.values())
+            user_setup = ds_pause.capture(offload, params, inits)
+
         # Local only: back to partitioned state, nothing persistent.
         for p in params:
             p.ds_persist = False
@@ -585,7 +592,7 @@ class DeepSpeedBackend(Backend):
         log.info(
             "shardgen: moved the parameter traffic of a user-partitioned ZeRO-3 model to a private group"
         )
-        return cls(
+        backend = cls(
             module,
             module,
             device,
@@ -594,6 +601,8 @@ class DeepSpeedBackend(Backend):
             offload_device=offload_dev,
             created=False,
         )
+        backend._user_setup = user_setup
+        return backend
 
     # ------------------------------------------------------------------ forwards
     def forward(self, **inputs: Any) -> Any:
@@ -628,6 +637,22 @@ class DeepSpeedBackend(Backend):
         with _shardgen_forward():
             ctx.__exit__(None, None, None)
         self.lockstep = True
+
+    # ------------------------------------------------------------------ training pauses
+    _user_setup: ds_pause.ZeroSetup | None = None  # a user-partitioned model's own setup
+    _gen_setup: ds_pause.ZeroSetup | None = None  # shardgen's, while a pause holds the user's
+
+    def enter_pause(self) -> None:
+        """A model from ``deepspeed.initialize`` gets its groups, coordinator (prefetch, reuse),
+        persistence back for training. Not collective (local releases)."""
+        if self._user_setup is not None and self._gen_setup is None:
+            self._gen_setup = ds_pause.switch(self.offload, self.module, self._user_setup)
+
+    def exit_pause(self) -> None:
+        """Back to the lockstep setup (the user's, as training left it, is kept for the next pause)."""
+        if self._gen_setup is not None:
+            self._user_setup = ds_pause.switch(self.offload, self.module, self._gen_setup)
+            self._gen_setup = None
 
     def units(self) -> list[torch.nn.Module]:
         """Modules whose forward pre-hook gathers: owners of parameters and ZeRO-3 leaves (not
