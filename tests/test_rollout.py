@@ -119,7 +119,8 @@ def test_seeds_per_sample_reproducible_in_any_batch():
         b = eng.rollout(prompts, n=4, seed=11, **kw)
         # prompt 1 again, at another position of another batch, with the same seed
         other = eng.rollout([prompts[1], prompts[2], [9, 10, 11]], n=4, seed=[11, 3, 4], **kw)
-    assert b.seeds == [sample_seed(11, j) for _ in prompts for j in range(4)]
+    assert b.seeds == [sample_seed(11, j, p) for p in prompts for j in range(4)]
+    assert len(set(b.seeds)) == len(b.seeds)  # one scalar seed, distinct draws for every row
     assert len(set(b.seeds[:4])) == 4
     rows = [tuple(b.response_ids[j, : int(b.response_lengths[j])].tolist()) for j in range(4)]
     assert len(set(rows)) > 1, "the n samples of one prompt should differ"

@@ -8,9 +8,10 @@ Not collective: ``rollout`` only submits requests to the engine and waits for th
 included: an empty batch comes back at once). Rows are grouped by prompt: rows
 ``i * n .. i * n + n - 1`` are the samples of prompt ``i``.
 
-Seeds: sample ``j`` of a prompt whose seed is ``s`` decodes with ``sample_seed(s, j)``, so the
-same prompt and seed give the same rows on any rank, in any batch. A scalar ``seed`` is
-the seed of every prompt of the call (as in ``generate()``); pass a list for one per prompt.
+Seeds: sample ``j`` of prompt ``p`` whose seed is ``s`` decodes with ``sample_seed(s, j, p)``, so
+the same prompt and seed give the same rows on any rank, in any batch (a prompt given as text
+and the same prompt given as token ids are different keys). A scalar ``seed`` is the seed of
+every prompt of the call (a step number, say); a list gives one per prompt; None draws one.
 """
 
 from __future__ import annotations
@@ -88,9 +89,14 @@ class RolloutBatch:
         return dataclasses.replace(self, **moved)
 
 
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a prompt whose seed is ``seed`` (63 bits, deterministic)."""
-    digest = hashlib.blake2b(f"shardgen-rollout:{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
+def sample_seed(seed: int, index: int, prompt: str | Sequence[int]) -> int:
+    """The seed of sample ``index`` of ``prompt`` in a request whose seed is ``seed`` (63 bits).
+
+    The prompt is part of it, so one scalar seed for a whole call still gives every prompt its
+    own draws (rows of different prompts would otherwise err at the same steps together).
+    """
+    key = prompt if isinstance(prompt, str) else ",".join(str(int(t)) for t in prompt)
+    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -124,7 +130,9 @@ def rollout(
     if base.do_sample:
         rng = random.SystemRandom()
         seeds = [rng.randrange(2**63) if s is None else int(s) for s in seeds]
-        row_seeds: list[int | None] = [sample_seed(s, j) for s in seeds for j in range(n)]
+        row_seeds: list[int | None] = [
+            sample_seed(s, j, p) for s, p in zip(seeds, prompts, strict=True) for j in range(n)
+        ]
     else:
         row_seeds = [None] * (len(prompts) * n)
     rows = [p for p in prompts for _ in range(n)]
