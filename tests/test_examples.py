@@ -146,3 +146,25 @@ def test_zero_inference_user_partitioned_cpu_offload():
     rc, out, _ = run(deepspeed_launcher("zero_inference.py", "--user-partitioned", "--cpu-offload", *ZI_ARGS))
     _check_zero_inference(rc, out)
     assert "backend deepspeed (user-partitioned), offload_param cpu" in out, out
+
+
+def _check_rl_rollout(rc: int, out: str, steps: int) -> None:
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    rewards = re.findall(r"^step +(\d+)  reward ([\d.]+)", out, flags=re.M)
+    assert [int(s) for s, _ in rewards] == list(range(steps)), f"rank 0 prints one line per step\n{out}"
+    assert all(0.0 <= float(r) <= 1.0 for _, r in rewards)
+    assert re.search(r"^reward: first \d+ steps [\d.]+ -> last \d+ steps [\d.]+$", out, flags=re.M), out
+
+
+RL_ARGS = ["--steps", "2", "--prompts", "5", "--n", "2"]
+
+
+def test_rl_rollout_fsdp2_torchrun():
+    _check_rl_rollout(*run(torchrun("rl_rollout.py", "--backend", "fsdp2", *RL_ARGS))[:2], steps=2)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_rl_rollout_deepspeed_launcher():
+    _check_rl_rollout(
+        *run(deepspeed_launcher("rl_rollout.py", "--backend", "deepspeed", *RL_ARGS))[:2], steps=2
+    )
