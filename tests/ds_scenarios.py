@@ -143,9 +143,9 @@ def warm_up() -> bool:
     _install_recorder()
     import deepspeed
 
-    from shardgen.backends.deepspeed import _ensure_ds_comm
+    from shardgen.backends.deepspeed.internals import ensure_ds_comm
 
-    _ensure_ds_comm(deepspeed)
+    ensure_ds_comm(deepspeed)
     return True
 
 
@@ -250,9 +250,10 @@ def user_model_private_group(pass_engine: bool, offload: bool, move: bool = True
     if move:
         backend = _create(engine if pass_engine else engine.module, group)
     else:
-        from shardgen.backends.deepspeed import DeepSpeedBackend, _install_trace_check_switch
+        from shardgen.backends.deepspeed import DeepSpeedBackend
+        from shardgen.backends.deepspeed.internals import install_trace_check_switch
 
-        _install_trace_check_switch()  # only the all-gathers stay on the default group
+        install_trace_check_switch()  # only the all-gathers stay on the default group
         backend = DeepSpeedBackend(
             engine.module,
             engine.module,

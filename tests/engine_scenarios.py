@@ -180,7 +180,7 @@ def fingerprint_divergence():
     except shardgen.CollectiveDivergenceError as e:
         return str(e)
     finally:
-        eng._thread.join(10)
+        eng._driver.thread.join(10)
         eng._teardown()
 
 
@@ -194,7 +194,7 @@ def concurrent_user_threads():
         try:
             ids, mask = batch([2 + t, 4], seed=60 + 10 * rank() + t)
             _check(eng, ref, ids, mask, max_new_tokens=5 + t)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
@@ -221,11 +221,11 @@ def gather_policy(gather: str, budget_gb: float | None = None):
     # directly (no idle tick in between) and must release the gathered weights themselves.
     fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
     with eng.paused():
-        assert not eng._gathered  # a training step here must see (and update) the shards
+        assert not eng._driver.gathered  # a training step here must see (and update) the shards
     assert fut is None or len(fut.result().token_ids) == 40
     fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
     eng.close()
-    assert not eng._gathered
+    assert not eng._driver.gathered
     assert fut is None or len(fut.result().token_ids) == 40
     st = eng.stats()
     return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"]

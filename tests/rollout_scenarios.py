@@ -52,9 +52,9 @@ def warm_up() -> bool:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from shardgen.backends.deepspeed import _ensure_ds_comm
+    from shardgen.backends.deepspeed import internals
 
-    _ensure_ds_comm(deepspeed)
+    internals.ensure_ds_comm(deepspeed)
     return True
 
 

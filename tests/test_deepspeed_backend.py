@@ -17,7 +17,8 @@ pytest.importorskip("deepspeed")
 import ds_scenarios as sc  # noqa: E402
 from world import World, WorldHang  # noqa: E402
 
-from shardgen.backends import deepspeed as dsb  # noqa: E402
+from shardgen.backends.deepspeed import internals as dsi  # noqa: E402
+from shardgen.backends.deepspeed import partition as dsp  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -55,7 +56,7 @@ def dsworld():
 
 # ----------------------------------------------------------------------------- in-process
 def test_lockstep_config_forces_history_free_gathers():
-    cfg = dsb._lockstep_config(
+    cfg = dsp.lockstep_config(
         {
             "zero_optimization": {
                 "stage": 3,
@@ -69,9 +70,9 @@ def test_lockstep_config_forces_history_free_gathers():
     assert zero["stage3_param_persistence_threshold"] == 0 and zero["stage3_max_reuse_distance"] == 0
     assert zero["memory_efficient_linear"] is False and cfg["train_micro_batch_size_per_gpu"] == 1
     with pytest.raises(ValueError, match="stage 3"):
-        dsb._lockstep_config({"zero_optimization": {"stage": 2}})
+        dsp.lockstep_config({"zero_optimization": {"stage": 2}})
     with pytest.raises(ValueError, match="hpZ"):
-        dsb._lockstep_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+        dsp.lockstep_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
 
 
 def test_moe_block_detection():
@@ -89,8 +90,8 @@ def test_moe_block_detection():
     class Qwen2MoeDecoderLayer(nn.Module):
         pass
 
-    assert dsb._is_moe_block(Router()) and dsb._is_moe_block(FooSparseMoeBlock())
-    assert not dsb._is_moe_block(Qwen2MoeDecoderLayer()) and not dsb._is_moe_block(nn.Linear(2, 2))
+    assert dsp.is_moe_block(Router()) and dsp.is_moe_block(FooSparseMoeBlock())
+    assert not dsp.is_moe_block(Qwen2MoeDecoderLayer()) and not dsp.is_moe_block(nn.Linear(2, 2))
 
 
 def test_missing_deepspeed_gives_install_hint(monkeypatch):
@@ -99,7 +100,7 @@ def test_missing_deepspeed_gives_install_hint(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # _import_deepspeed would set it in this process
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ImportError, match=r"pip install 'shardgen\[deepspeed\]'"):
-        dsb._import_deepspeed(torch.device("cpu"))
+        dsi.import_deepspeed(torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------- 2 ranks

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import shardgen
+from shardgen.backends import check_backend_name
 from shardgen.config import EngineConfig, SamplingParams
 from shardgen.errors import CollectiveDivergenceError
 from shardgen.protocol import (
@@ -102,8 +104,11 @@ def test_sampling_params_errors_carry_the_numbers(kw, msg):
 
 
 def test_engine_config_errors():
+    with pytest.raises(ValueError, match="backend must be one of fsdp2, deepspeed, local, got 'megatron'"):
+        check_backend_name("megatron")
+    # the engine checks the name first: before torch.distributed is needed, before any collective
     with pytest.raises(ValueError, match="backend must be one of"):
-        EngineConfig(backend="megatron").validate()
+        shardgen.Engine(torch.nn.Linear(1, 1), backend="nope")
     with pytest.raises(ValueError, match="gather must be"):
         EngineConfig(gather="sometimes").validate()
     with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):

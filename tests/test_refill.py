@@ -39,7 +39,7 @@ def test_refill_keeps_the_cache_compact():
         shorts = [eng.submit([8 + i, 9], max_new_tokens=3, eos_token_id=[]) for i in range(15)]
         for f in shorts:
             f.result(timeout=60)
-        batch = eng._work.batch
+        batch = eng._driver.work.batch
         width = batch.input_ids.shape[1] if batch is not None else 0
         long.result(timeout=60)
     # the long row's history bounds the width: 3 prompt + at most 60 generated (+1 pending column)

@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from .backends import check_backend_name
 from .config import EngineConfig, SamplingParams
 from .jobs import ExitCode, JobConfig, JobError, check_model, read_prompts
 from .journal import journal_paths, read_jsonl
@@ -201,6 +202,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         job, engine_cfg, base = (build(cls, ns, names) for cls, names in RUN_FIELDS)
         job.validate()
         engine_cfg.validate()
+        check_backend_name(engine_cfg.backend)
         base.validate()
     except ValueError as e:
         raise JobError(ExitCode.USAGE, _flag_names(str(e))) from None

@@ -2,11 +2,13 @@
 
 Every function here that issues a collective says so; all of them are called from
 the user thread during the (collective) engine constructor, on every rank, in
-the same order.
+the same order (``destroy_groups``: at close). The timeouts they wait with come
+from ``timeouts.derive``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from .errors import RendezvousTimeoutError
 from .log import get_logger
+from .timeouts import Timeouts
 
 log = get_logger()
 
@@ -47,11 +50,31 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, in
     return dist.get_rank(), dist.get_world_size()
 
 
+def rank_and_world(backend: str) -> tuple[int, int]:
+    """(rank, world) of the default group; (0, 1) for the local backend without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if backend == "local":
+        return 0, 1
+    raise ValueError(
+        f"backend {backend!r} needs torch.distributed: call shardgen.init() first (or use backend='local')"
+    )
+
+
 def default_device() -> torch.device:
     """cuda:LOCAL_RANK when CUDA is available, else cpu."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def model_device(model: Any) -> torch.device:
+    """The model's device if it has real parameters there, else cuda:LOCAL_RANK / cpu."""
+    for p in model.parameters():
+        if p.device.type not in ("meta", "cpu"):
+            return p.device
+        break
+    return default_device()
 
 
 def default_store() -> Any:
@@ -118,3 +141,28 @@ def check_same_settings(settings: dict[str, str], group: Any, rank: int, world: 
             problems.append(f"{key}: " + ", ".join(f"rank(s) {rs}={v!r}" for v, rs in values.items()))
     if problems:
         raise ValueError("engine settings differ across ranks: " + "; ".join(problems))
+
+
+def engine_groups(
+    settings: dict[str, str], rank: int, world: int, timeouts: Timeouts
+) -> tuple[int, Any, Any, Any]:
+    """(engine id, store, control group, param group) for a new engine. Collective.
+
+    Every rank calls it from the engine constructor, in the same order: waits for every
+    rank on the store (``arrive``), creates the private groups on the default group, then
+    checks ``settings`` (plus the world size) on the control group.
+    """
+    engine_id = next_engine_id()
+    store = default_store()
+    arrive(store, f"shardgen/engine{engine_id}", rank, world, timeouts.arrival)
+    # Liveness bounds every wait; the groups' own timeouts are only a backstop.
+    control, param = private_groups(timeouts.control_group, timeouts.param_group)
+    check_same_settings({**settings, "world_size": str(world)}, control, rank, world)
+    return engine_id, store, control, param
+
+
+def destroy_groups(*groups: Any) -> None:
+    """Destroy the engine's groups (each once; None skipped). Every rank, at close."""
+    for g in {id(g): g for g in groups if g is not None}.values():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(g)

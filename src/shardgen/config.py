@@ -7,24 +7,42 @@ flags from these fields, so a setting is declared exactly once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+LIBRARY_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 64,
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+}
+"""The values of the model-defaulted ``SamplingParams`` fields when neither the user nor the
+model's ``generation_config`` sets them."""
 
 
 @dataclass(kw_only=True)
 class SamplingParams:
-    """How one request is decoded. Defaults: greedy, the model's EOS and pad ids."""
+    """How one request is decoded. Defaults: the model's ``generation_config``, else greedy.
 
-    max_new_tokens: int = 64
-    """Most tokens to generate for the request (EOS included)."""
-    do_sample: bool = False
-    """Sample from the distribution (True) or take the argmax (False, greedy)."""
-    temperature: float = 1.0
-    """Softmax temperature when sampling; must be > 0."""
-    top_k: int = 0
-    """Keep only the k most likely tokens when sampling; 0 disables."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set with cumulative probability >= top_p; in (0, 1]."""
+    ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k`` and ``top_p`` left at None take
+    the model's ``generation_config`` value where it sets one (as HF ``generate()`` does), else
+    ``LIBRARY_DEFAULTS``; ``resolved()`` fills them, once per request.
+    """
+
+    max_new_tokens: int | None = None
+    """Most tokens to generate for the request (EOS included). None: the model's, else 64."""
+    do_sample: bool | None = None
+    """Sample from the distribution (True) or take the argmax (False, greedy). None: the model's, else
+    False."""
+    temperature: float | None = None
+    """Softmax temperature when sampling; must be > 0. None: the model's, else 1.0."""
+    top_k: int | None = None
+    """Keep only the k most likely tokens when sampling; 0 disables. None: the model's, else 0."""
+    top_p: float | None = None
+    """Nucleus sampling: keep the smallest set with cumulative probability >= top_p; in (0, 1].
+    None: the model's, else 1.0."""
     seed: int | None = None
     """Per-request sampling seed: the same seed gives the same tokens on any rank, in any batch."""
     eos_token_id: int | list[int] | None = None
@@ -41,25 +59,61 @@ class SamplingParams:
     raw_logprobs: bool = False
     """Take logprobs under the untempered ``softmax(logits)`` instead."""
 
+    def resolved(self, generation_config: Any = None) -> SamplingParams:
+        """Every model-defaulted field filled: this object's value if set, else the model's
+        ``generation_config`` value where the model sets it (``model_defaults``), else
+        ``LIBRARY_DEFAULTS``."""
+        model = model_defaults(generation_config)
+        fill = {
+            k: model.get(k, default) for k, default in LIBRARY_DEFAULTS.items() if getattr(self, k) is None
+        }
+        return dataclasses.replace(self, **fill) if fill else self
+
     def validate(self) -> None:
-        """Raise ``ValueError`` (with the numbers) on a setting no request can run with."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not (0.0 < float(self.top_p) <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.do_sample and not float(self.temperature) > 0.0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.stop is not None:
-            if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        """Raise ``ValueError`` (with the numbers) on a setting no request can run with.
+
+        Unset fields are checked at their library default (the model's come from HF's own checks).
+        """
+        p = self.resolved()
+        if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
+        if not (0.0 < float(p.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+        if p.do_sample and not float(p.temperature) > 0.0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {p.temperature!r}")
+        if not isinstance(p.top_k, int) or p.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+        if p.stop is not None:
+            if isinstance(p.stop, str) or not all(isinstance(s, str) and s for s in p.stop):
+                raise ValueError(f"stop must be a list of non-empty strings, got {p.stop!r}")
 
     def replace(self, **changes: Any) -> SamplingParams:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **changes)
+
+
+def model_defaults(generation_config: Any) -> dict[str, Any]:
+    """The model-defaulted fields the model's ``generation_config`` sets, decided as HF
+    ``generate()`` decides (transformers 5.x ``_prepare_generation_config``): a value counts
+    as set when it is not None and differs from a bare ``GenerationConfig()``'s."""
+    if generation_config is None:
+        return {}
+    bare = _bare_generation_config()
+    out = {}
+    for name in LIBRARY_DEFAULTS:
+        value = getattr(generation_config, name, None)
+        if value is not None and value != getattr(bare, name, None):
+            out[name] = value
+    return out
+
+
+@functools.cache
+def _bare_generation_config() -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig()
 
 
 @dataclass(kw_only=True)
@@ -98,10 +152,6 @@ class EngineConfig:
     """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
 
     def validate(self) -> None:
-        from .backends import BACKENDS
-
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.gather not in ("per-layer", "once", "auto"):
             raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
         if self.gil_switch_interval is not None and not self.gil_switch_interval > 0:
@@ -115,6 +165,13 @@ class EngineConfig:
         for name in ("init_timeout", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` (``EngineConfig`` fields) applied; ``ValueError`` on unknown names."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes) if changes else self
 
     def agreed(self) -> dict[str, str]:
         """The settings every rank must share (checked collectively at construction)."""

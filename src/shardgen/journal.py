@@ -52,7 +52,7 @@ class Journal:
                 keep = data.rfind(b"\n") + 1
                 if keep != len(data):
                     f.truncate(keep)
-        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._f = open(path, "a", encoding="utf-8")  # closed in close()
         if not existed:
             _fsync_dir(path)
         if header is not None and self._f.tell() == 0:
@@ -73,7 +73,7 @@ class Journal:
 def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
     """The JSON objects of a journal or results file; unreadable (torn) lines are skipped."""
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115
+        f = open(path, encoding="utf-8")
     except FileNotFoundError:
         return
     with f:

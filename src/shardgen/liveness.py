@@ -2,11 +2,11 @@
 
 One thread per engine (``shardgen-liveness-r<R>``) does both jobs, so a driver
 that is busy (a long prefill) or blocked in a collective never delays its own
-heartbeat. Every ``interval`` it:
+heartbeat. Every ``timeouts.heartbeat`` seconds it:
 
 1. writes ``<prefix>/hb/<rank>`` = JSON {seq, tick, phase, time, pid, host};
 2. reads every peer's heartbeat: a peer whose ``seq`` has not changed for
-   ``stall_timeout`` (measured on this host's monotonic clock, so hosts' clocks
+   ``timeouts.stall`` (measured on this host's monotonic clock, so hosts' clocks
    never matter) is stalled; a peer that wrote ``<prefix>/error/<rank>`` failed.
 
 On the first stalled or failed peer it calls ``on_failure(error)`` once and stops.
@@ -33,6 +33,7 @@ from typing import Any
 
 from .errors import PeerFailedError, PeerStalledError
 from .log import get_logger
+from .timeouts import Timeouts
 
 log = get_logger()
 STACK_SIGNAL = signal.SIGUSR2
@@ -50,7 +51,7 @@ def enable_stack_dumps() -> None:
         return
     path = stack_file_path(os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
-    _stack_file = open(path, "w")  # noqa: SIM115 - faulthandler needs it open for the process lifetime
+    _stack_file = open(path, "w")  # faulthandler writes to it for the process lifetime
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
 
 
@@ -107,7 +108,7 @@ class Liveness:
         prefix: str,
         rank: int,
         world: int,
-        stall_timeout: float,
+        timeouts: Timeouts,
         status: Callable[[], tuple[int, str]],
         on_failure: Callable[[BaseException], None],
     ) -> None:
@@ -115,8 +116,8 @@ class Liveness:
         self.prefix = prefix
         self.rank = rank
         self.world = world
-        self.stall_timeout = stall_timeout
-        self.interval = min(1.0, max(0.05, stall_timeout / 10))
+        self.stall_timeout = timeouts.stall
+        self.interval = timeouts.heartbeat
         self.status = status
         self.on_failure = on_failure
         self.host = socket.gethostname()
@@ -148,7 +149,7 @@ class Liveness:
         try:
             self.store.set(f"{self.prefix}/error/{self.rank}", f"{type(err).__name__}: {err}")
             self.beat("failed")
-        except Exception as e:  # noqa: BLE001 - the store may be gone with its host
+        except Exception as e:  # the store may be gone with its host
             log.warning("rank %d: could not publish the error to peers: %s", self.rank, e)
 
     # ------------------------------------------------------------------ the thread
@@ -162,7 +163,7 @@ class Liveness:
                 self.beat()
                 err = self._check(peers, last, records)
                 store_down_since = None
-            except Exception as e:  # noqa: BLE001 - a dead store host is a failure of its own
+            except Exception as e:  # a dead store host is a failure of its own
                 if self._stop.is_set():
                     return
                 now = time.monotonic()

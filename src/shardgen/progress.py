@@ -52,7 +52,7 @@ class Progress:
             self._thread.join()
         try:
             self._refresh(draw=False)  # close() draws the final state once
-        except Exception:  # noqa: BLE001 - the store may be gone after a failure; the bar is cosmetic
+        except Exception:  # the store may be gone after a failure; the bar is cosmetic
             pass
         self._bar.close()
         self._bar = None

@@ -6,7 +6,7 @@ Every rank's driver runs the same sequence of ticks. A tick is:
 
 1. ``agree()``: ONE ``all_reduce(SUM)`` of a CPU int64 vector on the private
    gloo control group. Each rank writes its own row (live sequences, pending
-   requests, open, pause wanted, free slots, fingerprint) and zeros elsewhere, so
+   requests, open, pause wanted, fingerprint) and zeros elsewhere, so
    the sum is every rank's row: all ranks hold the same ``TickState``.
 2. ``decide(state)``: a pure function of that agreed state, hence the same
    ``Decision`` on every rank.
@@ -42,6 +42,26 @@ from .errors import CollectiveDivergenceError
 # Columns of a rank's row in the tick vector.
 LIVE, PENDING, OPEN, PAUSE, FINGERPRINT = range(5)
 NCOLS = 5
+
+
+class Phase(str, enum.Enum):
+    """What a rank's driver is doing; heartbeats and errors quote it (as its plain word)."""
+
+    INIT = "init"
+    TICK = "tick"  # in the tick's all-reduce
+    GATHER = "gather"
+    PREFILL = "prefill"
+    REFILL = "refill"
+    DECODE = "decode"
+    SHADOW = "shadow"
+    IDLE = "idle"
+    PAUSED = "paused"
+    CLOSED = "closed"
+    FAILED = "failed"
+    COMM_ERROR = "comm-error"  # a collective broke; waiting for liveness to name the cause
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Decision(enum.Enum):

@@ -1,7 +1,8 @@
 """Requests and results: turning a user's prompt and options into a decoder ``SeqState``.
 
 Validation happens here, in the caller's thread, so a bad request raises
-``ValueError`` for that call only and never reaches the driver.
+``ValueError`` for that call only and never reaches the driver; so does filling
+the fields the user left unset from the model's ``generation_config``.
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def build_request(
     generation_config: Any,
     tokenizer: Any = None,
 ) -> Request:
-    """Validate one request and make its ``SeqState``. Raises ``ValueError`` with the numbers."""
+    """Validate one request and make its ``SeqState``. Raises ``ValueError`` with the numbers.
+
+    The one validation point: unset fields take the model's ``generation_config``, then the
+    library defaults (``SamplingParams.resolved``), and the result is checked.
+    """
+    params = params.resolved(generation_config)
     params.validate()
     ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
     if not ids:
@@ -116,6 +122,78 @@ def stop_string_check(tokenizer: Any, stops: list[str]) -> StopCheck:
         return any(s in text for s in stops)
 
     return check
+
+
+def build_requests(
+    prompts: list[list[int]],
+    params: SamplingParams | None,
+    overrides: dict[str, Any],
+    *,
+    model_config: Any,
+    generation_config: Any,
+    tokenizer: Any = None,
+) -> list[Request]:
+    """One request per prompt from ``params`` (None: defaults) with ``overrides`` on top.
+
+    ``overrides["seed"]`` may be a list, one seed per prompt. Raises ``ValueError``.
+    """
+    if params is not None and not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    overrides = dict(overrides)
+    seeds = overrides.pop("seed", params.seed if params is not None else None)
+    if isinstance(seeds, (list, tuple)):
+        if len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+    else:
+        seeds = [seeds] * len(prompts)
+    base = (params if params is not None else SamplingParams()).replace(**overrides)
+    return [
+        build_request(
+            p,
+            base.replace(seed=s),
+            model_config=model_config,
+            generation_config=generation_config,
+            tokenizer=tokenizer,
+        )
+        for p, s in zip(prompts, seeds, strict=True)
+    ]
+
+
+def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
+    """A prompt (text, ids or a tensor of ids) as a list of ids. Raises ``ValueError``."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: Engine(model, tokenizer=...)")
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, torch.Tensor):
+        return [int(t) for t in prompt.reshape(-1).tolist()]
+    return [int(t) for t in prompt]
+
+
+def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's real ids from an HF-style left-padded ``[B, T]`` batch. Raises ``ValueError``."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    return [ids[m.bool()] for ids, m in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
+
+
+def padded_output(input_ids: torch.Tensor, reqs: list[Request], done: list[Completion]) -> torch.Tensor:
+    """HF ``generate()``'s output: the input columns, then each generation padded with its pad id."""
+    width = max(len(c.token_ids) for c in done)
+    out = torch.empty((input_ids.shape[0], input_ids.shape[1] + width), dtype=torch.long)
+    out[:, : input_ids.shape[1]] = input_ids.cpu()
+    for i, (r, c) in enumerate(zip(reqs, done, strict=True)):
+        out[i, input_ids.shape[1] :] = r.seq.pad_id
+        out[i, input_ids.shape[1] : input_ids.shape[1] + len(c.token_ids)] = torch.tensor(c.token_ids)
+    return out.to(input_ids.device)
 
 
 def completion_of(seq: SeqState, tokenizer: Any, rank: int) -> Completion:

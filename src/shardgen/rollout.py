@@ -120,6 +120,7 @@ def rollout(
         raise ValueError("rollout() takes a list of prompts (strings or token-id lists), not one prompt")
     seeds = overrides.pop("seed", None if params is None else params.seed)
     base = (params if params is not None else ROLLOUT_DEFAULTS).replace(logprobs=True, **overrides)
+    base = base.resolved(getattr(engine.model, "generation_config", None))  # as every request will be
     base.validate()
     prompts = list(prompts)
     if isinstance(seeds, (list, tuple)):

@@ -29,7 +29,11 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 def warpers_for(params: SamplingParams) -> LogitsProcessorList:
-    """HF's warpers in HF's order (temperature, top-k, top-p) for a sampled request."""
+    """HF's warpers in HF's order (temperature, top-k, top-p) for a sampled request.
+
+    Unset fields count at their library defaults (requests arrive resolved: ``build_request``).
+    """
+    params = params.resolved()
     procs = LogitsProcessorList()
     if not params.do_sample:
         return procs
@@ -62,7 +66,7 @@ def select_tokens(
     """Next token per row. logits: [B, V] float32; input_ids: [B, T] (for HF processors). -> [B] long."""
     out = torch.argmax(logits, dim=-1)  # greedy rows: exactly HF's argmax
     for i, p in enumerate(params):
-        if not p.do_sample:
+        if not p.do_sample:  # None (unset) is greedy
             continue
         g = generators[i]
         assert g is not None, "sampled request without a generator"
@@ -74,7 +78,7 @@ def select_tokens(
 def logprob_temperature(params: SamplingParams) -> float:
     """The temperature a request's logprobs are taken at: its own (``softmax(logits / T)``, what
     RL trainers recompute on the training side), or 1 with ``raw_logprobs`` or a non-positive T."""
-    t = float(params.temperature)
+    t = float(params.temperature) if params.temperature is not None else 1.0
     return 1.0 if params.raw_logprobs or t <= 0.0 else t
 
 

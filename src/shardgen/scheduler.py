@@ -1,6 +1,6 @@
 """This rank's own work: requests waiting for a slot, and the batch decoding them.
 
-Driver thread only; no collectives. The engine asks it for ONE real forward per
+Driver thread only; no collectives. The driver asks it for ONE real forward per
 call (``step``): a new wave's prefill, a refill of finished slots, or a decode
 step; the protocol decides whether a forward happens at all.
 """
@@ -16,6 +16,7 @@ import torch
 
 from .config import EngineConfig
 from .decode import Batch, SeqState
+from .protocol import Phase
 from .requests import Request
 
 
@@ -39,7 +40,7 @@ class LocalWork:
         self.on_finished = on_finished
         self.pending: deque[Request] = deque()
         self.batch: Batch | None = None
-        self.phase = "idle"
+        self.phase = Phase.IDLE
 
     @property
     def live(self) -> int:
@@ -55,18 +56,18 @@ class LocalWork:
         batch = self.batch
         if batch is None and self.pending and admit:
             take = self._take(cap)
-            self.phase = "prefill"
+            self.phase = Phase.PREFILL
             self.batch = Batch(self.model, self.backend.forward, [r.seq for r in take], self.device)
             self.batch.prefill()
             self.stats.prefills += 1
         elif batch is not None and self.pending and admit and self._should_refill(batch):
             take = self._take(self._free(batch))
-            self.phase = "refill"
+            self.phase = Phase.REFILL
             batch.refill([r.seq for r in take], max_rows=cap)
             self.stats.prefills += 1
             self.stats.refills += 1
         elif batch is not None:
-            self.phase = "decode"
+            self.phase = Phase.DECODE
             batch.step()
             self.stats.decode_steps += 1
         else:
@@ -75,11 +76,6 @@ class LocalWork:
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
-
-    def drop_all(self) -> None:
-        """Forget every request (after a failure: the engine fails their futures)."""
-        self.pending.clear()
-        self.batch = None
 
     def _take(self, n: int) -> list[Request]:
         take = [self.pending.popleft() for _ in range(min(n, len(self.pending)))]

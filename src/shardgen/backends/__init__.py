@@ -11,6 +11,12 @@ from .base import Backend
 BACKENDS = ("fsdp2", "deepspeed", "local")
 
 
+def check_backend_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a backend. Not collective: checked before any."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+
+
 def make_backend(
     name: str,
     model: Any,
@@ -40,4 +46,4 @@ def make_backend(
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["Backend", "BACKENDS", "make_backend"]
+__all__ = ["Backend", "BACKENDS", "check_backend_name", "make_backend"]

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3: swap between the user's setup (training) and shardgen's (generation).
 
-To generate in lockstep, shardgen changes a user-partitioned model (``backends/deepspeed.py``):
+To generate in lockstep, shardgen changes a user-partitioned model (``adopt.py``):
 parameters gather on its private group, the coordinator is replaced by one without prefetch or
 reuse, and nothing persists. Inside ``Engine.paused()`` a training step must run exactly as
 without shardgen (same groups, prefetch, persistence: same speed, same numerics), so the
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from . import internals as ds
 
 #: DeepSpeedZeRoOffload attributes shardgen changes for generation.
 _OFFLOAD_ATTRS = (
@@ -68,3 +70,16 @@ def switch(offload: Any, module: torch.nn.Module, setup: ZeroSetup) -> ZeroSetup
     current = capture(offload, params, [i for i, _ in setup.init_groups])
     apply(offload, setup)
     return current
+
+
+def capture_user(engine: Any, module: torch.nn.Module) -> ZeroSetup | None:
+    """The setup of a user-partitioned model before ``adopt`` changes it; None without hooks
+    of its own (a ``zero.Init`` model with no engine: shardgen installs the only hooks)."""
+    offload = ds.engine_offload(engine) if engine is not None else None
+    if offload is None:
+        offload = ds.find_offload(module)
+    if offload is None:
+        return None
+    params = list(module.parameters())
+    inits = list({id(i): i for i in map(ds.find_init, params) if i is not None}.values())
+    return capture(offload, params, inits)

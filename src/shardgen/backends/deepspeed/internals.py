@@ -1,0 +1,286 @@
+"""Every DeepSpeed detail shardgen depends on that is not public API, in one place.
+
+Checked against DeepSpeed 0.19.8 (docs/DEEPSPEED.md says what each one is for and how it
+was found). A DeepSpeed upgrade should touch this module only: private attribute names,
+the coordinator's construction, hook re-installation, the ``GatheredParameters`` pin, the
+closures through which a user's coordinator and ``zero.Init`` are found, and the
+environment ``zero.Init`` reads. Nothing here issues a collective unless its docstring says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...log import get_logger
+
+log = get_logger()
+
+INSTALL_HINT = "the deepspeed backend needs DeepSpeed: pip install 'shardgen[deepspeed]'"
+CHECKED_VERSION = "0.19.8"
+# A ds_active_sub_modules entry that no module has (module ds_ids are >= 0): while present
+# the coordinator never releases the parameter.
+PIN = -0x5EED
+
+_tls = threading.local()
+_patch_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- environment
+def import_deepspeed(device: torch.device):
+    """``import deepspeed`` (lazily, with an install hint); on a CPU device select its CPU accelerator."""
+    if device.type == "cpu" and "DS_ACCELERATOR" not in os.environ:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        log.info("shardgen: device is cpu, set DS_ACCELERATOR=cpu for DeepSpeed")
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return deepspeed
+
+
+def ensure_ds_comm(deepspeed) -> None:
+    """Bind DeepSpeed's comm layer to the existing torch.distributed world. Not collective."""
+    from deepspeed import comm as ds_comm
+
+    if not dist.is_initialized():
+        raise RuntimeError("the deepspeed backend needs torch.distributed initialized (shardgen.init())")
+    if not ds_comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+
+
+def ensure_local_rank(device: torch.device) -> None:
+    """zero.Init reads os.environ["LOCAL_RANK"] to pick the device it gathers onto; launchers set it."""
+    if "LOCAL_RANK" not in os.environ:
+        value = str(device.index or 0) if device.type != "cpu" else "0"
+        os.environ["LOCAL_RANK"] = value
+        log.info("shardgen: LOCAL_RANK not set, using %s for DeepSpeed", value)
+    local = int(os.environ["LOCAL_RANK"])
+    if device.type != "cpu" and device.index is not None and device.index != local:
+        raise ValueError(
+            f"DeepSpeed gathers parameters onto {device.type}:{local} (LOCAL_RANK={local}), "
+            f"but the engine device is {device}; use device {device.type}:{local}"
+        )
+
+
+def enum_str(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+# ----------------------------------------------------------------------------- trace check switch
+def install_trace_check_switch() -> None:
+    """Wrap the coordinator's cross-rank trace check so shardgen's forwards can skip it.
+
+    ``reset_step`` calls ``assert_ints_same_as_other_ranks`` (broadcasts on the *default*
+    group, a number that depends on trace state); inside ``lockstep_forward`` it is a no-op.
+    """
+    import deepspeed.runtime.zero.partitioned_param_coordinator as ppc
+
+    with _patch_lock:
+        current = ppc.assert_ints_same_as_other_ranks
+        if getattr(current, "_shardgen_wrapped", False):
+            return
+
+        def assert_ints_same_as_other_ranks(ints, _orig=current):
+            if getattr(_tls, "lockstep", False):
+                return None  # shardgen: default-group broadcasts would break the lockstep invariant
+            return _orig(ints)
+
+        assert_ints_same_as_other_ranks._shardgen_wrapped = True
+        ppc.assert_ints_same_as_other_ranks = assert_ints_same_as_other_ranks
+
+
+@contextlib.contextmanager
+def lockstep_forward() -> Iterator[None]:
+    """Around every forward shardgen runs: no grad, and the trace check switched off (this thread)."""
+    prev = getattr(_tls, "lockstep", False)
+    _tls.lockstep = True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        _tls.lockstep = prev
+
+
+# ----------------------------------------------------------------------------- finding a user's objects
+def _closure_objects(fn, depth: int = 3):
+    """Objects captured by ``fn``'s closure, looking through decorator wrappers."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            obj = cell.cell_contents
+        except ValueError:
+            continue
+        yield obj
+        if depth > 1 and callable(obj) and getattr(obj, "__closure__", None):
+            yield from _closure_objects(obj, depth - 1)
+
+
+def find_offload(module: torch.nn.Module):
+    """The DeepSpeedZeRoOffload whose hooks drive ``module`` (found through its root pre-hook)."""
+    for hook in list(module._forward_pre_hooks.values()):
+        for obj in _closure_objects(hook):
+            if hasattr(obj, "get_param_coordinator") and getattr(obj, "module", None) is module:
+                return obj
+    return None
+
+
+def engine_offload(engine):
+    """The DeepSpeedZeRoOffload of a stage-3 DeepSpeedEngine (the optimizer, or its parameter_offload)."""
+    opt = engine.optimizer
+    return opt if hasattr(opt, "get_param_coordinator") else getattr(opt, "parameter_offload", None)
+
+
+def find_init(param):
+    """The zero.Init object that converted ``param`` (closure of its all_gather_coalesced)."""
+    for obj in _closure_objects(getattr(param, "all_gather_coalesced", None)):
+        if hasattr(obj, "get_partition_dp_group") and hasattr(obj, "ds_process_group"):
+            return obj
+    return None
+
+
+def offload_device(offload, params: list, device: torch.device) -> str:
+    """Where the shards live between gathers: 'cpu', 'nvme' or 'none'.
+
+    From the coordinator's owner when it exists; for hooks shardgen installs itself, from
+    where the shards are."""
+    if offload is not None:
+        od = getattr(offload, "offload_device", None)
+        return enum_str(od) if od is not None else "none"
+    t = getattr(params[0], "ds_tensor", None)
+    if t is not None and t.device.type == "cpu" and device.type != "cpu":
+        return "cpu"
+    return "none"
+
+
+# ----------------------------------------------------------------------------- parameter state
+def has_hpz(params: Iterable) -> bool:
+    """True when a parameter has an hpZ secondary partition (gathered on a second group)."""
+    return any(
+        getattr(p, "ds_zero_param_process_group", None) is not None
+        or getattr(p, "ds_secondary_tensor", None) is not None
+        for p in params
+    )
+
+
+def busy_params(params: list) -> tuple[list[int], bool]:
+    """(ds_ids with a gather in flight, whether a GatheredParameters context is open)."""
+    from deepspeed.runtime.zero.partition_parameters import (
+        DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR,
+        ZeroParamStatus,
+    )
+
+    inflight = [p.ds_id for p in params if p.ds_status == ZeroParamStatus.INFLIGHT]
+    open_ctx = any(getattr(p, DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR, 0) > 0 for p in params)
+    return inflight, open_ctx
+
+
+def release_everything(offload, module: torch.nn.Module, params: list) -> None:
+    """Back to partitioned state with nothing persistent. Local (no collective)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in params:
+        p.ds_persist = False
+    if offload is not None:
+        offload.get_param_coordinator().release_and_reset_all(module)
+    else:
+        avail = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE]
+        if avail:
+            avail[0].partition(param_list=avail)
+
+
+def rehome(params: list, param_group) -> None:
+    """Point every parameter collective at ``param_group`` (same ranks, same order). Local.
+
+    Every parameter gather reads ``param.ds_process_group``; the zero.Init objects that made
+    the parameters are rebound too, for parameters they make later.
+    """
+    inits = {}
+    for p in params:
+        init = find_init(p)
+        if init is not None:
+            inits[id(init)] = init
+        p.ds_process_group = param_group
+    for init in inits.values():
+        init.ds_process_group = param_group
+
+
+def reinstall_hooks(offload) -> None:
+    """Rebuild the module hooks (ZeRO-3 leaves must be known when hooks are installed)."""
+    offload._remove_module_hooks()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    offload.setup_zero_stage3_hooks()
+
+
+def lockstep_coordinator(offload, module: torch.nn.Module) -> None:
+    """Give ``offload`` a fresh coordinator with prefetch, reuse and persistence off.
+
+    A fresh one, not the old one reconfigured: the old one's trace and its cached release
+    sets (an lru_cache keyed on the coordinator) were computed with the old settings.
+    """
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
+
+    old = offload.get_param_coordinator()
+    registry = getattr(module, "ds_inflight_param_registry", None)
+    if registry:
+        raise RuntimeError(
+            "parameters of this model have gathers in flight; create the backend between forwards"
+        )
+
+    def private(name, default=None):
+        return getattr(old, f"_PartitionedParameterCoordinator__{name}", default)
+
+    kwargs = dict(
+        prefetch_bucket_sz=0,
+        max_reuse_distance_in_numel=0,
+        max_available_parameters_in_numel=private("max_n_available_params", int(1e9)),
+        allgather_stream=private("allgather_stream"),
+        inflight_param_registry=registry if registry is not None else private("inflight_param_registry"),
+        prefetch_nvme=private("prefetch_nvme", False),
+        timers=None,
+        zero_quantized_weights=getattr(old, "zero_quantized_weights", False),
+        zero_quantized_nontrainable_weights=getattr(old, "zero_quantized_nontrainable_weights", False),
+        fast_sharding_for_leaf_module=getattr(old, "fast_sharding_for_leaf_module", False),
+    )
+    accepted = inspect.signature(PPC.__init__).parameters
+    coord = PPC(**{k: v for k, v in kwargs.items() if k in accepted})
+    coord.hierarchy = getattr(old, "hierarchy", 0)
+    offload.param_coordinator = coord
+    offload.persistent_parameters = []
+    offload.param_numel_persistence_threshold = 0
+    offload._prefetch_bucket_sz = 0
+    offload._max_reuse_distance_in_numel = 0
+
+
+# ----------------------------------------------------------------------------- pins (gather policy once)
+def pin(params: Iterable) -> None:
+    """Keep gathered parameters gathered across forwards (the post-forward hook skips them)."""
+    for p in params:
+        p.ds_active_sub_modules.add(PIN)
+
+
+def unpin(params: Iterable) -> None:
+    for p in params:
+        p.ds_active_sub_modules.discard(PIN)
+
+
+def drop_gathered_locally(ctx, params: list) -> None:
+    """Leave a ``GatheredParameters`` context without its exit's collectives: free the full
+    copies and clear the context depth. Local (for ``close``)."""
+    from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR as attr
+
+    ctx._partition_params(params, has_been_updated=False)
+    for p in params:
+        if hasattr(p, attr):
+            delattr(p, attr)
+
+
+def full_numel(param) -> int:
+    """Elements of the unpartitioned parameter."""
+    return int(getattr(param, "ds_numel", param.numel()))

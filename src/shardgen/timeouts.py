@@ -1,0 +1,49 @@
+"""Every wait of an engine, derived in one place from ``stall_timeout`` and ``init_timeout``.
+
+``derive()`` is the only function that turns the two user settings into the numbers the
+engine, the driver, liveness and the process groups wait with; they take their value from
+the ``Timeouts`` it returns and never read one back from another object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The waits of one engine (seconds). Built by ``derive()`` only."""
+
+    arrival: float
+    """The collective constructor waits this long for every rank before naming the absent ones."""
+    heartbeat: float
+    """Liveness writes a heartbeat and reads the peers' this often."""
+    stall: float
+    """A peer whose heartbeat has not changed for this long is stalled (also: the store unreachable)."""
+    attribution_grace: float
+    """A driver whose collective broke waits this long for liveness to name the rank that caused it:
+    longer than a stall verdict plus the heartbeats that carry it."""
+    close: float
+    """Default bound of ``close()`` with no forward anywhere before it names the ranks that never closed."""
+    paused: float
+    """Bound of ``paused()`` with no forward anywhere before it names the ranks that never entered."""
+    param_group: float
+    """Backstop timeout of the parameter group: a gather stuck this long raises even without liveness."""
+    control_group: float
+    """Backstop timeout of the control group: the tick's all-reduce waits in short slices, and the
+    pause waits on the store, so only a lost peer can reach it; generous, since idle ranks tick."""
+
+
+def derive(stall_timeout: float, init_timeout: float) -> Timeouts:
+    """The engine's waits from its two settings (both > 0, checked by ``EngineConfig.validate``)."""
+    heartbeat = min(1.0, max(0.05, stall_timeout / 10))
+    return Timeouts(
+        arrival=init_timeout,
+        heartbeat=heartbeat,
+        stall=stall_timeout,
+        attribution_grace=stall_timeout + 2 * heartbeat,
+        close=stall_timeout,
+        paused=stall_timeout,
+        param_group=stall_timeout + 30.0,
+        control_group=max(3600.0, 10 * stall_timeout),
+    )
