@@ -168,3 +168,12 @@ def test_rl_rollout_deepspeed_launcher():
     _check_rl_rollout(
         *run(deepspeed_launcher("rl_rollout.py", "--backend", "deepspeed", *RL_ARGS))[:2], steps=2
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install 'shardgen[trl]')")
+def test_trl_grpo_fsdp2_torchrun():
+    """The TRL subclass on the toy task (DeepSpeed: tests/test_trl.py covers that backend)."""
+    rc, out, _ = run(torchrun("trl_grpo.py", "--backend", "fsdp2", "--steps", "2", "--prompts-per-rank", "2"))
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    assert len(re.findall(r"'reward': '[\d.]+'", out)) == 2, out  # TRL logs each step once (rank 0)
+    assert re.search(r"^reward: first 1 steps [\d.]+ -> last 1 steps [\d.]+$", out, flags=re.M), out
