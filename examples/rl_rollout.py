@@ -35,15 +35,6 @@ import shardgen
 from shardgen import toy
 
 
-def reward(prompt: str, text: str) -> float:
-    """Fraction of the expected numbers produced in order, over the longer of both answers."""
-    want, got = toy.expected_answer(prompt).split(), text.split()
-    k = 0
-    while k < min(len(want), len(got)) and want[k] == got[k]:
-        k += 1
-    return k / max(len(want), len(got))
-
-
 def token_logprobs(model, b, temperature: float) -> torch.Tensor:
     """[R, G] log p of each response token under softmax(logits / T): the training-side twin of
     ``b.logprobs``. Positions count from each row's first real token (prompts are left-padded)."""
@@ -100,7 +91,7 @@ def main() -> None:
             t0 = time.perf_counter()
             b = engine.rollout(mine, n=args.n, temperature=args.temperature, max_new_tokens=12, seed=step)
             prompts = [p for p in mine for _ in range(args.n)]
-            r = torch.tensor([reward(p, t) for p, t in zip(prompts, b.texts or [], strict=True)])
+            r = torch.tensor([toy.answer_reward(p, t) for p, t in zip(prompts, b.texts or [], strict=True)])
             adv = (r.view(-1, args.n) - r.view(-1, args.n).mean(-1, keepdim=True)).view(-1)
             tokens = torch.tensor([b.response_mask.sum().item()], dtype=torch.float64)
             stats = torch.tensor([r.sum().item(), float(len(r))], dtype=torch.float64)

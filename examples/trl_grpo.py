@@ -30,15 +30,8 @@ from shardgen.integrations.trl import GRPOTrainer
 
 
 def reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
-    """Fraction of the expected numbers produced in order, over the longer of both answers."""
-    out = []
-    for prompt, text in zip(prompts, completions, strict=True):
-        want, got = toy.expected_answer(prompt).split(), text.split()
-        k = 0
-        while k < min(len(want), len(got)) and want[k] == got[k]:
-            k += 1
-        out.append(k / max(len(want), len(got)))
-    return out
+    """TRL reward function: partial credit per completion (``shardgen.toy.answer_reward``)."""
+    return [toy.answer_reward(p, c) for p, c in zip(prompts, completions, strict=True)]
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from models import batch, tiny_model
+from rollout_scenarios import check_layout, teacher_forced_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import shardgen
@@ -26,33 +27,6 @@ def toy_engine():
     eng = shardgen.Engine(model, tok, backend="local")
     yield eng
     eng.close()
-
-
-def teacher_forced_logprobs(model, batch, temperature: float) -> torch.Tensor:
-    """[R, G] log p of every response token, one unpadded forward per row (0 where masked)."""
-    out = torch.zeros_like(batch.logprobs)
-    p_width = batch.prompt_width
-    for i in range(len(batch)):
-        p, g = int(batch.prompt_lengths[i]), int(batch.response_lengths[i])
-        ids = batch.input_ids[i, p_width - p : p_width + g][None]
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0].float()
-        lp = torch.log_softmax(logits[p - 1 : p - 1 + g] / temperature, -1)
-        out[i, :g] = lp.gather(-1, ids[0, p:, None]).squeeze(-1)
-    return out
-
-
-def check_layout(batch, pad_id: int) -> None:
-    """Every invariant of the padded layout, row by row."""
-    p_width = batch.prompt_width
-    for i in range(len(batch)):
-        p, g = int(batch.prompt_lengths[i]), int(batch.response_lengths[i])
-        mask = batch.response_mask[i].tolist()
-        assert mask == [1] * g + [0] * (len(mask) - g), f"row {i}: response_mask {mask} not a prefix"
-        assert batch.attention_mask[i].tolist() == [0] * (p_width - p) + [1] * (p + g) + [0] * (len(mask) - g)
-        assert all(t == pad_id for t in batch.response_ids[i, g:].tolist())
-        assert all(t == pad_id for t in batch.input_ids[i, : p_width - p].tolist())
-        assert torch.all(batch.logprobs[i, g:] == 0) and torch.all(batch.logprobs[i, :g] <= 0)
 
 
 def test_masks_around_eos_stop_ids_and_stop_strings(toy_engine):
