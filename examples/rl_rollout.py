@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=("fsdp2", "deepspeed"), default="fsdp2")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step, all ranks together")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt (n)")
     ap.add_argument("--temperature", type=float, default=2.5)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--local-rank", "--local_rank", type=int, default=0)  # the DeepSpeed launcher's
@@ -89,10 +89,12 @@ def main() -> None:
     with engine:
         for step in range(args.steps):
             t0 = time.perf_counter()
-            b = engine.rollout(mine, n=args.n, temperature=args.temperature, max_new_tokens=12, seed=step)
-            prompts = [p for p in mine for _ in range(args.n)]
+            b = engine.rollout(
+                mine, n=args.samples, temperature=args.temperature, max_new_tokens=12, seed=step
+            )
+            prompts = [p for p in mine for _ in range(args.samples)]
             r = torch.tensor([toy.answer_reward(p, t) for p, t in zip(prompts, b.texts or [], strict=True)])
-            adv = (r.view(-1, args.n) - r.view(-1, args.n).mean(-1, keepdim=True)).view(-1)
+            adv = (r.view(-1, args.samples) - r.view(-1, args.samples).mean(-1, keepdim=True)).view(-1)
             tokens = torch.tensor([b.response_mask.sum().item()], dtype=torch.float64)
             stats = torch.tensor([r.sum().item(), float(len(r))], dtype=torch.float64)
             with engine.paused():  # collective: every rank, once per step

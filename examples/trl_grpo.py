@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=("fsdp2", "deepspeed"), default="fsdp2")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts-per-rank", type=int, default=4)
-    ap.add_argument("--n", type=int, default=4, help="num_generations")
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt (num_generations)")
     ap.add_argument("--temperature", type=float, default=2.5)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--local-rank", "--local_rank", type=int, default=0)  # the DeepSpeed launcher's
@@ -69,8 +69,8 @@ def main() -> None:
 
     config = GRPOConfig(
         output_dir=os.path.join(tempfile.gettempdir(), "shardgen-trl-grpo"),
-        per_device_train_batch_size=args.prompts_per_rank * args.n,  # completions per rank and step
-        num_generations=args.n,
+        per_device_train_batch_size=args.prompts_per_rank * args.samples,  # completions per rank and step
+        num_generations=args.samples,
         max_completion_length=12,
         temperature=args.temperature,
         learning_rate=args.lr,

@@ -156,7 +156,7 @@ def _check_rl_rollout(rc: int, out: str, steps: int) -> None:
     assert re.search(r"^reward: first \d+ steps [\d.]+ -> last \d+ steps [\d.]+$", out, flags=re.M), out
 
 
-RL_ARGS = ["--steps", "2", "--prompts", "5", "--n", "2"]
+RL_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2"]
 
 
 def test_rl_rollout_fsdp2_torchrun():
