@@ -165,9 +165,9 @@ def test_rl_rollout_fsdp2_torchrun():
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_rl_rollout_deepspeed_launcher():
-    _check_rl_rollout(
-        *run(deepspeed_launcher("rl_rollout.py", "--backend", "deepspeed", *RL_ARGS))[:2], steps=2
-    )
+    # DeepSpeed's CPU start-up alone takes a minute on a busy 2-core machine
+    cmd = deepspeed_launcher("rl_rollout.py", "--backend", "deepspeed", *RL_ARGS)
+    _check_rl_rollout(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install 'shardgen[trl]')")
