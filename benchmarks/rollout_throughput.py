@@ -1,7 +1,7 @@
 """Rollout throughput on skewed completion lengths: shardgen ``rollout()`` vs TRL's generation path.
 
     python benchmarks/rollout_throughput.py                 # 2 gloo ranks on CPU, FSDP2
-    python benchmarks/rollout_throughput.py --prompts 48 --n 4 --rounds 3
+    python benchmarks/rollout_throughput.py --prompts 48 --samples 4 --rounds 3
 
 Every rank samples ``n`` completions for each of its prompts of the shipped toy task
 (``make_prompts(skew=True)``: most answers 1-4 numbers, a few 20-25), temperature 1.0, on ONE
@@ -49,7 +49,7 @@ def rank_main(args: argparse.Namespace) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     prompts = [p["prompt"] for p in make_prompts(args.prompts, seed=rank, skew=True)]
-    rows = [p for p in prompts for _ in range(args.n)]
+    rows = [p for p in prompts for _ in range(args.samples)]
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     for layer in model.model.layers:
         fully_shard(layer)
@@ -82,7 +82,9 @@ def rank_main(args: argparse.Namespace) -> None:
     engine = shardgen.Engine(model, tok, backend="fsdp2", max_batch_size=args.batch)
 
     def sg_run(seed: int) -> int:
-        b = engine.rollout(prompts, n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed)
+        b = engine.rollout(
+            prompts, n=args.samples, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed
+        )
         return int(b.response_mask.sum())
 
     def timed(fn, *a) -> tuple[float, int]:
@@ -110,9 +112,8 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.all_reduce(total)
     if rank == 0:
         tok_s = {m: total[i].item() / secs[m] for i, m in enumerate(methods)}
-        print(
-            f"\n{world} ranks x {args.prompts} prompts x n={args.n}, batch {args.batch}, {args.rounds} rounds"
-        )
+        shape = f"{world} ranks x {args.prompts} prompts x n={args.samples}, batch {args.batch}"
+        print(f"\n{shape}, {args.rounds} rounds")
         print("| method | useful tokens/s | shardgen is |\n|---|---|---|")
         for m in methods:
             print(f"| {m} | {tok_s[m]:.1f} | {tok_s['shardgen'] / tok_s[m]:.2f}x |")
@@ -126,7 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--prompts", type=int, default=32, help="prompts per rank")
-    p.add_argument("--n", type=int, default=2, help="samples per prompt")
+    p.add_argument("--samples", type=int, default=2, help="samples per prompt (n)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=26)
     p.add_argument("--rounds", type=int, default=2)
