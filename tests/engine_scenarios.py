@@ -22,16 +22,45 @@ def _check(eng, ref, ids, mask, **kw):
     return got
 
 
+def _generated(rows: torch.Tensor, width: int, eos: int | None) -> int:
+    """Tokens the requests of a generate_ids() result produced: up to the first EOS, inclusive."""
+    total = 0
+    for row in rows[:, width:].tolist():
+        total += row.index(eos) + 1 if eos is not None and eos in row else len(row)
+    return total
+
+
+def assert_lockstep(stats: list[dict], one_forward_per_tick: bool = True) -> None:
+    """For the tests, on the ``engine.stats()`` the scenarios return: the tick's invariant. Every
+    rank ran the same ticks, decided FORWARD on the same ones and (gathering per layer, so one
+    forward per tick) ran exactly one real or shadow forward in each."""
+    assert len({s["ticks"] for s in stats}) == 1, [s["ticks"] for s in stats]
+    assert len({s["forward_ticks"] for s in stats}) == 1, [s["forward_ticks"] for s in stats]
+    if one_forward_per_tick:
+        for r, s in enumerate(stats):
+            assert s["forwards"] + s["shadow_forwards"] == s["forward_ticks"], (r, s)
+
+
 def fidelity(arch: str, backend: str = "fsdp2"):
     """Each rank generates its own batch of prompts of different lengths; greedy == HF."""
     ref = tiny_model(arch, seed=11)
     eng = shardgen.Engine(tiny_model(arch, seed=11), backend=backend)
     ids, mask = batch([3 + rank(), 8, 5, 1 + 2 * rank()], seed=100 + rank())
-    eos = eos_after(ref, ids, mask, row=rank() % 4, step=2 + 3 * rank())
-    got = _check(eng, ref, ids, mask, max_new_tokens=10 + 4 * rank(), eos_token_id=eos, pad_token_id=0)
+    row, step = rank() % 4, 2 + 3 * rank()
+    eos = eos_after(ref, ids, mask, row=row, step=step)
+    kw = dict(max_new_tokens=10 + 4 * rank(), eos_token_id=eos, pad_token_id=0)
+    got = eng.generate_ids(ids, attention_mask=mask, **kw)
     eng.close()
     assert_no_thread("shardgen-", timeout=5)
-    return got.shape[1]
+    return {
+        "got": got.tolist(),
+        "hf": hf_generate(ref, ids, mask, **kw).tolist(),
+        "width": ids.shape[1],
+        "eos": eos,
+        "eos_row": row,
+        "eos_step": step,
+        "stats": eng.stats(),
+    }
 
 
 def sampled_same_seed_any_rank(backend: str = "fsdp2"):
@@ -46,8 +75,9 @@ def sampled_same_seed_any_rank(backend: str = "fsdp2"):
         out = [
             eng.generate([p], seed=s, **opts)[0].token_ids for p, s in zip(prompts, [5, 6, 7], strict=True)
         ]
+    greedy = [c.token_ids for c in eng.generate(prompts, max_new_tokens=8)]
     eng.close()
-    return out
+    return {"sampled": out, "greedy": greedy}
 
 
 def eos_at_different_steps(backend: str = "fsdp2"):
@@ -58,7 +88,7 @@ def eos_at_different_steps(backend: str = "fsdp2"):
     eos = eos_after(ref, ids, mask, row=0, step=2 + 5 * rank())
     got = _check(eng, ref, ids, mask, max_new_tokens=25, eos_token_id=eos, pad_token_id=0)
     eng.close()
-    return eng.stats()["shadow_forwards"], got.shape[1]
+    return {"width": got.shape[1], "tokens": _generated(got, ids.shape[1], eos), "stats": eng.stats()}
 
 
 def seed_script(backend: str = "fsdp2"):
@@ -70,7 +100,7 @@ def seed_script(backend: str = "fsdp2"):
         _check(eng, ref, (ids + c) * mask, mask, max_new_tokens=12)
     dist.barrier()  # on the default group, while a peer may still be generating
     eng.close()
-    return eng.stats()["prefills"]
+    return eng.stats()
 
 
 def idle_rank_only_closes(backend: str = "fsdp2"):
@@ -105,6 +135,7 @@ def random_workload(case: int, arch: str = "llama", backend: str = "fsdp2"):
     ref = tiny_model(arch, seed=case)
     eng = shardgen.Engine(tiny_model(arch, seed=case), backend=backend, max_batch_size=rng.choice([2, 4, 8]))
     futures = []
+    rows = tokens = 0  # what this rank asked for and got, for the test to check the counters
     for _ in range(rng.randint(0, 3)):
         if rng.random() < 0.3:
             time.sleep(rng.random() * 0.3)
@@ -112,6 +143,7 @@ def random_workload(case: int, arch: str = "llama", backend: str = "fsdp2"):
         ids, mask = batch(lengths, seed=rng.randrange(10**6))
         n = rng.randint(1, 14)
         eos = eos_after(ref, ids, mask, row=0, step=rng.randint(0, n - 1))
+        rows += len(lengths)
         if rng.random() < 0.3:  # async: a future per prompt, collected at the end
             prompts = [ids[i][mask[i].bool()] for i in range(len(lengths))]
             futures += [
@@ -119,7 +151,8 @@ def random_workload(case: int, arch: str = "llama", backend: str = "fsdp2"):
                 for p in prompts
             ]
         else:
-            _check(eng, ref, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=0)
+            got = _check(eng, ref, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=0)
+            tokens += _generated(got, ids.shape[1], eos)
     for fut, p, n, eos in futures:
         exp = hf_generate(
             ref, p[None], torch.ones_like(p[None]), max_new_tokens=n, eos_token_id=eos, pad_token_id=0
@@ -128,8 +161,9 @@ def random_workload(case: int, arch: str = "llama", backend: str = "fsdp2"):
         if eos in toks:
             toks = toks[: toks.index(eos) + 1]
         assert fut.result(timeout=60).token_ids == toks, f"rank {rank()} case {case}"
+        tokens += len(toks)
     eng.close()
-    return eng.stats()["ticks"]
+    return {"rows": rows, "tokens": tokens, "stats": eng.stats()}
 
 
 def mismatched(setting: str):
@@ -204,15 +238,15 @@ def concurrent_user_threads():
         th.join()
     eng.close()
     assert not errors, errors
-    return True
+    return eng.stats()
 
 
-def gather_policy(gather: str, budget_gb: float | None = None):
+def gather_policy(gather: str, budget_gb: float | None = None, backend: str = "fsdp2"):
     """gather='once'/'auto': weights gathered when work starts, released when all idle, before a
-    pause and at close; same outputs."""
+    pause and at close; same outputs. Released means the replica's storage is freed."""
     ref = tiny_model("llama", seed=22)
     eng = shardgen.Engine(
-        tiny_model("llama", seed=22), backend="fsdp2", gather=gather, memory_budget_gb=budget_gb
+        tiny_model("llama", seed=22), backend=backend, gather=gather, memory_budget_gb=budget_gb
     )
     for c in range(2 if rank() == 0 else 1):
         ids, mask = batch([3, 6], seed=70 + 10 * rank() + c)
@@ -222,13 +256,16 @@ def gather_policy(gather: str, budget_gb: float | None = None):
     fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
     with eng.paused():
         assert not eng._driver.gathered  # a training step here must see (and update) the shards
+        assert eng.backend.gathered_bytes() == 0
     assert fut is None or len(fut.result().token_ids) == 40
     fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
     eng.close()
-    assert not eng._driver.gathered
+    assert not eng._driver.gathered and eng.backend.gathered_bytes() == 0
     assert fut is None or len(fut.result().token_ids) == 40
     st = eng.stats()
-    return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"]
+    replica = eng.backend.replica
+    on_replica = replica.forwards if replica is not None else 0
+    return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"], on_replica
 
 
 def user_wrapped_fsdp2_seed_script():
@@ -254,7 +291,7 @@ def user_wrapped_fsdp2_seed_script():
             dist.all_reduce(t)
     dist.barrier()
     eng.close()
-    return eng.stats()["prefills"]
+    return eng.stats()
 
 
 def spinner(spin_s: float):
@@ -307,7 +344,7 @@ def late_close(idle_s: float, stall: float):
     eng.generate([[5, 6, 7]], max_new_tokens=3)
     time.sleep(idle_s + rank())  # rank 1 closes a second after rank 0
     eng.close()
-    return True
+    return eng.stats()
 
 
 def pause_alone(stall: float):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import engine_scenarios as sc
 import pytest
+from engine_scenarios import assert_lockstep
 
 pytestmark = pytest.mark.multirank
 BACKENDS = ["fsdp2", "deepspeed"]
@@ -12,32 +13,53 @@ BACKENDS = ["fsdp2", "deepspeed"]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_greedy_matches_hf(world2, arch, backend):
-    widths = world2.run(sc.fidelity, arch, backend, timeout=120)
-    assert len(widths) == 2
+    out = world2.run(sc.fidelity, arch, backend, timeout=120)
+    for r, o in enumerate(out):
+        assert o["got"] == o["hf"], f"rank {r}: {o['got']} != HF {o['hf']}"
+        row = o["got"][o["eos_row"]][o["width"] :]
+        # the EOS case really ran: that row stopped at its EOS (or earlier) and was padded after it
+        assert o["eos"] in row and row.index(o["eos"]) <= o["eos_step"], (r, row, o["eos"])
+        assert set(row[row.index(o["eos"]) + 1 :]) <= {0}, (r, row)
+        generated = len(o["got"][0]) - o["width"]
+        assert o["stats"]["prefills"] == 1 and o["stats"]["forwards"] == generated, (r, o["stats"])
+    assert_lockstep([o["stats"] for o in out])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sampling_same_seed_same_tokens_on_any_rank_alone_or_batched(world2, backend):
     r0, r1 = world2.run(sc.sampled_same_seed_any_rank, backend, timeout=120)
-    assert r0 == r1
+    assert r0["sampled"] == r1["sampled"]
+    assert r0["greedy"] == r1["greedy"]
+    assert r0["sampled"] != r0["greedy"], "do_sample=True gave the greedy tokens: nothing was sampled"
+    assert len({tuple(t) for t in r0["sampled"]}) == 3  # three prompts, three seeds
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_eos_at_different_steps(world2, backend):
-    (shadow0, w0), (shadow1, w1) = world2.run(sc.eos_at_different_steps, backend, timeout=120)
-    assert w0 < w1  # rank 0 finished earlier ...
-    assert shadow0 > 0  # ... and kept the gathers going with shadow forwards
+    r0, r1 = world2.run(sc.eos_at_different_steps, backend, timeout=120)
+    assert r0["width"] < r1["width"]  # rank 0 finished earlier ...
+    s0, s1 = r0["stats"], r1["stats"]
+    assert s0["shadow_forwards"] > 0, s0  # ... and kept the gathers going with shadow forwards
+    assert s0["forwards"] < s1["forwards"], (s0, s1)
+    for r in (r0, r1):
+        assert r["stats"]["generated_tokens"] == r["tokens"] and r["stats"]["requests"] == 2, r
+    assert_lockstep([s0, s1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_b_seed_script_uneven_calls_then_default_barrier(world2, backend):
-    assert world2.run(sc.seed_script, backend, timeout=120) == [2, 3]
+    stats = world2.run(sc.seed_script, backend, timeout=120)
+    assert [s["prefills"] for s in stats] == [2, 3] and [s["requests"] for s in stats] == [6, 9]
+    assert stats[0]["shadow_forwards"] > 0  # rank 0 served rank 1's third call
+    assert_lockstep(stats)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_c_rank_with_no_requests_only_closes(world2, backend):
     s0, s1 = world2.run(sc.idle_rank_only_closes, backend, timeout=120)
-    assert s1["forwards"] == 0 and s1["shadow_forwards"] == s0["forwards"]
+    assert s1["forwards"] == 0 and s1["shadow_forwards"] == s0["forwards"] > 0
+    assert s1["requests"] == 0 and s0["requests"] == 3
+    assert_lockstep([s0, s1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -47,14 +69,23 @@ def test_d_sleeping_rank_does_not_hold_up_others(world2, backend):
     assert t1 >= 10.0
 
 
+def _assert_random_workload(out: list[dict]) -> None:
+    for r, o in enumerate(out):
+        st = o["stats"]
+        assert st["requests"] == o["rows"] and st["generated_tokens"] == o["tokens"], (r, o)
+    assert_lockstep([o["stats"] for o in out])
+
+
 @pytest.mark.parametrize("case", range(8))
 def test_e_random_workloads_world3(world3, case):
-    world3.run(sc.random_workload, case, timeout=180)
+    _assert_random_workload(world3.run(sc.random_workload, case, timeout=180))
 
 
 @pytest.mark.parametrize("case", range(8))
 def test_e_random_workloads_world4(world4, case):
-    world4.run(sc.random_workload, 10 + case, arch="gpt2" if case % 2 else "llama", timeout=180)
+    _assert_random_workload(
+        world4.run(sc.random_workload, 10 + case, arch="gpt2" if case % 2 else "llama", timeout=180)
+    )
 
 
 @pytest.mark.parametrize(
@@ -77,29 +108,42 @@ def test_debug_collectives_catches_divergence(world2):
 
 
 def test_concurrent_user_threads(world2):
-    assert world2.run(sc.concurrent_user_threads, timeout=120) == [True, True]
+    stats = world2.run(sc.concurrent_user_threads, timeout=120)
+    assert [s["requests"] for s in stats] == [6, 6]  # 3 threads x 2 prompts, outputs checked in the rank
+    assert_lockstep(stats)
 
 
-def test_gather_once_decodes_without_shadow_forwards(world2):
-    (p0, sh0, t0, f0), (p1, sh1, t1, f1) = world2.run(sc.gather_policy, "once", timeout=120)
-    assert p0 == p1 == "once"
-    assert sh0 == sh1 == 0  # nobody shadows: forwards issue no gathers
-    assert t0 < f0  # bursts: several forwards per tick
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_once_decodes_without_shadow_forwards(world2, backend):
+    """Outputs equal HF; every real forward runs on the plain replica; released (storage freed)
+    before a pause and at close (asserted inside the scenario)."""
+    r0, r1 = world2.run(sc.gather_policy, "once", None, backend, timeout=180)
+    for policy, shadows, _ticks, forwards, on_replica in (r0, r1):
+        assert policy == "once"
+        assert shadows == 0  # nobody shadows: forwards issue no gathers
+        assert on_replica == forwards > 0  # no forward went through the sharded model
+    assert r0[2] < r0[3]  # bursts: several forwards per tick
 
 
-def test_gather_auto_follows_the_memory_budget(world2):
-    assert [r[0] for r in world2.run(sc.gather_policy, "auto", timeout=120)] == ["once", "once"]
-    tight = world2.run(sc.gather_policy, "auto", 1e-6, timeout=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_auto_follows_the_memory_budget(world2, backend):
+    roomy = world2.run(sc.gather_policy, "auto", None, backend, timeout=180)
+    assert [r[0] for r in roomy] == ["once", "once"]
+    tight = world2.run(sc.gather_policy, "auto", 1e-6, backend, timeout=180)
     assert [r[0] for r in tight] == ["per-layer", "per-layer"] and tight[0][1] > 0
+    assert tight[0][4] == tight[1][4] == 0  # per-layer never builds a replica
 
 
 def test_user_wrapped_fsdp2_model_is_moved_to_the_private_group(world2):
-    assert world2.run(sc.user_wrapped_fsdp2_seed_script, timeout=60) == [2, 3]
+    stats = world2.run(sc.user_wrapped_fsdp2_seed_script, timeout=60)
+    assert [s["prefills"] for s in stats] == [2, 3]
+    assert_lockstep(stats)
 
 
 def test_spinning_rank_does_not_stop_the_others(world2):
-    t0, _ = world2.run(sc.spinner, 8.0, timeout=90)
+    t0, t1 = world2.run(sc.spinner, 8.0, timeout=90)
     assert t0 < 8.0, f"rank 0 took {t0:.1f}s: it waited for the spinning rank's user thread"
+    assert t1 >= 8.0, f"rank 1 spun only {t1:.1f}s: the test did not overlap the two"
 
 
 def test_moe_ranks_route_differently_without_deadlock(world2):
@@ -109,7 +153,9 @@ def test_moe_ranks_route_differently_without_deadlock(world2):
 
 @pytest.mark.parametrize("case", range(3))
 def test_e_random_workloads_world3_deepspeed(world3, case):
-    world3.run(sc.random_workload, 20 + case, "gpt2" if case % 2 else "llama", "deepspeed", timeout=180)
+    _assert_random_workload(
+        world3.run(sc.random_workload, 20 + case, "gpt2" if case % 2 else "llama", "deepspeed", timeout=180)
+    )
 
 
 def test_moe_on_deepspeed_routes_differently_without_deadlock(world2):
@@ -119,7 +165,9 @@ def test_moe_on_deepspeed_routes_differently_without_deadlock(world2):
 
 def test_close_after_a_long_idle_waits_for_a_late_peer(world2):
     # idle 3 s > stall_timeout 2 s before close(): only waiting inside close() may count
-    assert world2.run(sc.late_close, 3.0, 2.0, timeout=60) == [True, True]
+    stats = world2.run(sc.late_close, 3.0, 2.0, timeout=60)
+    assert [s["requests"] for s in stats] == [1, 1] and all(s["idle_ticks"] > 0 for s in stats), stats
+    assert_lockstep(stats)
 
 
 def test_paused_names_a_rank_that_never_enters(world2):

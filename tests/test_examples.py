@@ -10,13 +10,13 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from shardgen import toy
 
@@ -28,12 +28,6 @@ BIN = Path(sys.executable).parent
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 RUN_TIMEOUT_S = 150.0
 ZI_ARGS = ["--uneven", "--away-rank", "1", "--away-s", "3", "--loops", "2", "--gen-len", "8"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launcher(console_script: str, module: str) -> list[str]:
@@ -48,7 +42,7 @@ def torchrun(script: str, *args: str) -> list[str]:
         "--nproc-per-node",
         "2",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         str(EXAMPLES / script),
         *args,
     ]
@@ -61,7 +55,7 @@ def deepspeed_launcher(script: str, *args: str) -> list[str]:
         "--num_gpus",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(EXAMPLES / script),
         *args,
     ]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -24,17 +24,11 @@ STALL = 4.0
 HARD_TIMEOUT = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Ranks:
     """N rank processes of tests/liveness_rank.py, killed by pid on exit."""
 
     def __init__(self, scenario: str, world: int = 2) -> None:
-        port = _free_port()
+        port = free_port()
         self.logs = [HERE.parent / f".liveness-{os.getpid()}-{scenario}-{r}.log" for r in range(world)]
         self.procs = []
         for r in range(world):
@@ -125,6 +119,13 @@ def measured(fault: str, seconds: float) -> None:
     print(f"\nMEASURED fault={fault!r} detect_and_exit_s={seconds:.2f} stall_timeout={STALL:g}")
 
 
+def _calls_matched_hf(ranks: Ranks, r: int, at_least: int) -> None:
+    """Rank ``r`` finished ``at_least`` generate calls before the fault, each equal to HF generate()."""
+    done = ranks.events(r, "call_done")
+    assert len(done) >= at_least, ranks.dump()
+    assert all(e["same_as_hf"] for e in done), [e for e in done if not e["same_as_hf"]]
+
+
 def _no_process_left(ranks: Ranks, r: int) -> None:
     pid = ranks.procs[r].pid
     assert ranks.procs[r].poll() is not None
@@ -144,6 +145,8 @@ def test_sigkill_mid_decode_names_the_rank(ranks_factory):
     assert time.monotonic() - t_fault <= STALL + 5, f"took {time.monotonic() - t_fault:.1f}s"
     measured("SIGKILL mid-decode", time.monotonic() - t_fault)
     _no_process_left(ranks, 0)
+    _calls_matched_hf(ranks, 1, at_least=3)
+    _calls_matched_hf(ranks, 0, at_least=0)
 
 
 def test_sigstop_rank_is_reported_stalled_with_its_state(ranks_factory):
@@ -160,6 +163,8 @@ def test_sigstop_rank_is_reported_stalled_with_its_state(ranks_factory):
     assert STALL - 0.5 <= elapsed <= STALL + 5, f"took {elapsed:.1f}s"
     measured("SIGSTOP mid-decode", elapsed)
     _no_process_left(ranks, 0)
+    _calls_matched_hf(ranks, 1, at_least=3)
+    _calls_matched_hf(ranks, 0, at_least=0)
 
 
 def test_exception_in_a_driver_reaches_every_rank(ranks_factory):
@@ -192,9 +197,10 @@ def test_rank_that_never_constructs_is_named(ranks_factory):
 def test_stuck_user_thread_is_not_a_failure_but_is_named_at_close(ranks_factory):
     ranks = ranks_factory("user_thread_stuck")
     ranks.wait_event(1, "stuck")
-    # rank 0 finishes all its work (correct outputs: asserted in the rank) while rank 1's user is stuck
+    # rank 0 finishes all its work, with HF's outputs, while rank 1's user is stuck
     t_close = ranks.wait_event(0, "closing", timeout=90)["t"]
     assert len(ranks.events(0, "call_done")) == 2
+    _calls_matched_hf(ranks, 0, at_least=2)
     code, _ = ranks.wait_exit(0, STALL + 10)
     measured("user thread stuck, never closes (named at close)", time.time() - t_close)
     err = ranks.events(0, "error")

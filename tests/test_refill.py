@@ -32,18 +32,40 @@ def test_refilled_requests_match_single_request_hf(arch):
         assert g == _alone(model, p, n, eos=-1)[:n] and len(g) == n
 
 
+def _record_kv_widths(model) -> list[tuple[int, int]]:
+    """(input columns, KV cache length) of every forward the model runs, via a public forward hook."""
+    seen: list[tuple[int, int]] = []
+
+    def hook(_mod, _args, kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        seen.append((kwargs["input_ids"].shape[1], 0 if cache is None else cache.get_seq_length()))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
 def test_refill_keeps_the_cache_compact():
+    """A long prompt that finishes at once leaves its slot to short requests: once refilled, its
+    40 columns of history must leave the cache, which then spans only the longest live history."""
     model = tiny_model("llama", seed=33)
+    seen = _record_kv_widths(model)
+    long_prompt, live_prompt, live_new = list(range(3, 43)), [5, 6], 20
     with shardgen.Engine(model, backend="local", max_batch_size=2) as eng:
-        long = eng.submit([5, 6, 7], max_new_tokens=60, eos_token_id=[])
-        shorts = [eng.submit([8 + i, 9], max_new_tokens=3, eos_token_id=[]) for i in range(15)]
-        for f in shorts:
-            f.result(timeout=60)
-        batch = eng._driver.work.batch
-        width = batch.input_ids.shape[1] if batch is not None else 0
-        long.result(timeout=60)
-    # the long row's history bounds the width: 3 prompt + at most 60 generated (+1 pending column)
-    assert width <= 3 + 60 + 1
+        with eng.paused():  # queue everything first: the long and the live request share the first wave
+            first = eng.submit(long_prompt, max_new_tokens=1, eos_token_id=[])
+            live = eng.submit(live_prompt, max_new_tokens=live_new, eos_token_id=[])
+            shorts = [eng.submit([8 + i, 9], max_new_tokens=3, eos_token_id=[]) for i in range(10)]
+        assert len(first.result(timeout=60).token_ids) == 1
+        assert len(live.result(timeout=60).token_ids) == live_new
+        assert all(len(f.result(timeout=60).token_ids) == 3 for f in shorts)
+    assert eng.stats()["refills"] >= len(shorts) - 1, eng.stats()
+    assert seen[0] == (len(long_prompt), 0), seen[0]  # the wave held the long prompt
+    decode_widths = [cached + 1 for cols, cached in seen if cols == 1]
+    # The widest history any row ever reaches: the live request's prompt and all its tokens
+    # (its last token is fed while a refilled short row still decodes). Without compaction the
+    # long prompt's columns would stay: every width >= 41.
+    assert max(decode_widths) <= len(live_prompt) + live_new, decode_widths
+    assert min(decode_widths) == len(live_prompt) + 1, decode_widths
 
 
 def test_waves_when_refill_is_off():

@@ -240,6 +240,25 @@ def test_assert_no_thread():
     assert_no_thread("shardgen-test")
 
 
-@pytest.mark.gpu
-def test_gpu_marker_is_skipped_without_cuda():
-    assert torch.cuda.is_available()
+class _Item:
+    """The part of a pytest item that conftest's gpu hook reads."""
+
+    def __init__(self, *markers: str) -> None:
+        self.markers = [pytest.Mark(m, (), {}) for m in markers]
+
+    def get_closest_marker(self, name: str) -> pytest.Mark | None:
+        return next((m for m in self.markers if m.name == name), None)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_gpu_marker_skips_exactly_when_cuda_is_missing(monkeypatch, cuda):
+    import conftest
+
+    monkeypatch.setattr(conftest, "_CUDA_AVAILABLE", None)  # the hook caches the probe
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    conftest.pytest_runtest_setup(_Item("slow"))  # unmarked tests always run
+    if cuda:
+        conftest.pytest_runtest_setup(_Item("gpu"))
+    else:
+        with pytest.raises(pytest.skip.Exception, match="needs a CUDA device"):
+            conftest.pytest_runtest_setup(_Item("gpu", "slow"))

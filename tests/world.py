@@ -41,7 +41,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -52,6 +51,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from ports import free_port
 
 __all__ = [
     "World",
@@ -239,12 +240,6 @@ def _health_check() -> int:
 # --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fn_name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -313,7 +308,7 @@ class World:
 
     def _start(self, start_timeout: float) -> None:
         ctx = get_context("spawn")
-        self.port = _free_port()
+        self.port = free_port()
         self._procs, self._conns, self._stack_paths = [], [], []
         for r in range(self.nprocs):
             parent_conn, child_conn = ctx.Pipe(duplex=True)

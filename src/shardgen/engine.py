@@ -30,6 +30,7 @@ from .errors import EngineClosedError
 from .log import get_logger
 from .protocol import OPEN, PAUSE
 from .requests import Completion, build_requests, encode_prompt, padded_output, resolve_future, unpadded_rows
+from .timeline import Span
 from .timeouts import derive
 
 if TYPE_CHECKING:
@@ -80,7 +81,10 @@ class Engine:
                 {**cfg.agreed(), **describe_model(raw)}, self.rank, self.world, self.timeouts
             )
             prefix = f"shardgen/engine{self.engine_id}"
-        options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
+        options = {}
+        if cfg.backend == "deepspeed":
+            mb = cfg.bucket_mb
+            options = {"ds_config": cfg.ds_config, "bucket_bytes": None if mb is None else int(mb * 2**20)}
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
         )
@@ -101,17 +105,14 @@ class Engine:
     def from_pretrained(
         cls, path: str, *, dtype: torch.dtype | str | None = None, tokenizer: Any = None, **kwargs: Any
     ) -> Engine:
-        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective.
 
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype) if dtype != "auto" else None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(path)
-            except (OSError, ValueError):
-                tokenizer = None
+        The weights go straight into each rank's shard (``loading.py``): no rank holds the
+        full model. ``dtype``: ``"auto"``/None (the checkpoint's), ``"bfloat16"``, ...
+        """
+        from .loading import pretrained
+
+        model, tokenizer = pretrained(path, dtype=dtype, tokenizer=tokenizer)
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ user API (not collective)
@@ -173,6 +174,10 @@ class Engine:
         from .rollout import rollout
 
         return rollout(self, prompts, params, n=n, **overrides)
+
+    def timeline(self) -> list[Span]:
+        """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``shardgen.timeline``)."""
+        return list(self._driver.timeline.spans)
 
     def stats(self) -> dict[str, Any]:
         """This rank's driver counters (a snapshot)."""
