@@ -21,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks  # noqa: E402
+from common import relaunch_as_ranks, script_args  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["fsdp2", "deepspeed"], choices=["fsdp2", "deepspeed"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
-    args = ap.parse_args()
+    args = ap.parse_args(script_args())
     if "LOCAL_RANK" not in os.environ:
         relaunch_as_ranks(__file__, args.nproc)
     rank_main(args)
