@@ -30,14 +30,17 @@ def main(scenario: str) -> None:
 
     rank, world = shardgen.init()
     stall = float(os.environ.get("STALL_TIMEOUT", "4"))
-    victim = world - 1
+    victim = int(os.environ.get("VICTIM", world - 1))
     event("started", pid=os.getpid())
 
     if scenario == "never_constructs" and rank == victim:
         event("away")
         time.sleep(3600)
     engine = shardgen.Engine(
-        tiny_model("llama", seed=3), backend="fsdp2", stall_timeout=stall, init_timeout=stall
+        tiny_model("llama", seed=3),
+        backend="fsdp2",
+        stall_timeout=stall,
+        init_timeout=stall if scenario == "never_constructs" else 120,  # a loaded machine starts slowly
     )
     event("constructed")
 
@@ -51,6 +54,25 @@ def main(scenario: str) -> None:
             return real(**kw)
 
         engine.backend.forward = flaky
+
+    if scenario == "driver_deadlock" and rank == victim:
+        real, calls = engine.backend.forward, [0]
+
+        def hangs(**kw):
+            calls[0] += 1
+            if calls[0] == 4:
+                event("deadlocked")
+                threading.Event().wait()  # the driver never comes back; the heartbeat runs on
+            return real(**kw)
+
+        engine.backend.forward = hangs
+
+    if scenario == "skip_forward" and rank == victim:
+        # This rank has no requests, so it shadows every forward: it returns without gathering.
+        engine.backend.shadow_forward = lambda: event("skipped")
+        while engine._shared.failed is None:  # not close(): its own bound would race the verdict
+            time.sleep(0.1)
+        raise engine._shared.failed
 
     if scenario == "user_thread_stuck" and rank == victim:
         event("stuck")

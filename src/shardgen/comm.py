@@ -104,7 +104,13 @@ def arrive(store: Any, prefix: str, rank: int, world: int, timeout_s: float) -> 
     pending = [r for r in range(world) if r != rank]
     sleep = 0.005
     while pending:
-        pending = [r for r in pending if not store.check([f"{prefix}/arrived/{r}"])]
+        try:
+            pending = [r for r in pending if not store.check([f"{prefix}/arrived/{r}"])]
+        except Exception as e:  # noqa: BLE001 - rank 0 gave up first and took the store with it
+            raise RendezvousTimeoutError(
+                f"rank {rank}: rank(s) {pending} of {world} had not constructed the engine when the "
+                f"c10d store (rank 0's) went away: {e}"
+            ) from None
         if not pending:
             break
         if time.monotonic() > deadline:
