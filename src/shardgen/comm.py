@@ -115,7 +115,13 @@ def arrive(store: Any, prefix: str, rank: int, ranks: list[int], timeout_s: floa
     pending = [r for r in ranks if r != rank]
     sleep = 0.005
     while pending:
-        pending = [r for r in pending if not store.check([f"{prefix}/arrived/{r}"])]
+        try:
+            pending = [r for r in pending if not store.check([f"{prefix}/arrived/{r}"])]
+        except Exception as e:  # noqa: BLE001 - rank 0 gave up first and took the store with it
+            raise RendezvousTimeoutError(
+                f"rank {rank}: rank(s) {pending} of {ranks} had not constructed the engine when the "
+                f"c10d store (rank 0's) went away: {e}"
+            ) from None
         if not pending:
             break
         if time.monotonic() > deadline:

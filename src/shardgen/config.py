@@ -49,8 +49,15 @@ class SamplingParams:
     """EOS id or ids; None takes the model's ``generation_config``."""
     pad_token_id: int | None = None
     """Pad id written after EOS; None takes the model's, else the first EOS id (as HF does)."""
+    stop: list[str] | None = None
+    """Stop strings: a request ends (finish reason ``stop``) at the first token whose decoded text
+    completes one of them; that token is kept. Matched on the text the tokenizer decodes (special
+    tokens skipped), so the engine needs a tokenizer."""
     logprobs: bool = False
-    """Return the log-probability (under the model) of each chosen token."""
+    """Return the log-probability of each chosen token under ``softmax(logits / temperature)``, the
+    distribution RL trainers recompute (never truncated by top-k / top-p)."""
+    raw_logprobs: bool = False
+    """Take logprobs under the untempered ``softmax(logits)`` instead."""
 
     def resolved(self, generation_config: Any = None) -> SamplingParams:
         """Every model-defaulted field filled: this object's value if set, else the model's
@@ -76,6 +83,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0 when sampling, got {p.temperature!r}")
         if not isinstance(p.top_k, int) or p.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+        if p.stop is not None:
+            if isinstance(p.stop, str) or not all(isinstance(s, str) and s for s in p.stop):
+                raise ValueError(f"stop must be a list of non-empty strings, got {p.stop!r}")
 
     def replace(self, **changes: Any) -> SamplingParams:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

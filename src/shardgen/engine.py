@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from .protocol import OPEN, PAUSE
 from .requests import Completion, build_requests, encode_prompt, padded_output, resolve_future, unpadded_rows
 from .timeline import Span
 from .timeouts import derive
+
+if TYPE_CHECKING:
+    from .rollout import RolloutBatch
 
 log = get_logger()
 __all__ = ["Engine", "EngineStats"]
@@ -172,6 +175,19 @@ class Engine:
         )
         return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
 
+    def rollout(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        *,
+        n: int = 1,
+        **overrides: Any,
+    ) -> RolloutBatch:
+        """``n`` samples per prompt as trainer-ready padded tensors (``shardgen.rollout``). Not collective."""
+        from .rollout import rollout
+
+        return rollout(self, prompts, params, n=n, **overrides)
+
     def timeline(self) -> list[Span]:
         """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``shardgen.timeline``)."""
         return list(self._driver.timeline.spans)
@@ -207,6 +223,7 @@ class Engine:
             while not sh.paused.wait(0.05):
                 self._raise_if_failed()
                 self._driver.check_wait(called, self.timeouts.paused, PAUSE, "paused()", "entered paused()")
+            self._raise_if_failed()  # a failure also ends the wait: no pause then
             yield
         finally:
             sh.want_pause(False)
