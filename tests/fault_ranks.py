@@ -64,7 +64,7 @@ class Ranks:
                 out.append(json.loads(line.split(" ", 2)[2]))
         return out
 
-    def wait_event(self, r: int, name: str, timeout: float = 60.0, count: int = 1) -> dict:
+    def wait_event(self, r: int, name: str, timeout: float = 300.0, count: int = 1) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             ev = self.events(r, name)

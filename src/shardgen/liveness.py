@@ -353,7 +353,7 @@ _HOSTED: weakref.WeakSet[Liveness] = weakref.WeakSet()
 
 def _register_host(live: Liveness) -> None:
     if not _HOSTED:
-        atexit.register(linger)  # registered after engine.py's exit guard: runs before it
+        atexit.register(linger)  # registered after process.py's exit guard: runs before it
     _HOSTED.add(live)
 
 
