@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,deepspeed]"
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,plot]"
 	touch $@
 
 install: $(STAMP)
@@ -27,8 +27,9 @@ test: $(STAMP) lint
 demo: $(STAMP)
 	$(BIN)/shardgen demo
 
+# Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/shardgen bench --json bench.json --timeline bench.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

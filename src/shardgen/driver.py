@@ -49,6 +49,7 @@ from .protocol import (
 )
 from .requests import Request, completion_of, resolve_future
 from .scheduler import LocalWork
+from .timeline import Timeline
 from .timeouts import Timeouts
 
 log = get_logger()
@@ -182,6 +183,7 @@ class Driver:
         self.phase = Phase.INIT
         self.tick = 0
         self.stats = EngineStats()
+        self.timeline = Timeline(config.timeline)  # (t0, t1, kind) spans; off by default
         self.last_state: TickState | None = None
         self.last_forward_t = time.monotonic()
         self.gathered = False
@@ -252,7 +254,7 @@ class Driver:
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
-            stats.control_s += time.perf_counter() - t0
+            stats.control_s += self.timeline.since(t0, "tick") - t0
             stats.ticks += 1
             self.tick += 1
             self.last_state = state
@@ -264,7 +266,9 @@ class Driver:
                 stats.forward_ticks += 1
                 if self.gather_policy == "once" and not self.gathered:
                     self.phase = Phase.GATHER
+                    t0 = time.perf_counter()
                     self.backend.gather_all()  # collective: every rank, this same tick
+                    self.timeline.since(t0, "gather")
                     self.gathered = True
                     if cfg.debug_collectives:
                         self.fp.fold("gather_all")
@@ -274,12 +278,16 @@ class Driver:
                 self._release_if_gathered()  # nobody has work: give the memory back
                 stats.idle_ticks += 1
                 self.phase = Phase.IDLE
+                t0 = time.perf_counter()
                 sh.wake.wait(min(cfg.idle_sleep_max, 0.0005 * (2**idle)))
+                self.timeline.since(t0, "idle")
                 sh.wake.clear()
                 idle = min(idle + 1, 16)
             elif decision is Decision.PAUSE:
                 self._release_if_gathered()  # a training step inside would make the copies stale
+                t0 = time.perf_counter()
                 self._pause_here()
+                self.timeline.since(t0, "paused")
                 idle = 0
             else:
                 assert decision is Decision.EXIT
@@ -290,7 +298,9 @@ class Driver:
     def _release_if_gathered(self) -> None:
         """Back to sharded weights. Every rank calls it on the same (agreed) tick."""
         if self.gathered:
+            t0 = time.perf_counter()
             self.backend.release_all()
+            self.timeline.since(t0, "release")
             self.gathered = False
             if self.config.debug_collectives:
                 self.fp.fold("release_all")
@@ -306,14 +316,17 @@ class Driver:
         lockstep = self.backend.lockstep
         steps = 1 if lockstep else self.config.burst_steps
         did_work = False
+        t = t0
         for _ in range(steps):
             if not self.work.step(state.admit):
                 break
             self.phase = self.work.phase
+            t = self.timeline.since(t, str(self.work.phase))
             did_work = True
         if not did_work and lockstep:
             self.phase = Phase.SHADOW
             self.backend.shadow_forward()
+            self.timeline.since(t, "shadow")
             self.stats.shadow_forwards += 1
         if self.config.debug_collectives:
             signature = self.backend.collective_signature()  # always drained

@@ -30,6 +30,7 @@ from .errors import EngineClosedError
 from .log import get_logger
 from .protocol import OPEN, PAUSE
 from .requests import Completion, build_requests, encode_prompt, padded_output, resolve_future, unpadded_rows
+from .timeline import Span
 from .timeouts import derive
 
 log = get_logger()
@@ -77,7 +78,10 @@ class Engine:
                 {**cfg.agreed(), **describe_model(raw)}, self.rank, self.world, self.timeouts
             )
             prefix = f"shardgen/engine{self.engine_id}"
-        options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
+        options = {}
+        if cfg.backend == "deepspeed":
+            mb = cfg.bucket_mb
+            options = {"ds_config": cfg.ds_config, "bucket_bytes": None if mb is None else int(mb * 2**20)}
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
         )
@@ -154,6 +158,10 @@ class Engine:
             unpadded_rows(input_ids, attention_mask), params, overrides, as_requests=True
         )
         return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
+
+    def timeline(self) -> list[Span]:
+        """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``shardgen.timeline``)."""
+        return list(self._driver.timeline.spans)
 
     def stats(self) -> dict[str, Any]:
         """This rank's driver counters (a snapshot)."""
