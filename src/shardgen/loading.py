@@ -277,9 +277,22 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
         log.warning("%s has no safetensors files: every rank loads the full model before sharding", path)
         target = resolve_dtype(dtype, AutoConfig.from_pretrained(path))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=target).eval()
-    if tokenizer is None:
+    # A folder without tokenizer files has no tokenizer: skip the failing lookup (seconds).
+    has_files = not os.path.isdir(path) or any(
+        os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES
+    )
+    if tokenizer is None and has_files:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError):
             tokenizer = None
     return model, tokenizer
+
+
+_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
