@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks  # noqa: E402
+from common import relaunch_as_ranks, script_args  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(script_args())
     if "RANK" in os.environ:
         rank_main(args)
     else:

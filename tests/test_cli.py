@@ -24,19 +24,19 @@ from shardgen import toy
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 _SCRIPT = shutil.which("shardgen", path=os.path.dirname(sys.executable))
-SHARDGEN = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "shardgen.cli"]
+SHARDGEN = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "shardgen"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 class Job:
     """One ``shardgen`` command in its own process group, output to files."""
 
-    def __init__(self, args: list[str], cwd: Path, name: str = "job") -> None:
+    def __init__(self, args: list[str], cwd: Path, name: str = "job", command: list[str] = SHARDGEN) -> None:
         self.args = args
         self.stdout_path, self.stderr_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
-                SHARDGEN + args, cwd=cwd, env=ENV, stdout=out, stderr=err, start_new_session=True
+                command + args, cwd=cwd, env=ENV, stdout=out, stderr=err, start_new_session=True
             )
         self.pgid = os.getpgid(self.proc.pid)
 
@@ -188,6 +188,35 @@ def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list
     assert_no_orphans(out)
 
 
+def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dict]) -> None:
+    """``--nproc 4 --shard-size 2``: two replicas sharded 2 ways, one prompts file, the same results."""
+    args = ["run", "--prompts", "prompts.jsonl", "--out", "replicas.jsonl", "--nproc", "4"]
+    args += ["--shard-size", "2"]
+    job = run([*args, "--json-summary", "replicas.json"], workdir, timeout=240)
+    assert comparable(read_results(workdir / "replicas.jsonl")) == comparable(reference), job.output()
+    summary = json.loads((workdir / "replicas.json").read_text())
+    reps = summary["replicas"]
+    assert [r["ranks"] for r in reps] == [[0, 1], [2, 3]] and summary["shard_size"] == 2
+    # which replica serves how many depends on timing (a replica that loads late may find none left)
+    assert sum(r["prompts"] for r in reps) == len(reference)
+    assert "prompts per replica" in job.stdout and "2 x 2 ranks" in job.stdout, job.output()
+
+
+def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) -> None:
+    """``torchrun ... -m shardgen run`` (the package's __main__) is the shardgen command."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    args = ["-m", "shardgen", "run", "--prompts", "prompts.jsonl", "--out", "torchrun.jsonl", "--quiet"]
+    job = Job([*args, "--timeline", "timeline.png"], workdir, "torchrun", command=torchrun)
+    assert job.wait(120) == 0, job.output()
+    assert comparable(read_results(workdir / "torchrun.jsonl")) == comparable(reference)
+    png = (workdir / "timeline.png").read_bytes()  # --timeline: one row per rank
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    helped = subprocess.run(
+        [sys.executable, "-m", "shardgen", "run", "--help"], env=ENV, capture_output=True, text=True
+    )
+    assert helped.returncode == 0 and "--max-batch-size" in helped.stdout and "exit codes:" in helped.stdout
+
+
 def _environ(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/environ").read_bytes()
@@ -213,6 +242,7 @@ BAD_CASES = {
     # validated in the launcher, before torch's launcher starts any rank
     "launcher-validates": (GOOD + '{"id": 2}\n', ["--nproc", "2"], 4, ["p.jsonl:2:", "missing 'prompt'"]),
     "stale-journals": (GOOD, ["--nproc", "2"], 2, ["pass --resume"]),
+    "shard-size": (GOOD, ["--nproc", "4", "--shard-size", "3"], 2, ["--shard-size 3 must divide the world"]),
 }
 
 

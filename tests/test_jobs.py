@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from shardgen import cli, jobs, journal, progress
-from shardgen.config import EngineConfig, SamplingParams
-from shardgen.jobs import ExitCode, JobConfig, JobError, PromptRecord
+from shardgen import cli, flags, jobs, journal, progress, prompts
+from shardgen.config import EngineConfig, JobConfig, SamplingParams
+from shardgen.errors import ExitCode, JobError
+from shardgen.prompts import PromptRecord
 
 
 def write(tmp_path, name: str, text: str) -> str:
@@ -26,7 +27,7 @@ def jsonl(tmp_path, *objs, name: str = "p.jsonl") -> str:
 
 def read_error(path: str, **kw) -> JobError:
     with pytest.raises(JobError) as info:
-        jobs.read_prompts(path, **kw)
+        prompts.read_prompts(path, **kw)
     assert "\n" not in str(info.value)  # one line
     return info.value
 
@@ -38,25 +39,27 @@ def test_read_jsonl_with_generation_fields(tmp_path):
     path = jsonl(
         tmp_path, {"id": "a", "prompt": "x"}, {"id": 7, "prompt": "y", "max_new_tokens": 3, "top_k": 2}
     )
-    recs = jobs.read_prompts(path)
-    assert [(r.id, r.prompt, r.options, r.line) for r in recs] == [
-        ("a", "x", {}, 1),
-        (7, "y", {"max_new_tokens": 3, "top_k": 2}, 2),
+    recs = prompts.read_prompts(path, base=SamplingParams(max_new_tokens=9, top_p=0.5))
+    seed = prompts.derive_seed  # the model may sample: each request has its seed
+    assert [(r.id, r.prompt, r.params, r.line) for r in recs] == [
+        ("a", "x", SamplingParams(max_new_tokens=9, top_p=0.5, seed=seed(0, "a")), 1),
+        (7, "y", SamplingParams(max_new_tokens=3, top_k=2, top_p=0.5, seed=seed(0, 7)), 2),
     ]
 
 
 def test_read_plain_text_ids_are_line_numbers_blank_lines_skipped(tmp_path):
     path = write(tmp_path, "p.txt", "first prompt\n\nthird { line\n")
-    assert [(r.id, r.prompt) for r in jobs.read_prompts(path)] == [(1, "first prompt"), (3, "third { line")]
+    recs = prompts.read_prompts(path)
+    assert [(r.id, r.prompt) for r in recs] == [(1, "first prompt"), (3, "third { line")]
 
 
 def test_jsonl_detected_by_first_line_without_suffix(tmp_path):
     path = write(tmp_path, "p.txt", '\n{"id": 1, "prompt": "x"}\n')
-    assert jobs.read_prompts(path)[0].prompt == "x"
+    assert prompts.read_prompts(path)[0].prompt == "x"
 
 
 def test_id_defaults_to_line_number(tmp_path):
-    assert jobs.read_prompts(jsonl(tmp_path, {"prompt": "x"}, {"prompt": "y"}))[1].id == 2
+    assert prompts.read_prompts(jsonl(tmp_path, {"prompt": "x"}, {"prompt": "y"}))[1].id == 2
 
 
 @pytest.mark.parametrize("text", ["", "\n \n"])
@@ -102,25 +105,27 @@ def test_bad_line(tmp_path, line, words):
 
 def test_empty_prompt_is_not_a_file_error(tmp_path):
     """An empty prompt is a bad single request: it gets an error field at run time, the job goes on."""
-    assert jobs.read_prompts(jsonl(tmp_path, {"id": 1, "prompt": ""}))[0].prompt == ""
+    assert prompts.read_prompts(jsonl(tmp_path, {"id": 1, "prompt": ""}))[0].prompt == ""
 
 
 # ---------------------------------------------------------------- per-request settings
 
 
 def params(options: dict, **job) -> SamplingParams:
-    cfg = JobConfig(prompts="p", out="o", **job)
-    return jobs.request_params(cfg, SamplingParams(max_new_tokens=9), PromptRecord("a", "x", options, 1))
+    return prompts.request_params(SamplingParams(max_new_tokens=9), options, "a", **job)
 
 
-def test_greedy_by_default():
+def test_the_model_decides_by_default_greedy_at_temperature_zero():
     p = params({})
-    assert not p.do_sample and p.seed is None and p.max_new_tokens == 9
+    assert p.do_sample is None and p.max_new_tokens == 9  # the model's generation_config decides
+    assert p.seed == prompts.derive_seed(0, "a")  # in case the model samples
+    p = params({}, temperature=0.0)
+    assert p.do_sample is False and p.seed is None and p.temperature is None
 
 
 def test_temperature_means_sampling_with_a_seed_from_job_seed_and_id():
     p = params({}, temperature=0.7, seed=3)
-    assert p.do_sample and p.temperature == 0.7 and p.seed == jobs.derive_seed(3, "a")
+    assert p.do_sample and p.temperature == 0.7 and p.seed == prompts.derive_seed(3, "a")
     assert params({"temperature": 0.5}).do_sample  # a line's own temperature
     assert not params({"temperature": 0.5, "do_sample": False}).do_sample
     assert not params({"temperature": 0.0}, temperature=0.7).do_sample  # the line wins
@@ -128,10 +133,10 @@ def test_temperature_means_sampling_with_a_seed_from_job_seed_and_id():
 
 
 def test_derived_seeds_differ_by_id_and_base_and_are_stable():
-    assert jobs.derive_seed(0, "a") == jobs.derive_seed(0, "a")
-    assert len({jobs.derive_seed(b, i) for b in (0, 1) for i in ("a", "b", 1)}) == 6
-    assert jobs.derive_seed(0, 1) == jobs.derive_seed(0, "1")  # ids compare as strings
-    assert 0 <= jobs.derive_seed(5, "x") < 2**63
+    assert prompts.derive_seed(0, "a") == prompts.derive_seed(0, "a")
+    assert len({prompts.derive_seed(b, i) for b in (0, 1) for i in ("a", "b", 1)}) == 6
+    assert prompts.derive_seed(0, 1) == prompts.derive_seed(0, "1")  # ids compare as strings
+    assert 0 <= prompts.derive_seed(5, "x") < 2**63
 
 
 # ---------------------------------------------------------------- journals and merge
@@ -142,7 +147,7 @@ def result(rid, text="t", **extra):
 
 
 def records(*ids):
-    return [PromptRecord(i, f"p{i}", {}, n) for n, i in enumerate(ids, start=1)]
+    return [PromptRecord(i, f"p{i}", SamplingParams(), n) for n, i in enumerate(ids, start=1)]
 
 
 def test_journal_appends_durably(tmp_path, monkeypatch):
@@ -290,6 +295,24 @@ def test_concurrent_claimers_get_every_index_exactly_once(store_kind):
     assert sorted(i for g in got for i in g) == list(range(n))
 
 
+def test_claims_go_longest_first_input_order_among_equals():
+    recs = [
+        PromptRecord("a", "short", SamplingParams(max_new_tokens=8), 1),
+        PromptRecord("b", "a longer prompt", SamplingParams(max_new_tokens=8), 2),
+        PromptRecord("c", "x", SamplingParams(max_new_tokens=64), 3),
+        PromptRecord("d", "short", SamplingParams(max_new_tokens=8), 4),
+    ]
+    assert jobs.longest_first(recs, [0, 1, 2, 3]) == [2, 1, 0, 3]
+    assert jobs.longest_first(recs, [0, 3]) == [0, 3]  # only what is pending
+
+
+def test_plan_orders_pending_by_claim_order(tmp_path):
+    recs = [PromptRecord(i, "p" * (i + 1), SamplingParams(), i + 1) for i in range(4)]
+    out = str(tmp_path / "o.jsonl")
+    assert jobs._plan(JobConfig(prompts="p", out=out), recs)["pending"] == [3, 2, 1, 0]
+    assert jobs._plan(JobConfig(prompts="p", out=out, claim_order="input"), recs)["pending"] == [0, 1, 2, 3]
+
+
 # ---------------------------------------------------------------- CLI flags from the dataclasses
 
 
@@ -301,8 +324,8 @@ def test_every_flag_comes_from_a_field_with_its_default_and_docstring():
     expected |= {"backend", "gather", "max_batch_size", "refill", "stall_timeout"}
     expected |= {"max_new_tokens", "top_k", "top_p"}
     assert set(actions) == expected
-    docs = cli.field_docs(EngineConfig)
-    assert actions["max_batch_size"].option_strings == ["--batch-size"]
+    docs = flags.field_docs(EngineConfig)
+    assert actions["max_batch_size"].option_strings == ["--batch-size", "--max-batch-size"]
     assert actions["max_batch_size"].default == EngineConfig().max_batch_size
     assert actions["max_batch_size"].help.startswith(docs["max_batch_size"])
     assert actions["top_p"].default == SamplingParams().top_p
@@ -319,15 +342,18 @@ def test_child_argv_round_trips():
     eng, base = EngineConfig(max_batch_size=3, gather="once", refill=False), SamplingParams(top_k=5)
     argv = ["run"]
     for obj, (_, names) in zip((job, eng, base), cli.RUN_FIELDS, strict=True):
-        argv += cli.to_argv(obj, names, skip=cli.LAUNCHER_ONLY)
+        argv += flags.to_argv(obj, names, skip=cli.LAUNCHER_ONLY)
     assert "--nproc" not in argv and "--batch-size" in argv
     ns = cli.make_parser().parse_args(argv)
-    rebuilt = [cli.build(cls, ns, names) for cls, names in cli.RUN_FIELDS]
+    rebuilt = [flags.build(cls, ns, names) for cls, names in cli.RUN_FIELDS]
     assert rebuilt == [dataclasses.replace(job, nproc=None), eng, base]
+    ns = cli.make_parser().parse_args(["run", "--prompts", "p", "--out", "o", "--max-batch-size", "5"])
+    assert ns.max_batch_size == 5 and ns.refill is True
 
 
 def test_flag_names_in_messages():
-    assert cli._flag_names("max_batch_size must be >= 1, got 0") == "--batch-size must be >= 1, got 0"
+    said = flags.flag_names("max_batch_size must be >= 1, got 0", cli.RUN_FIELDS)
+    assert said == "--batch-size must be >= 1, got 0"
 
 
 # ---------------------------------------------------------------- model check, summary
@@ -363,6 +389,33 @@ def test_summary_numbers():
     assert sum(r["busy_share"] for r in s["ranks"]) == pytest.approx(1.0)
     table = progress.format_summary(s)
     assert "tokens/s" in table and "busy share" in table
+    assert "prompts per replica" not in table  # one engine: no replicas to show
+
+
+def test_summary_per_replica():
+    stats = {"busy_s": 1.0, "forwards": 4, "shadow_forwards": 1, "ticks": 5}
+    reports = [
+        {"rank": r, "engine_ranks": [r // 2 * 2, r // 2 * 2 + 1], "prompts": p, "errors": 0, "tokens": 3 * p,
+         "stats": stats}  # fmt: skip
+        for r, p in enumerate([4, 3, 1, 2])
+    ]
+    s = progress.summarize(
+        reports, prompts=10, resumed=0, wall_s=1.0, load_s=0.0, out="o", shard_size=2,
+        engine_cfg=EngineConfig(),
+    )
+    assert s["replicas"] == [
+        {"ranks": [0, 1], "prompts": 7, "tokens": 21},
+        {"ranks": [2, 3], "prompts": 3, "tokens": 9},
+    ]
+    table = progress.format_summary(s)
+    line = next(x for x in table.splitlines() if x.startswith("prompts per replica"))
+    assert line.endswith(" 2 x 2 ranks: 7 (ranks [0, 1]), 3 (ranks [2, 3])"), table
+
+
+def test_shard_size_must_divide_the_launched_world():
+    JobConfig(prompts="p", out="o", nproc=4, shard_size=2).validate()
+    with pytest.raises(ValueError, match="--shard-size 3 must divide the world of 4 ranks"):
+        JobConfig(prompts="p", out="o", nproc=4, shard_size=3).validate()
 
 
 def test_readme_lists_every_exit_code():

@@ -1,6 +1,6 @@
 """Configuration dataclasses: the one source for the Python API and the CLI.
 
-Every field has a docstring-style comment under it; ``shardgen.cli`` builds its
+Every field has a docstring-style comment under it; ``shardgen.flags`` builds
 flags from these fields, so a setting is declared exactly once.
 """
 
@@ -49,8 +49,15 @@ class SamplingParams:
     """EOS id or ids; None takes the model's ``generation_config``."""
     pad_token_id: int | None = None
     """Pad id written after EOS; None takes the model's, else the first EOS id (as HF does)."""
+    stop: list[str] | None = None
+    """Stop strings: a request ends (finish reason ``stop``) at the first token whose decoded text
+    completes one of them; that token is kept. Matched on the text the tokenizer decodes (special
+    tokens skipped), so the engine needs a tokenizer."""
     logprobs: bool = False
-    """Return the log-probability (under the model) of each chosen token."""
+    """Return the log-probability of each chosen token under ``softmax(logits / temperature)``, the
+    distribution RL trainers recompute (never truncated by top-k / top-p)."""
+    raw_logprobs: bool = False
+    """Take logprobs under the untempered ``softmax(logits)`` instead."""
 
     def resolved(self, generation_config: Any = None) -> SamplingParams:
         """Every model-defaulted field filled: this object's value if set, else the model's
@@ -76,6 +83,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0 when sampling, got {p.temperature!r}")
         if not isinstance(p.top_k, int) or p.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+        if p.stop is not None:
+            if isinstance(p.stop, str) or not all(isinstance(s, str) and s for s in p.stop):
+                raise ValueError(f"stop must be a list of non-empty strings, got {p.stop!r}")
 
     def replace(self, **changes: Any) -> SamplingParams:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -136,8 +146,12 @@ class EngineConfig:
     debug_collectives: bool = False
     """(agreed) Fold a fingerprint of each rank's collective sequence into every tick; a mismatch raises
     ``CollectiveDivergenceError`` instead of hanging."""
+    timeline: bool = False
+    """Record what the driver does over time (``engine.timeline()``: prefill, decode, shadow, gather,
+    tick, idle spans); off by default (one list append per tick phase when on)."""
     memory_budget_gb: float | None = None
-    """Budget for ``gather='auto'``; None uses 80% of the free device memory."""
+    """Budget for ``gather='auto'``; None uses 80% of the memory free once the model is loaded
+    (CPU: the host's available memory split between its local ranks)."""
     ds_config: dict[str, Any] | None = field(default=None)
     """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
     bucket_mb: float | None = None
@@ -178,3 +192,79 @@ class EngineConfig:
             "debug_collectives": str(self.debug_collectives),
             "bucket_mb": str(self.bucket_mb),
         }
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """One ``shardgen run`` job: what is not an engine (``EngineConfig``) or sampling setting."""
+
+    prompts: str
+    """JSONL (one object a line: "id", "prompt", optional generation fields named like the
+    SamplingParams fields) or plain text (one prompt a line; the ids are the line numbers)."""
+    out: str
+    """Results file (JSONL, input order). Per-rank journals <out>.rank<R>.journal.jsonl sit next
+    to it while the job runs."""
+    model: str | None = None
+    """Hugging Face model folder; default: the toy model shipped with shardgen."""
+    dtype: str = "auto"
+    """Weights dtype: auto (the checkpoint's), float32, bfloat16, float16."""
+    nproc: int | None = None
+    """Spawn this many local ranks with torch's launcher. Without it: one rank, or this process
+    as one rank when launched by torchrun (RANK is set)."""
+    max_restarts: int = 0
+    """Restarts torch's elastic agent may make after a rank fails (with --nproc); a restarted job
+    resumes from the journals."""
+    resume: bool = False
+    """Skip the prompts already answered in the journals of an earlier run or in --out."""
+    temperature: float | None = None
+    """Sampling temperature: > 0 samples (do_sample), 0 is greedy; unset: the model's
+    generation_config decides (else greedy). A prompt line may set its own."""
+    seed: int = 0
+    """Base seed: a sampled request without its own seed gets one derived from (seed, id), so its
+    tokens do not depend on the rank that served it."""
+    shard_size: int | None = None
+    """Ranks per replica: world/K replicas of K consecutive ranks, each sharding the model K ways
+    with its own engine, all claiming from the one prompts file (K must divide the world).
+    Default: one engine over all ranks."""
+    claim_order: str = "longest"
+    """Order in which ranks claim prompts: longest (largest max_new_tokens, then longest prompt,
+    first, so that no rank starts a long request last) or input."""
+    quiet: bool = False
+    """No progress bar and no summary table."""
+    json_summary: str | None = None
+    """Also write the summary as JSON to this file."""
+    timeline: str | None = None
+    """Draw each rank's timeline (prefill, decode, shadow, gather, idle over time) to this PNG
+    (needs matplotlib: pip install 'shardgen[plot]')."""
+    no_claim_ranks: list[int] = field(default_factory=list, metadata={"hidden": True})
+    """Ranks that never claim prompts (demo and tests: a rank with no work must not block others)."""
+    away_rank: int | None = field(default=None, metadata={"hidden": True})
+    """Rank whose main thread sleeps away_s once it has work in flight (demo and tests)."""
+    away_s: float = field(default=3.0, metadata={"hidden": True})
+    """Seconds the away_rank's main thread sleeps."""
+
+    @property
+    def model_path(self) -> str:
+        if self.model is not None:
+            return self.model
+        from .toy import toy_model_path
+
+        return toy_model_path()
+
+    def validate(self) -> None:
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
+        if self.shard_size is not None and self.nproc is not None and self.nproc % self.shard_size:
+            # the launcher's check; a rank checks its world (torchrun) in jobs.run_job
+            k, n = self.shard_size, self.nproc
+            raise ValueError(f"--shard-size {k} must divide the world of {n} ranks (--nproc {n})")
+        if self.claim_order not in ("longest", "input"):
+            raise ValueError(f"--claim-order must be longest or input, got {self.claim_order!r}")
+        if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -16,6 +16,7 @@ drivers on the control group and runs exactly one forward or none.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -49,7 +50,10 @@ from .protocol import (
 )
 from .requests import Request, completion_of, resolve_future
 from .scheduler import LocalWork
+from .stalls import GatherCounter
+from .timeline import Timeline
 from .timeouts import Timeouts
+from .verdict import describe, last_seen
 
 log = get_logger()
 
@@ -171,31 +175,40 @@ class Driver:
         key_prefix: str,
         on_failure: Callable[[BaseException], None],
         on_peer_failure: Callable[[BaseException], None],
+        ranks: list[int] | None = None,
     ) -> None:
         """``on_failure``: the engine's failure handling, called by the driver thread with its own
-        (attributed) failure; ``on_peer_failure``: called by the liveness thread."""
+        (attributed) failure; ``on_peer_failure``: called by the liveness thread. ``rank`` is
+        global; ``ranks`` the engine's group in global ranks (default: all ``world``), whose
+        index of ``rank`` is this rank's row in the tick."""
         self.config, self.backend, self.shared = config, backend, shared
         self.control, self.rank, self.world, self.device = control, rank, world, device
+        self.ranks = list(ranks) if ranks is not None else list(range(world))
         self.tokenizer, self.timeouts = tokenizer, timeouts
         self.store, self.key_prefix = store, key_prefix
         self.on_failure = on_failure
         self.phase = Phase.INIT
         self.tick = 0
         self.stats = EngineStats()
+        self.timeline = Timeline(config.timeline)  # (t0, t1, kind) spans; off by default
         self.last_state: TickState | None = None
         self.last_forward_t = time.monotonic()
         self.gathered = False
         self.pause_epoch = 0
         self.fp = Fingerprint()
-        self.cp = ControlPlane(control, rank, world)
+        self.cp = ControlPlane(control, self.ranks.index(rank), world)
         self.gather_policy = self._resolve_gather_policy(hf_config)
         self.work = LocalWork(
             backend.hf_model, backend, device, config, self.stats, on_finished=self._finished
         )
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
+        self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
         if store is not None and world > 1:
-            self.live = Liveness(store, key_prefix, rank, world, timeouts, self.status, on_peer_failure)
+            self.gathers = GatherCounter(backend)
+            self.live = Liveness(
+                store, key_prefix, rank, world, timeouts, self.status, on_peer_failure, ranks=self.ranks
+            )
 
     def start(self) -> None:
         """Start liveness (its first heartbeat) and the driver thread. User thread, once."""
@@ -203,9 +216,11 @@ class Driver:
             self.live.start()
         self.thread.start()
 
-    def status(self) -> tuple[int, str]:
-        """(tick, phase) for heartbeats; any thread."""
-        return self.tick, str(Phase.FAILED if self.shared.failed is not None else self.phase)
+    def status(self) -> tuple[int, str, int, int]:
+        """(tick, phase, forwards run, parameter gathers entered) for heartbeats; any thread."""
+        phase = str(Phase.FAILED if self.shared.failed is not None else self.phase)
+        gathers = self.gathers.count if self.gathers is not None else 0
+        return self.tick, phase, self.stats.forwards + self.stats.shadow_forwards, gathers
 
     def check_wait(
         self, called: float, limit: float, col: int, what: str, never: str, absent_if: int = 0
@@ -216,10 +231,13 @@ class Driver:
         if time.monotonic() - max(called, self.last_forward_t) <= limit:
             return
         st = self.last_state
-        absent = [r for r, v in enumerate(st.col(col)) if v == absent_if] if st is not None else []
-        raise RendezvousTimeoutError(
-            f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
-        )
+        cols = st.col(col) if st is not None else []
+        absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
+        msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
+        if self.live is None or not absent:
+            raise RendezvousTimeoutError(msg)
+        rec = self.live.peer(absent[0])  # the verdict: unless a peer's failure came first
+        raise self.live.blame(absent[0], "absent", f"{msg}; {describe(absent[0], rec)}, {last_seen(rec)}")
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -236,7 +254,8 @@ class Driver:
             self.on_failure(err)
         else:
             if self.live is not None:
-                self.live.beat(str(Phase.CLOSED))
+                with contextlib.suppress(Exception):  # rank 0 (the store) may already be gone
+                    self.live.beat(str(Phase.CLOSED))
                 self.live.stop()
 
     def _loop(self) -> None:
@@ -252,19 +271,21 @@ class Driver:
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
-            stats.control_s += time.perf_counter() - t0
+            stats.control_s += self.timeline.since(t0, "tick") - t0
             stats.ticks += 1
             self.tick += 1
             self.last_state = state
             if cfg.debug_collectives:
-                check_fingerprints(state)
+                check_fingerprints(state, self.ranks)
             decision = decide(state)
             if decision is Decision.FORWARD:
                 idle = 0
                 stats.forward_ticks += 1
                 if self.gather_policy == "once" and not self.gathered:
                     self.phase = Phase.GATHER
+                    t0 = time.perf_counter()
                     self.backend.gather_all()  # collective: every rank, this same tick
+                    self.timeline.since(t0, "gather")
                     self.gathered = True
                     if cfg.debug_collectives:
                         self.fp.fold("gather_all")
@@ -274,23 +295,30 @@ class Driver:
                 self._release_if_gathered()  # nobody has work: give the memory back
                 stats.idle_ticks += 1
                 self.phase = Phase.IDLE
+                t0 = time.perf_counter()
                 sh.wake.wait(min(cfg.idle_sleep_max, 0.0005 * (2**idle)))
+                self.timeline.since(t0, "idle")
                 sh.wake.clear()
                 idle = min(idle + 1, 16)
             elif decision is Decision.PAUSE:
                 self._release_if_gathered()  # a training step inside would make the copies stale
+                t0 = time.perf_counter()
                 self._pause_here()
+                self.timeline.since(t0, "paused")
                 idle = 0
             else:
                 assert decision is Decision.EXIT
                 self._release_if_gathered()  # hand the model back sharded, as it came
+                self.backend.enter_pause()  # with the user's own setup (their groups outlive ours)
                 self.phase = Phase.CLOSED
                 return
 
     def _release_if_gathered(self) -> None:
         """Back to sharded weights. Every rank calls it on the same (agreed) tick."""
         if self.gathered:
+            t0 = time.perf_counter()
             self.backend.release_all()
+            self.timeline.since(t0, "release")
             self.gathered = False
             if self.config.debug_collectives:
                 self.fp.fold("release_all")
@@ -306,14 +334,17 @@ class Driver:
         lockstep = self.backend.lockstep
         steps = 1 if lockstep else self.config.burst_steps
         did_work = False
+        t = t0
         for _ in range(steps):
             if not self.work.step(state.admit):
                 break
             self.phase = self.work.phase
+            t = self.timeline.since(t, str(self.work.phase))
             did_work = True
         if not did_work and lockstep:
             self.phase = Phase.SHADOW
             self.backend.shadow_forward()
+            self.timeline.since(t, "shadow")
             self.stats.shadow_forwards += 1
         if self.config.debug_collectives:
             signature = self.backend.collective_signature()  # always drained
@@ -331,10 +362,12 @@ class Driver:
         sh = self.shared
         self.phase = Phase.PAUSED
         self.pause_epoch += 1
+        self.backend.enter_pause()  # the model as the user set it up, for training
         sh.paused.set()
         while not sh.resume.wait(0.05):
             pass
         sh.paused.clear()
+        self.backend.exit_pause()  # back to the generation settings before the next tick
         if self.store is not None:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.

@@ -1,6 +1,12 @@
-"""shardgen's exceptions. User mistakes are ``ValueError``s; these are the distributed failures."""
+"""shardgen's exceptions and the CLI's exit codes.
+
+User mistakes in the Python API are ``ValueError``s; ``ShardgenError`` and its subclasses are the
+distributed failures; ``JobError`` carries a batch job's user-fixable problem and its ``ExitCode``.
+"""
 
 from __future__ import annotations
+
+import enum
 
 
 class ShardgenError(RuntimeError):
@@ -25,3 +31,36 @@ class RendezvousTimeoutError(ShardgenError):
 
 class EngineClosedError(RuntimeError):
     """The engine was used after ``close()``."""
+
+
+# ---------------------------------------------------------------------------------- the CLI's exits
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``shardgen run`` / ``shardgen demo`` (also in ``--help`` and the README)."""
+
+    OK = 0
+    FAILED = 1
+    """the job failed while running (a rank crashed or raised; journals are intact: rerun with --resume)"""
+    USAGE = 2
+    """bad command line (unknown flag, invalid value, --out folder not writable, journals of an
+    unfinished run without --resume)"""
+    NO_PROMPTS = 3
+    """prompts file missing, unreadable or empty"""
+    BAD_PROMPTS = 4
+    """prompts file invalid: malformed JSON, missing or non-string prompt, duplicate or bad id,
+    unknown or invalid field (the message names file:line)"""
+    BAD_MODEL = 5
+    """model path missing or unreadable"""
+    WRONG_ANSWERS = 6
+    """``shardgen demo`` only: some answer is wrong or missing"""
+    TIMEOUT = 7
+    """``shardgen demo`` only: the job did not finish within ``--timeout``"""
+
+
+class JobError(Exception):
+    """A problem the user can fix; the CLI prints ``str(self)`` on one line and exits ``code``."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,10 +1,11 @@
-"""Batch jobs: read prompts, hand them out dynamically, journal results durably, merge, resume.
+"""Batch jobs: hand prompts out dynamically, journal results durably, merge, resume.
 
     shardgen run --prompts prompts.jsonl --out results.jsonl --nproc 4
-    torchrun --nproc-per-node 4 -m shardgen.cli run --prompts prompts.jsonl --out results.jsonl
+    torchrun --nproc-per-node 4 -m shardgen run --prompts prompts.jsonl --out results.jsonl
 
-Everything that touches files is plain Python (unit-testable without processes); the
-distributed part is :func:`run_job`, called once on every rank.
+The prompts file is read and checked by :mod:`shardgen.prompts`. Everything that touches
+files is plain Python (unit-testable without processes); the distributed part is
+:func:`run_job`, called once on every rank.
 
 How work is shared: every rank holds the same list of pending prompts (rank 0 computes
 it and broadcasts it). A rank with free slots claims the next ``k`` indices with ONE
@@ -21,19 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
-import hashlib
 import json
+import math
 import os
 import time
-import types
-import typing
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, JobConfig
+from .errors import ExitCode, JobError
 from .journal import (
     Journal,
     atomic_write_text,
@@ -44,245 +43,9 @@ from .journal import (
     load_results,
 )
 from .log import get_logger
+from .prompts import PromptRecord
 
 log = get_logger()
-
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-ID_FIELDS = ("id", "prompt")
-
-
-class ExitCode(enum.IntEnum):
-    """Exit codes of ``shardgen run`` / ``shardgen demo`` (also in ``--help`` and the README)."""
-
-    OK = 0
-    FAILED = 1
-    """the job failed while running (a rank crashed or raised; journals are intact: rerun with --resume)"""
-    USAGE = 2
-    """bad command line (unknown flag, invalid value, --out folder not writable, journals of an
-    unfinished run without --resume)"""
-    NO_PROMPTS = 3
-    """prompts file missing, unreadable or empty"""
-    BAD_PROMPTS = 4
-    """prompts file invalid: malformed JSON, missing or non-string prompt, duplicate or bad id,
-    unknown or invalid field (the message names file:line)"""
-    BAD_MODEL = 5
-    """model path missing or unreadable"""
-    WRONG_ANSWERS = 6
-    """``shardgen demo`` only: some answer is wrong or missing"""
-    TIMEOUT = 7
-    """``shardgen demo`` only: the job did not finish within ``--timeout``"""
-
-
-class JobError(Exception):
-    """A problem the user can fix; the CLI prints ``str(self)`` on one line and exits ``code``."""
-
-    def __init__(self, code: ExitCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(kw_only=True)
-class JobConfig:
-    """One ``shardgen run`` job: what is not an engine (``EngineConfig``) or sampling setting."""
-
-    prompts: str
-    """JSONL (one object a line: "id", "prompt", optional generation fields named like the
-    SamplingParams fields) or plain text (one prompt a line; the ids are the line numbers)."""
-    out: str
-    """Results file (JSONL, input order). Per-rank journals <out>.rank<R>.journal.jsonl sit next
-    to it while the job runs."""
-    model: str | None = None
-    """Hugging Face model folder; default: the toy model shipped with shardgen."""
-    dtype: str = "auto"
-    """Weights dtype: auto (the checkpoint's), float32, bfloat16, float16."""
-    nproc: int | None = None
-    """Spawn this many local ranks with torch's launcher. Without it: one rank, or this process
-    as one rank when launched by torchrun (RANK is set)."""
-    max_restarts: int = 0
-    """Restarts torch's elastic agent may make after a rank fails (with --nproc); a restarted job
-    resumes from the journals."""
-    resume: bool = False
-    """Skip the prompts already answered in the journals of an earlier run or in --out."""
-    temperature: float = 0.0
-    """Sampling temperature: > 0 samples (do_sample), 0 is greedy. A prompt line may set its own."""
-    seed: int = 0
-    """Base seed: a sampled request without its own seed gets one derived from (seed, id), so its
-    tokens do not depend on the rank that served it."""
-    quiet: bool = False
-    """No progress bar and no summary table."""
-    json_summary: str | None = None
-    """Also write the summary as JSON to this file."""
-    no_claim_ranks: list[int] = field(default_factory=list, metadata={"hidden": True})
-    """Ranks that never claim prompts (demo and tests: a rank with no work must not block others)."""
-    away_rank: int | None = field(default=None, metadata={"hidden": True})
-    """Rank whose main thread sleeps away_s once it has work in flight (demo and tests)."""
-    away_s: float = field(default=3.0, metadata={"hidden": True})
-    """Seconds the away_rank's main thread sleeps."""
-
-    @property
-    def model_path(self) -> str:
-        if self.model is not None:
-            return self.model
-        from .toy import toy_model_path
-
-        return toy_model_path()
-
-    def validate(self) -> None:
-        if self.nproc is not None and self.nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-
-
-# ---------------------------------------------------------------------------------- reading prompts
-
-
-@dataclass
-class PromptRecord:
-    """One validated prompt line."""
-
-    id: str | int
-    prompt: str
-    options: dict[str, Any]
-    """Per-request generation fields from the line (SamplingParams names)."""
-    line: int
-
-
-def read_prompts(
-    path: str, cfg: JobConfig | None = None, base: SamplingParams | None = None
-) -> list[PromptRecord]:
-    """Read and validate the whole prompts file; raise ``JobError`` naming ``file:line``.
-
-    Blank lines are skipped. A file is JSONL when its name ends in .jsonl/.ndjson/.json or
-    its first non-blank line starts with ``{``; otherwise each line is one prompt.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise JobError(ExitCode.NO_PROMPTS, f"prompts file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise JobError(ExitCode.NO_PROMPTS, f"cannot read prompts file {path}: {e}") from None
-    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
-    if not numbered:
-        raise JobError(ExitCode.NO_PROMPTS, f"prompts file is empty: {path}")
-    is_jsonl = path.endswith(JSONL_SUFFIXES) or numbered[0][1].lstrip().startswith("{")
-    if not is_jsonl:
-        return [PromptRecord(id=n, prompt=line, options={}, line=n) for n, line in numbered]
-    allowed = set(ID_FIELDS) | {f.name for f in dataclasses.fields(SamplingParams)}
-    hints = typing.get_type_hints(SamplingParams)
-    seen: dict[str, int] = {}
-    out = []
-    for n, line in numbered:
-        where = f"{path}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise JobError(
-                ExitCode.BAD_PROMPTS, f"{where}: malformed JSON: {e.msg} (column {e.colno})"
-            ) from None
-        if not isinstance(obj, dict):
-            raise JobError(ExitCode.BAD_PROMPTS, f"{where}: expected a JSON object, got {_json_type(obj)}")
-        unknown = sorted(set(obj) - allowed)
-        if unknown:
-            raise JobError(
-                ExitCode.BAD_PROMPTS,
-                f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
-                f"(allowed: {', '.join(sorted(allowed))})",
-            )
-        if "prompt" not in obj:
-            raise JobError(ExitCode.BAD_PROMPTS, f"{where}: missing 'prompt'")
-        if not isinstance(obj["prompt"], str):
-            raise JobError(
-                ExitCode.BAD_PROMPTS, f"{where}: 'prompt' must be a string, got {_json_type(obj['prompt'])}"
-            )
-        rid = obj.get("id", n)
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            raise JobError(
-                ExitCode.BAD_PROMPTS, f"{where}: 'id' must be a string or an integer, got {_json_type(rid)}"
-            )
-        key = id_key(rid)
-        if key in seen:
-            raise JobError(ExitCode.BAD_PROMPTS, f"{where}: duplicate id {rid!r} (first on line {seen[key]})")
-        seen[key] = n
-        options = {k: v for k, v in obj.items() if k not in ID_FIELDS}
-        for name, value in options.items():
-            if not _type_ok(value, hints[name]):
-                raise JobError(
-                    ExitCode.BAD_PROMPTS,
-                    f"{where}: field {name!r} must be {_type_name(hints[name])}, got {_json_type(value)}",
-                )
-        rec = PromptRecord(id=rid, prompt=obj["prompt"], options=options, line=n)
-        if cfg is not None and base is not None:
-            try:
-                request_params(cfg, base, rec)
-            except ValueError as e:
-                raise JobError(ExitCode.BAD_PROMPTS, f"{where}: {e}") from None
-        out.append(rec)
-    return out
-
-
-def _json_type(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number"
-    )
-
-
-def _type_ok(value: Any, tp: Any) -> bool:
-    """Does a JSON value fit a (simple) annotation: int, float, bool, str, X | None, list[int]?"""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", type(None): "null"}
-    return names.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def derive_seed(base_seed: int, rid: str | int) -> int:
-    """A request's sampling seed from the job seed and its id (63 bits; the same on every rank)."""
-    digest = hashlib.blake2b(f"{base_seed}\0{id_key(rid)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def request_params(cfg: JobConfig, base: SamplingParams, rec: PromptRecord) -> SamplingParams:
-    """The request's SamplingParams: job flags, then the line's own fields. Raises ValueError.
-
-    As with ``--temperature``, a line's ``temperature`` > 0 means sampling unless it sets
-    ``do_sample`` itself. Sampled requests without a ``seed`` get :func:`derive_seed`.
-    """
-    opts = dict(rec.options)
-    temperature = opts.pop("temperature", cfg.temperature)
-    do_sample = opts.pop("do_sample", temperature > 0)
-    if temperature <= 0 and not do_sample:
-        temperature = base.temperature  # unused when greedy; keep SamplingParams valid
-    params = base.replace(**opts, do_sample=do_sample, temperature=temperature)
-    if params.do_sample and params.seed is None:
-        params = params.replace(seed=derive_seed(cfg.seed, rec.id))
-    params.validate()
-    return params
 
 
 def check_model(path: str) -> None:
@@ -385,10 +148,12 @@ class RankReport:
     """What one rank did (gathered to rank 0 for the summary)."""
 
     rank: int
+    engine_ranks: list[int] = field(default_factory=list)  # the ranks its engine spans (a replica)
     prompts: int = 0
     errors: int = 0
     tokens: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    spans: list[Any] = field(default_factory=list)  # the driver's timeline (--timeline), from t0
 
 
 def _plan(cfg: JobConfig, records: Sequence[PromptRecord]) -> dict[str, Any]:
@@ -402,11 +167,31 @@ def _plan(cfg: JobConfig, records: Sequence[PromptRecord]) -> dict[str, Any]:
     include_out = include_out_file(cfg.out, cfg.resume)
     done = load_results(cfg.out, include_out=include_out) if cfg.resume else {}
     pending = [i for i, r in enumerate(records) if id_key(r.id) not in done]
+    if cfg.claim_order == "longest":
+        pending = longest_first(records, pending)
     return {"pending": pending, "include_out": include_out, "error": None}
 
 
+def longest_first(records: Sequence[PromptRecord], pending: Sequence[int]) -> list[int]:
+    """``pending`` in claim order: the most expected work first, input order among equals.
+
+    A rank's busy time ends with its last request; a long request claimed last makes that
+    rank finish alone. Claiming the longest first leaves short requests for the end, where
+    they even out the ranks (longest-processing-time-first scheduling). Expected work: the
+    request's ``max_new_tokens`` (the bound on its decode steps; unset counts as the largest, as
+    the model's default bounds it), then its prompt length (the prefill's cost). Requests alike
+    in both keep their input order: this helps only where the bounds tell requests apart.
+    """
+
+    def key(i: int) -> tuple[float, int, int]:
+        bound = records[i].params.max_new_tokens
+        return (-(math.inf if bound is None else bound), -len(records[i].prompt), i)
+
+    return sorted(pending, key=key)
+
+
 def run_job(
-    cfg: JobConfig, engine_cfg: EngineConfig, base: SamplingParams, records: Sequence[PromptRecord]
+    cfg: JobConfig, engine_cfg: EngineConfig, records: Sequence[PromptRecord]
 ) -> dict[str, Any] | None:
     """Run the job on this rank; rank 0 returns the summary (others None). Collective.
 
@@ -418,6 +203,7 @@ def run_job(
 
     from . import comm
     from .engine import Engine
+    from .groups import replica_group
     from .progress import Progress, summarize
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -441,8 +227,14 @@ def run_job(
     store = comm.default_store()
     t_load = time.perf_counter()
     _quiet_transformers()
+    if cfg.timeline:
+        engine_cfg = dataclasses.replace(engine_cfg, timeline=True)
+    try:  # collective on the world (new_group): every rank, here
+        group, _ = replica_group(cfg.shard_size) if cfg.shard_size else (None, 0)
+    except ValueError as e:
+        raise JobError(ExitCode.USAGE, str(e)) from None
     engine = Engine.from_pretrained(
-        cfg.model_path, dtype=None if cfg.dtype == "auto" else cfg.dtype, config=engine_cfg
+        cfg.model_path, dtype=None if cfg.dtype == "auto" else cfg.dtype, config=engine_cfg, group=group
     )
     load_s = time.perf_counter() - t_load
     if journal is None:
@@ -455,7 +247,6 @@ def run_job(
         report = _serve(
             cfg,
             engine,
-            base,
             records,
             pending,
             Claimer(store, f"{prefix}/next", len(pending)),
@@ -469,12 +260,19 @@ def run_job(
         progress.stop()
         journal.close()
     wall_s = time.perf_counter() - t0
-    report.stats = engine.stats()
+    report.stats, report.engine_ranks = engine.stats(), engine.ranks
+    report.spans = [(max(a - t0, 0.0), b - t0, k) for a, b, k in engine.timeline() if b > t0]
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, dataclasses.asdict(report))  # after close(): every rank's work is done
     if rank != 0:
         return None
     merge_results(records, cfg.out, include_out=plan["include_out"])
+    if cfg.timeline:
+        from .timeline import plot
+
+        rows = {f"rank {r['rank']}": r.pop("spans") for r in reports}
+        title = f"shardgen run: {len(records) - resumed} prompts on {world} ranks"
+        plot(rows, cfg.timeline, title=title, origin=dict.fromkeys(rows, 0.0))
     return summarize(
         reports,
         prompts=len(records),
@@ -483,13 +281,13 @@ def run_job(
         load_s=load_s,
         out=cfg.out,
         engine_cfg=engine_cfg,
+        shard_size=cfg.shard_size or world,
     )
 
 
 def _serve(
     cfg: JobConfig,
     engine: Any,
-    base: SamplingParams,
     records: Sequence[PromptRecord],
     pending: Sequence[int],
     claimer: Claimer,
@@ -529,8 +327,7 @@ def _serve(
             for i in claimer.claim(free):
                 rec = records[pending[i]]
                 try:
-                    params = request_params(cfg, base, rec)
-                    inflight[engine.submit(rec.prompt, **dataclasses.asdict(params))] = rec
+                    inflight[engine.submit(rec.prompt, rec.params)] = rec
                 except ValueError as e:  # a bad single request: answered with an error, the job goes on
                     done.append((rec, error_record(rec, e, rank)))
         for rec, result in done:
