@@ -32,6 +32,12 @@ for which the prompts are the toy counting task (answers checked). With another 
 ``--dummy`` (random weights from the model's config, no checkpoint load), prompts are random token
 ids of ``--prompt-len`` tokens and EOS is ignored, so every row generates exactly ``--gen-len``.
 
+Loading (``--load``): ``sharded`` (default) reads only each rank's shard from the checkpoint,
+as ``Engine.from_pretrained`` does; ``hf-zero3`` is the original script's path,
+``HfDeepSpeedConfig(ds_config)`` then ``from_pretrained`` (transformers partitions under
+``zero.Init``; needs ``accelerate``, in ``shardgen[deepspeed]``), and shardgen adopts the model;
+``full`` loads the whole model on every rank first.
+
 Timing, as in the original: each batch is run once with ``max_new_tokens=1`` (prefill latency,
 i.e. time to the first token) and once with ``max_new_tokens=gen_len`` (total latency); decode
 latency = total - prefill. Rank 0 prints its last batch's numbers (the original prints the last
@@ -58,6 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=toy.toy_model_path(), help="HF model folder (default: the toy model)")
     p.add_argument("--dummy", action="store_true", help="random weights from the model's config")
+    p.add_argument(
+        "--load",
+        choices=("sharded", "hf-zero3", "full"),
+        default="sharded",
+        help="sharded: each rank reads only its shard (shardgen.loading, as Engine.from_pretrained); "
+        "hf-zero3: the original script's HfDeepSpeedConfig(ds_config) + from_pretrained (transformers "
+        "partitions under zero.Init; needs accelerate); full: every rank loads the whole model first",
+    )
     p.add_argument("--loops", type=int, default=3, help="batches per rank (before --uneven)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per batch, on each rank")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (synthetic prompts)")
@@ -81,8 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.loops < 1 or args.batch_size < 1 or args.gen_len < 1 or args.prompt_len < 1:
         p.error("--loops, --batch-size, --gen-len and --prompt-len must be >= 1")
-    if args.backend == "fsdp2" and (args.cpu_offload or args.user_partitioned):
-        p.error("--cpu-offload and --user-partitioned need --backend deepspeed")
+    if args.backend == "fsdp2" and (args.cpu_offload or args.user_partitioned or args.load == "hf-zero3"):
+        p.error("--cpu-offload, --user-partitioned and --load hf-zero3 need --backend deepspeed")
+    if args.user_partitioned and args.load == "sharded":
+        args.load = "full"  # deepspeed.initialize partitions a model the user loaded
     if args.away_s < 0:
         p.error("--away-s must be >= 0")
     return args
@@ -124,6 +140,9 @@ def zero3_config(args: argparse.Namespace, config, dtype: torch.dtype) -> dict:
     }
 
 
+_KEEP: list = []  # the HfDeepSpeedConfig must stay alive while transformers loads (a weakref)
+
+
 def load_model(args: argparse.Namespace):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -132,6 +151,19 @@ def load_model(args: argparse.Namespace):
     if args.dummy:
         torch.manual_seed(args.seed)  # the same weights on every rank (rank 0's are broadcast anyway)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    elif args.load == "sharded":
+        # A skeleton (parameters on the meta device): the engine reads each rank's shard from the
+        # checkpoint once its groups exist; no rank ever holds the whole model.
+        from shardgen.loading import pretrained
+
+        model, _ = pretrained(args.model, dtype=dtype)
+    elif args.load == "hf-zero3":
+        # The original run_model.py: with an HfDeepSpeedConfig alive, from_pretrained builds the model
+        # under zero.Init (partitioned at load, on the default group); shardgen then moves its traffic.
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _KEEP.append(HfDeepSpeedConfig(zero3_config(args, config, dtype)))
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.eval()
@@ -148,7 +180,8 @@ def build_engine(args: argparse.Namespace, config, dtype, model, tokenizer) -> s
         return shardgen.Engine(model, tokenizer, **common)
     ds_config = zero3_config(args, config, dtype)
     if not args.user_partitioned:
-        # shardgen partitions the plain model itself, on its private process group.
+        # shardgen partitions the plain model itself (or loads the skeleton, or adopts the model
+        # partitioned by --load hf-zero3), on its private process group.
         return shardgen.Engine(model, tokenizer, ds_config=ds_config, **common)
     import deepspeed  # DS_ACCELERATOR is set in main() before this import
 
@@ -205,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     config, dtype, model, tokenizer = load_model(args)
     is_toy = os.path.realpath(args.model) == os.path.realpath(toy.toy_model_path())
     toy_prompts = is_toy and not args.dummy and tokenizer is not None
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     n_ctx = getattr(config, "max_position_embeddings", None)
     if not toy_prompts and n_ctx is not None and args.prompt_len + args.gen_len > n_ctx:
         raise SystemExit(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} > the model's {n_ctx}")
@@ -213,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     t_load = time.perf_counter()
     engine = build_engine(args, config, dtype, model, tokenizer)  # collective
     log0(
-        f"model: {args.model}{' (dummy weights)' if args.dummy else ''}, {n_params / 1e6:.3f} M params "
+        f"model: {args.model}{' (dummy weights)' if args.dummy else f' (load {args.load})'}, "
+        f"{n_params / 1e6:.3f} M params "
         f"({n_params * torch.finfo(dtype).bits / 8 / 2**30:.3f} GB {str(dtype).removeprefix('torch.')}); "
         f"backend {args.backend}{' (user-partitioned)' if args.user_partitioned else ''}, "
         f"offload_param {'cpu' if args.cpu_offload else 'none'}, world {world}, "

@@ -105,10 +105,12 @@ def _ref_logits(ref, ids, mask=None):
         return ref(input_ids=ids, attention_mask=mask).logits
 
 
-def _create(model, group, ds_config=None):
+def _create(model, group, ds_config=None, **options):
     from shardgen.backends.deepspeed import DeepSpeedBackend
 
-    return DeepSpeedBackend.create(model, param_group=group, device=torch.device("cpu"), ds_config=ds_config)
+    return DeepSpeedBackend.create(
+        model, param_group=group, device=torch.device("cpu"), ds_config=ds_config, **options
+    )
 
 
 def _ds_initialize(model, offload: bool):
@@ -160,9 +162,19 @@ def logits_match(arch: str = "llama", offload: bool = False) -> dict:
     backend = _create(model, group, cfg)
     part_numel = sum(p.ds_tensor.numel() for p in backend.module.parameters())
     diff, calls = _forward_checked(backend, ref, [5, 3], seed=dist.get_rank())
+    backend.use_buckets(8192)  # several small buckets: tied weights and leaves across buckets
+    diff_small, calls_small = _forward_checked(backend, ref, [4, 6], seed=dist.get_rank())
+    n_small = len(backend.plan)
+    backend.gather_all()  # the plain replica: tied weights, buffers, MoE experts
+    diff_replica, calls_replica = _forward_checked(backend, ref, [2, 5], seed=dist.get_rank())
     backend.close()
     return {
         "diff": diff,
+        "diff_small_buckets": diff_small,
+        "small_buckets": (n_small, len(calls_small)),
+        "diff_replica": diff_replica,
+        "replica_calls": calls_replica,
+        "replica_freed": backend.gathered_bytes() == 0,
         "groups": sorted({c[1] for c in calls}),
         "n_gathers": len(calls),
         "partitioned": part_numel < sum(p.numel() for p in ref.parameters()),
@@ -172,14 +184,17 @@ def logits_match(arch: str = "llama", offload: bool = False) -> dict:
     }
 
 
-def lockstep_uneven() -> dict:
+def lockstep_uneven(bucket_bytes: int | None = None) -> dict:
     """Rank 0: 3 real forwards; rank 1: shadow, real, shadow. Then a ``once`` phase with an
-    unequal number of local forwards, and lockstep again. Every forward's collectives recorded."""
+    unequal number of local forwards, and lockstep again. Every forward's collectives recorded.
+    ``bucket_bytes``: the gather plan's bucket size (None: the default)."""
     _install_recorder()
     rank = dist.get_rank()
     group = _param_group()
     model, ref = _pair("llama")
-    backend = _create(model, group)
+    backend = _create(model, group, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
+    n_units = len(backend.units())
+    n_buckets = len(backend.plan) if backend.plan is not None else None
     seqs, diffs = [], []
     plan = ["real", "real", "real"] if rank == 0 else ["shadow", "real", "shadow"]
     shapes = [[5, 3], [7], [2, 6, 4]]
@@ -218,6 +233,8 @@ def lockstep_uneven() -> dict:
         "gather_all_calls": rec_gather.calls,
         "release_all_calls": rec_release.calls,
         "lockstep_flag_after": backend.lockstep,
+        "n_units": n_units,
+        "n_buckets": n_buckets,
     }
 
 

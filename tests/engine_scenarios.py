@@ -241,12 +241,12 @@ def concurrent_user_threads():
     return eng.stats()
 
 
-def gather_policy(gather: str, budget_gb: float | None = None):
+def gather_policy(gather: str, budget_gb: float | None = None, backend: str = "fsdp2"):
     """gather='once'/'auto': weights gathered when work starts, released when all idle, before a
-    pause and at close; same outputs."""
+    pause and at close; same outputs. Released means the replica's storage is freed."""
     ref = tiny_model("llama", seed=22)
     eng = shardgen.Engine(
-        tiny_model("llama", seed=22), backend="fsdp2", gather=gather, memory_budget_gb=budget_gb
+        tiny_model("llama", seed=22), backend=backend, gather=gather, memory_budget_gb=budget_gb
     )
     for c in range(2 if rank() == 0 else 1):
         ids, mask = batch([3, 6], seed=70 + 10 * rank() + c)
@@ -256,13 +256,16 @@ def gather_policy(gather: str, budget_gb: float | None = None):
     fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
     with eng.paused():
         assert not eng._driver.gathered  # a training step here must see (and update) the shards
+        assert eng.backend.gathered_bytes() == 0
     assert fut is None or len(fut.result().token_ids) == 40
     fut = eng.submit(ids[0], max_new_tokens=40, eos_token_id=[]) if rank() == 0 else None
     eng.close()
-    assert not eng._driver.gathered
+    assert not eng._driver.gathered and eng.backend.gathered_bytes() == 0
     assert fut is None or len(fut.result().token_ids) == 40
     st = eng.stats()
-    return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"]
+    replica = eng.backend.replica
+    on_replica = replica.forwards if replica is not None else 0
+    return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"], on_replica
 
 
 def user_wrapped_fsdp2_seed_script():

@@ -109,9 +109,13 @@ def test_missing_deepspeed_gives_install_hint(monkeypatch):
     "arch, offload", [("llama", False), ("llama", True), ("gpt2", False), ("mixtral", False)]
 )
 def test_forward_logits_equal_unsharded(dsworld, arch, offload):
+    """Default plan, small buckets (one gather per bucket) and the gather-once replica."""
     r0, r1 = dsworld.run(sc.logits_match, arch, offload, timeout=90)
     for r in (r0, r1):
-        assert r["diff"] <= TOL, r
+        assert r["diff"] <= TOL and r["diff_small_buckets"] <= TOL, r
+        assert r["diff_replica"] <= TOL and r["replica_calls"] == [] and r["replica_freed"], r
+        n_buckets, n_calls = r["small_buckets"]
+        assert n_calls == n_buckets > 1, r["small_buckets"]
         assert r["partitioned"] and r["full_bytes_ok"]
         assert r["groups"] == ["param"], f"gathers outside the private group: {r['groups']}"
         assert r["describe"]["zero_stage"] == "3"
@@ -121,10 +125,20 @@ def test_forward_logits_equal_unsharded(dsworld, arch, offload):
         assert "MixtralSparseMoeBlock" in r0["leaves"]
 
 
-def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld):
+@pytest.mark.parametrize("bucket_bytes", [None, 20_000, 0], ids=["default-plan", "7-buckets", "per-module"])
+def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld, bucket_bytes):
     """Rank 0: 3 real forwards of different shapes; rank 1: shadow, real, shadow. Then gather
-    policy 'once' with 3 vs 1 local forwards (different trace histories), then lockstep again."""
-    r0, r1 = dsworld.run(sc.lockstep_uneven, timeout=90)
+    policy 'once' with 3 vs 1 local forwards (different trace histories), then lockstep again.
+    With a bucket plan, each forward issues exactly one all-gather per bucket."""
+    r0, r1 = dsworld.run(sc.lockstep_uneven, bucket_bytes, timeout=90)
+    per_forward = {len(seq) for r in (r0, r1) for seq in r["seqs"]}
+    if bucket_bytes == 0:
+        assert r0["n_buckets"] is None and per_forward == {r0["n_units"]}  # one per module
+    else:
+        assert per_forward == {r0["n_buckets"]}, (per_forward, r0["n_buckets"])
+        assert r0["n_buckets"] < r0["n_units"]  # the plan is what makes it fewer
+        if bucket_bytes:
+            assert r0["n_buckets"] > 2  # several buckets: the next one is prefetched
     ref = r0["seqs"][0]
     assert ref and all(c[1] == "param" for c in ref), ref
     for r in (r0, r1):

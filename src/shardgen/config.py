@@ -140,9 +140,15 @@ class EngineConfig:
     """Record what the driver does over time (``engine.timeline()``: prefill, decode, shadow, gather,
     tick, idle spans); off by default (one list append per tick phase when on)."""
     memory_budget_gb: float | None = None
-    """Budget for ``gather='auto'``; None uses 80% of the free device memory."""
+    """Budget for ``gather='auto'``; None uses 80% of the memory free once the model is loaded
+    (CPU: the host's available memory split between its local ranks)."""
     ds_config: dict[str, Any] | None = field(default=None)
     """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
+    bucket_mb: float | None = None
+    """(agreed) ``backend='deepspeed'``, per-layer gathers: full parameters fetched by one coalesced
+    all-gather (consecutive modules in module order; on accelerators the next bucket travels while
+    one computes). None: 4 on CPU (measured best there: large buffers cost more than collectives),
+    64 on accelerators. 0 gathers module by module, as DeepSpeed's own hooks do."""
 
     def validate(self) -> None:
         if self.gather not in ("per-layer", "once", "auto"):
@@ -151,6 +157,8 @@ class EngineConfig:
             raise ValueError(
                 f"gil_switch_interval must be > 0 seconds or None, got {self.gil_switch_interval}"
             )
+        if self.bucket_mb is not None and not self.bucket_mb >= 0:
+            raise ValueError(f"bucket_mb must be >= 0, got {self.bucket_mb}")
         if self.burst_steps < 1:
             raise ValueError(f"burst_steps must be >= 1, got {self.burst_steps}")
         if self.max_batch_size < 1:
@@ -172,6 +180,7 @@ class EngineConfig:
             "backend": self.backend,
             "gather": self.gather,
             "debug_collectives": str(self.debug_collectives),
+            "bucket_mb": str(self.bucket_mb),
         }
 
 

@@ -78,7 +78,10 @@ class Engine:
                 {**cfg.agreed(), **describe_model(raw)}, self.rank, self.world, self.timeouts
             )
             prefix = f"shardgen/engine{self.engine_id}"
-        options = {"ds_config": cfg.ds_config} if cfg.backend == "deepspeed" else {}
+        options = {}
+        if cfg.backend == "deepspeed":
+            mb = cfg.bucket_mb
+            options = {"ds_config": cfg.ds_config, "bucket_bytes": None if mb is None else int(mb * 2**20)}
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
         )
@@ -99,17 +102,14 @@ class Engine:
     def from_pretrained(
         cls, path: str, *, dtype: torch.dtype | str | None = None, tokenizer: Any = None, **kwargs: Any
     ) -> Engine:
-        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective.
 
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype) if dtype != "auto" else None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(path)
-            except (OSError, ValueError):
-                tokenizer = None
+        The weights go straight into each rank's shard (``loading.py``): no rank holds the
+        full model. ``dtype``: ``"auto"``/None (the checkpoint's), ``"bfloat16"``, ...
+        """
+        from .loading import pretrained
+
+        model, tokenizer = pretrained(path, dtype=dtype, tokenizer=tokenizer)
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ user API (not collective)

@@ -28,9 +28,19 @@ def make_backend(
     """Build backend ``name`` around ``model``.
 
     Collective: every rank of ``param_group`` calls it, in the same order, with the
-    same ``name`` (sharding issues collectives on ``param_group``).
+    same ``name`` (sharding issues collectives on ``param_group``). A skeleton from
+    ``Engine.from_pretrained`` (``loading.source_of(model)``) is first loaded into shards
+    on ``param_group`` (``loading.materialize``: no collective), then adopted like a model
+    the user sharded/partitioned there.
     """
     options = dict(options or {})
+    from ..loading import materialize, source_of
+    from ..memory import return_freed_weights_to_os
+
+    if name != "local" and torch.device(device).type == "cpu":
+        return_freed_weights_to_os()  # per-layer gathers would otherwise stay resident
+    if source_of(model) is not None:  # Engine.from_pretrained: load straight into shards on param_group
+        model = materialize(name, model, param_group=param_group, device=device, options=options)
     if name == "local":
         from .local import LocalBackend
 

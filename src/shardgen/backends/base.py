@@ -32,6 +32,9 @@ class Backend:
     #: rank must forward in lockstep (per-layer gathers). False once weights are
     #: local (the ``local`` backend, or after ``gather_all``).
     lockstep: bool = True
+    #: A plain unsharded twin holding the gathered weights (gather policy ``once``), or None;
+    #: while it is live, forwards run on it (no sharding hooks in the path).
+    replica: Any = None
 
     def __init__(self, hf_model: torch.nn.Module, module: torch.nn.Module, device: torch.device) -> None:
         self.hf_model = hf_model
@@ -40,7 +43,13 @@ class Backend:
 
     def forward(self, **inputs: Any) -> Any:
         """Run one forward. Collective on the parameter group when ``lockstep``."""
+        if self.replica is not None and self.replica.live:
+            return self.replica(**inputs)
         return self.module(**inputs)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full weights this backend holds beyond its shards (the live replica)."""
+        return self.replica.nbytes() if self.replica is not None else 0
 
     def shadow_forward(self) -> None:
         """Issue the same parameter collectives as ``forward``, on a 1x1 dummy input.

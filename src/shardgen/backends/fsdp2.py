@@ -15,6 +15,7 @@ from torch import nn
 
 from ..log import get_logger
 from .base import Backend
+from .replica import Replica
 
 log = get_logger()
 
@@ -81,6 +82,13 @@ def move_to_group(model: nn.Module, param_group: Any) -> None:
     log.info("moved the gathers of a fully_shard model (%d mesh infos) to the private group", len(infos))
 
 
+def plain_class(model: nn.Module) -> type:
+    """The model's own class: ``fully_shard`` swaps in a subclass that mixes in FSDPModule."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 class FSDP2Backend(Backend):
     name = "fsdp2"
 
@@ -108,19 +116,33 @@ class FSDP2Backend(Backend):
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
     def gather_all(self) -> None:
-        """Unshard every unit and keep it unsharded across forwards. Collective on the param group."""
-        for m in self.units():
-            m.set_reshard_after_forward(False)
-            m.unshard()
+        """Fill the plain replica (``replica.py``) one FSDP unit at a time: unshard it, copy its
+        full parameters, reshard it. Forwards then run on the replica (no hooks, no DTensor).
+        Collective on the param group: one all-gather per unit, in module order, every rank
+        in the same tick."""
+        from torch.distributed.tensor import DTensor
+
+        if self.replica is not None and self.replica.live:
+            return
+        if self.replica is None:
+            self.replica = Replica(self.module, plain_class(self.module), self.device)
+        for unit in self.units():
+            unit.unshard()
+            for name, p in self.module.named_parameters():
+                if not isinstance(p, DTensor) and not self.replica.has(name):
+                    self.replica.load(name, p.detach())
+            unit.reshard()
+        self.replica.finish()
         self.lockstep = False
 
     def release_all(self) -> None:
-        """Reshard every unit; forwards gather per layer again. No collective (frees memory only)."""
-        for m in self.units():
-            m.reshard()
-            # FSDP keeps the root unsharded between forwards by default; restore exactly that.
-            m.set_reshard_after_forward(m is not self.module, recurse=False)
+        """Free the replica; forwards gather per layer again. No collective (frees memory only)."""
+        if self.replica is not None:
+            self.replica.free()
         self.lockstep = True
+
+    def close(self) -> None:
+        self.release_all()
 
     def full_param_bytes(self) -> int:
         total = 0

@@ -9,12 +9,15 @@ Collective contract (all ranks of ``param_group``, in the same order):
 
 * ``create``: a plain model: ``zero.Init`` broadcasts every weight from the group's first
   rank; a user-partitioned one: no collective.
-* ``forward`` / ``shadow_forward``: for each module call, in execution order, one all-gather
-  of that module's own parameters (the whole subtree for a ZeRO-3 leaf), on ``param_group``.
-  A function of the module call order only (prefetch, reuse and persistence are off), so a
-  1x1 dummy forward issues exactly the gathers of any real forward.
-* ``gather_all``: one coalesced all-gather of every parameter; forwards then issue nothing
-  until ``release_all`` (local, plus one all-reduce when ZeRO sanity checks are on).
+* ``forward`` / ``shadow_forward``: with ``bucket_bytes > 0`` (default), one coalesced
+  all-gather per bucket of consecutive modules of a fixed plan (``buckets.py``), the next
+  bucket issued while one computes; with ``bucket_bytes=0``, for each module call in
+  execution order one all-gather of that module's own parameters (the whole subtree for a
+  ZeRO-3 leaf). Either way, on ``param_group`` and a function of the module call order only
+  (DeepSpeed's prefetch, reuse and persistence are off), so a 1x1 dummy forward issues
+  exactly the gathers of any real forward.
+* ``gather_all``: one coalesced all-gather per bucket (per unit without a plan), copied into
+  a plain replica; forwards then issue nothing until ``release_all`` (local: frees it).
 * ``close``: no collective.
 
 DeepSpeed is imported lazily, with an install hint, when a backend is created.
@@ -29,9 +32,17 @@ import torch.distributed as dist
 
 from ...log import get_logger
 from ..base import Backend
+from ..replica import Replica
 from . import internals as ds
 
 log = get_logger()
+
+
+
+def default_bucket_bytes(device: torch.device) -> int:
+    """4 MiB on CPU (gloo: small buffers measured faster than fewer collectives, see
+    docs/PERFORMANCE.md), 64 MiB on accelerators (DeepSpeed-like buckets, prefetched)."""
+    return 4 * 2**20 if device.type == "cpu" else 64 * 2**20
 
 
 class DeepSpeedBackend(Backend):
@@ -44,7 +55,28 @@ class DeepSpeedBackend(Backend):
         self.offload_device = offload_device
         self.created = created  # True when shardgen partitioned the model itself
         self.lockstep = True
-        self._gathered_ctx = None  # the open GatheredParameters of gather policy ``once``
+        self.plan = None  # BucketPlan: the coalesced gathers of a lockstep forward
+
+    def use_buckets(self, bucket_bytes: int, prefetch: bool | None = None) -> None:
+        """Gather in a fixed plan of buckets of ``bucket_bytes`` (0: module by module). Every
+        rank must call it with the same values before its first forward. ``prefetch`` (gather
+        the next bucket while one computes; None: on accelerators, where the transfer runs
+        beside the compute, not on CPU, where gloo's thread takes cores from the compute)."""
+        if prefetch is None:
+            prefetch = self.device.type != "cpu"
+        from .buckets import BucketPlan
+
+        if self.plan is not None:
+            self.plan.remove()
+            self.plan = None
+        if bucket_bytes > 0:
+            self.plan = BucketPlan(self.module, self.units(), self.offload, bucket_bytes, prefetch)
+            log.info(
+                "shardgen: %d modules gathered in %d buckets of <= %.1f MB",
+                len(self.units()),
+                len(self.plan),
+                bucket_bytes / 2**20,
+            )
 
     @classmethod
     def create(
@@ -54,6 +86,8 @@ class DeepSpeedBackend(Backend):
         param_group: Any,
         device: torch.device,
         ds_config: dict | None = None,
+        bucket_bytes: int | None = None,
+        prefetch: bool | None = None,
         **_: Any,
     ) -> DeepSpeedBackend:
         """Partition ``model`` on ``param_group`` (or move a partitioned one there).
@@ -93,7 +127,7 @@ class DeepSpeedBackend(Backend):
 
             offload, odev = adopt(engine, module, param_group, device)
             created = False
-        return cls(
+        backend = cls(
             module,
             module,
             device,
@@ -102,42 +136,55 @@ class DeepSpeedBackend(Backend):
             offload_device=odev,
             created=created,
         )
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(device)
+        backend.use_buckets(bucket_bytes, prefetch)
+        return backend
 
     # ------------------------------------------------------------------ forwards
     def forward(self, **inputs: Any) -> Any:
+        if self.replica is not None and self.replica.live:
+            return self.replica(**inputs)
         with ds.lockstep_forward():
-            return self.module(**inputs)
+            if self.plan is None:
+                return self.module(**inputs)
+            with self.plan.forward():
+                return self.module(**inputs)
 
     def shadow_forward(self) -> None:
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with ds.lockstep_forward():
-            self.module(input_ids=ids, use_cache=False)
+        self.forward(input_ids=ids, use_cache=False)
 
     # ------------------------------------------------------------------ gather policy once
     def gather_all(self) -> None:
-        """Gather every parameter and pin it until ``release_all``. Collective on the param
-        group (one coalesced all-gather), every rank in the same tick."""
-        import deepspeed
-
-        if self._gathered_ctx is not None:
+        """Fill the plain replica (``replica.py``) chunk by chunk: the plan's buckets, else one
+        unit at a time; forwards then run on it. Collective on the param group: one coalesced
+        all-gather per chunk, every rank in the same tick and order."""
+        if self.replica is not None and self.replica.live:
             return
-        params = list(self.module.parameters())
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        if self.replica is None:
+            self.replica = Replica(self.module, type(self.module), self.device)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        if self.plan is not None:
+            chunks = self.plan.bucket_params
+        else:
+            chunks = [ds.unit_params(u) for u in self.units()]
         with ds.lockstep_forward():
-            ctx.__enter__()
-        ds.pin(params)
-        self._gathered_ctx = ctx
+            for chunk in chunks:
+                chunk = [p for p in chunk if not self.replica.has(names[id(p)])]
+                todo = ds.unavailable(chunk)
+                if todo:
+                    ds.gather_async(todo).wait()
+                for p in chunk:
+                    self.replica.load(names[id(p)], p.data)
+                ds.release(todo)
+        self.replica.finish()
         self.lockstep = False
 
     def release_all(self) -> None:
-        """Back to partitioned weights. Every rank in the same tick (an all-reduce when ZeRO
-        sanity checks are on, else local)."""
-        if self._gathered_ctx is None:
-            return
-        ctx, self._gathered_ctx = self._gathered_ctx, None
-        ds.unpin(self.module.parameters())
-        with ds.lockstep_forward():
-            ctx.__exit__(None, None, None)
+        """Free the replica; forwards gather per bucket again. Local (no collective)."""
+        if self.replica is not None:
+            self.replica.free()
         self.lockstep = True
 
     # ------------------------------------------------------------------ introspection
@@ -169,10 +216,9 @@ class DeepSpeedBackend(Backend):
         return d
 
     def close(self) -> None:
-        """Drop the pins and the full copies of ``gather_all``. Local (no sanity all-reduce)."""
-        if self._gathered_ctx is not None:
-            ctx, self._gathered_ctx = self._gathered_ctx, None
-            params = list(self.module.parameters())
-            ds.unpin(params)
-            ds.drop_gathered_locally(ctx, params)
-            self.lockstep = True
+        """Free the replica and remove the bucket hooks (the model goes back with DeepSpeed's own
+        hooks only). Local."""
+        if self.plan is not None:
+            self.plan.remove()
+            self.plan = None
+        self.release_all()

@@ -2,9 +2,10 @@
 
 Checked against DeepSpeed 0.19.8 (docs/DEEPSPEED.md says what each one is for and how it
 was found). A DeepSpeed upgrade should touch this module only: private attribute names,
-the coordinator's construction, hook re-installation, the ``GatheredParameters`` pin, the
-closures through which a user's coordinator and ``zero.Init`` are found, and the
-environment ``zero.Init`` reads. Nothing here issues a collective unless its docstring says so.
+the coordinator's construction, hook re-installation and suspension, gathering and
+releasing a list of parameters, the closures through which a user's coordinator and
+``zero.Init`` are found, and the environment ``zero.Init`` reads. Nothing here issues a
+collective unless its docstring says so.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import inspect
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,9 +27,6 @@ log = get_logger()
 
 INSTALL_HINT = "the deepspeed backend needs DeepSpeed: pip install 'shardgen[deepspeed]'"
 CHECKED_VERSION = "0.19.8"
-# A ds_active_sub_modules entry that no module has (module ds_ids are >= 0): while present
-# the coordinator never releases the parameter.
-PIN = -0x5EED
 
 _tls = threading.local()
 _patch_lock = threading.Lock()
@@ -258,29 +257,67 @@ def lockstep_coordinator(offload, module: torch.nn.Module) -> None:
     offload._max_reuse_distance_in_numel = 0
 
 
-# ----------------------------------------------------------------------------- pins (gather policy once)
-def pin(params: Iterable) -> None:
-    """Keep gathered parameters gathered across forwards (the post-forward hook skips them)."""
-    for p in params:
-        p.ds_active_sub_modules.add(PIN)
-
-
-def unpin(params: Iterable) -> None:
-    for p in params:
-        p.ds_active_sub_modules.discard(PIN)
-
-
-def drop_gathered_locally(ctx, params: list) -> None:
-    """Leave a ``GatheredParameters`` context without its exit's collectives: free the full
-    copies and clear the context depth. Local (for ``close``)."""
-    from deepspeed.runtime.zero.partition_parameters import DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR as attr
-
-    ctx._partition_params(params, has_been_updated=False)
-    for p in params:
-        if hasattr(p, attr):
-            delattr(p, attr)
-
-
 def full_numel(param) -> int:
     """Elements of the unpartitioned parameter."""
     return int(getattr(param, "ds_numel", param.numel()))
+
+
+# ----------------------------------------------------------------------------- bucket plan (buckets.py)
+def in_lockstep_forward() -> bool:
+    """True inside ``lockstep_forward`` on this thread (one of shardgen's own forwards)."""
+    return bool(getattr(_tls, "lockstep", False))
+
+
+def unit_params(unit: torch.nn.Module) -> list:
+    """The parameters a unit's pre-forward hook fetches (its own, or its subtree for a ZeRO-3 leaf)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    from deepspeed.utils import z3_leaf_module
+
+    return list(dict.fromkeys(iter_params(unit, recurse=z3_leaf_module(unit))))
+
+
+def unavailable(params: list) -> list:
+    """Those of ``params`` that are partitioned (neither gathered nor in flight)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def gather_async(params: list):
+    """Start gathering ``params`` (all partitioned): one coalesced all-gather per dtype (one
+    per parameter for a single one), on their ``ds_process_group``; returns a handle whose
+    ``wait()`` makes them available. Collective: every rank of the group, same order."""
+    return params[0].all_gather_coalesced(params)
+
+
+def release(params: list) -> None:
+    """Partition gathered ``params`` again (free the full copies). Local."""
+    if params:
+        params[0].partition(param_list=params, has_been_updated=False)
+
+
+@contextlib.contextmanager
+def hooks_suspended(offload, root: torch.nn.Module) -> Iterator[None]:
+    """Set DeepSpeed's module hooks (fetch/release, backward setup, the root's ``reset_step``)
+    aside for the duration: the hook dicts of the affected modules are swapped for copies
+    without them, and the originals (which DeepSpeed's handles point at) put back after.
+    Other hooks keep their order. Local; the caller's thread only runs forwards meanwhile."""
+    handles = [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]
+    ds_ids: dict[int, set[int]] = {}
+    for h in handles:
+        d = h.hooks_dict_ref()
+        if d is not None:
+            ds_ids.setdefault(id(d), set()).add(h.id)
+    saved = []
+    for m in root.modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks"):
+            d = getattr(m, attr)
+            drop = ds_ids.get(id(d))
+            if drop:
+                saved.append((m, attr, d))
+                setattr(m, attr, OrderedDict((k, v) for k, v in d.items() if k not in drop))
+    try:
+        yield
+    finally:
+        for m, attr, d in saved:
+            setattr(m, attr, d)

@@ -1,0 +1,127 @@
+"""Scenarios for tests/test_loading.py; they run inside gloo ranks of a World."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from models import batch, hf_generate, tiny_config
+
+import shardgen
+
+
+def write_checkpoint(path: str, *, tied: bool, shards: bool, big: bool = False) -> str:
+    """A Llama checkpoint from a config in code; ``big``: ~250 MB of fp32 in 40 layers (memory tests)."""
+    from transformers import AutoModelForCausalLM
+
+    over: dict = dict(tie_word_embeddings=tied)
+    if big:
+        over.update(
+            hidden_size=384,
+            intermediate_size=1024,
+            num_hidden_layers=40,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", **over))
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path, max_shard_size="20MB" if big else ("30KB" if shards else "5GB"))
+    return path
+
+
+def vm_hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise KeyError("VmHWM")
+
+
+def _oracle(path: str, dtype: str, ids, mask, new: int) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype) if dtype != "auto" else "auto"
+    )
+    return hf_generate(ref.eval(), ids, mask, max_new_tokens=new)
+
+
+def reset_peak() -> float:
+    """Reset VmHWM to the current resident size (Linux ``clear_refs``); return it in MB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return vm_hwm_mb()
+
+
+def scenario_load_and_generate(
+    path: str, backend: str, dtype: str = "auto", new: int = 5, warm_path: str | None = None
+) -> dict:
+    """Engine.from_pretrained on ``path``; VmHWM growth while loading and generating; equal to HF?
+
+    Every rank runs it. With ``warm_path``, an engine on that (tiny) checkpoint first loads,
+    generates and closes, so imports and engine machinery are in the baseline; the peak is
+    then reset, and VmHWM minus the baseline is what loading and generating ``path`` cost.
+    Run it before anything big was allocated in the process (freed memory kept by the
+    allocator would be reused unseen).
+    """
+    if warm_path is not None:
+        ids, mask = batch([3], seed=0)
+        with shardgen.Engine.from_pretrained(warm_path, backend=backend, dtype=dtype) as warm:
+            warm.generate_ids(ids, mask, max_new_tokens=1)
+    base = reset_peak()
+    engine = shardgen.Engine.from_pretrained(path, backend=backend, dtype=dtype, max_batch_size=4)
+    loaded = vm_hwm_mb() - base
+    ids, mask = batch([6, 3, 5], seed=dist.get_rank())
+    try:
+        out = engine.generate_ids(ids, mask, max_new_tokens=new)
+        generated = vm_hwm_mb() - base
+        tied = engine.model.lm_head.weight is engine.model.get_input_embeddings().weight
+        dtypes = {str(p.dtype) for p in engine.model.parameters()}
+    finally:
+        engine.close()
+    ref = _oracle(path, dtype, ids, mask, new)
+    return dict(
+        load_mb=loaded,
+        gen_mb=generated,
+        equal=bool(torch.equal(out, ref)),
+        tied=tied,
+        dtypes=dtypes,
+        pid=os.getpid(),
+    )
+
+
+def scenario_write(path: str, **kw) -> None:
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        write_checkpoint(path, **kw)
+    dist.barrier()
+
+
+def scenario_hf_zero3(path: str, offload: bool, new: int = 5) -> bool:
+    """The seed's loading path: ``HfDeepSpeedConfig(ds_config)`` then ``from_pretrained``, into the engine.
+
+    transformers builds the model under ``zero.Init`` on the default group (partitioned at load);
+    the deepspeed backend moves its traffic to the private group. Equal to HF generate()?
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    zero: dict = {"stage": 3}
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+    ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": 1}
+    dschf = HfDeepSpeedConfig(ds_config)  # must stay alive while from_pretrained runs
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    finally:
+        del dschf
+        unset_hf_deepspeed_config()
+    assert all(hasattr(p, "ds_id") for p in model.parameters()), "not partitioned at load"
+    ids, mask = batch([6, 3, 5], seed=dist.get_rank())
+    with shardgen.Engine(model, backend="deepspeed", max_batch_size=4) as engine:
+        out = engine.generate_ids(ids, mask, max_new_tokens=new)
+    return bool(torch.equal(out, _oracle(path, "auto", ids, mask, new)))
