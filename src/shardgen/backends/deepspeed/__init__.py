@@ -39,7 +39,6 @@ from . import pause
 log = get_logger()
 
 
-
 def default_bucket_bytes(device: torch.device) -> int:
     """4 MiB on CPU (gloo: small buffers measured faster than fewer collectives, see
     docs/PERFORMANCE.md), 64 MiB on accelerators (DeepSpeed-like buckets, prefetched)."""
