@@ -7,13 +7,13 @@ STAMP := $(VENV)/.shardgen-installed
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,plot]"
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,plot,trl]"
 	touch $@
 
 install: $(STAMP)
@@ -26,6 +26,13 @@ test: $(STAMP) lint
 
 demo: $(STAMP)
 	$(BIN)/shardgen demo
+
+# Random schedules on 2-4 ranks (tests/fuzz.py); N schedules from seed SEED0.
+N ?= 1000
+SEED0 ?= 0
+fuzz: $(STAMP)
+	$(BIN)/python tests/fuzz.py --n $(N) --seed0 $(SEED0) --json fuzz-summary.json
+	$(BIN)/python tests/two_agents.py 10
 
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.
 bench: $(STAMP)

@@ -125,3 +125,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _CUDA_AVAILABLE = bool(torch.cuda.is_available())
     if not _CUDA_AVAILABLE:
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture
+def ranks_factory():
+    """Fault-injection worlds (tests/fault_ranks.py), each rank process killed at teardown."""
+    from fault_ranks import Ranks
+
+    made: list[Ranks] = []
+
+    def make(scenario: str, world: int = 2, victim: int | None = None) -> Ranks:
+        r = Ranks(scenario, world, victim)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()

@@ -30,14 +30,24 @@ def main(scenario: str) -> None:
 
     rank, world = shardgen.init()
     stall = float(os.environ.get("STALL_TIMEOUT", "4"))
-    victim = world - 1
+    victim = int(os.environ.get("VICTIM", world - 1))
     event("started", pid=os.getpid())
 
     if scenario == "never_constructs" and rank == victim:
         event("away")
         time.sleep(3600)
+    group = None
+    if scenario == "group_sigkill":  # two engines, on ranks [0, 1] and [2, 3]; the victim is rank 3
+        import torch.distributed as dist
+
+        pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group = pgs[rank // 2]
     engine = shardgen.Engine(
-        tiny_model("llama", seed=3), backend="fsdp2", stall_timeout=stall, init_timeout=stall
+        tiny_model("llama", seed=3),
+        backend="fsdp2",
+        stall_timeout=stall,
+        init_timeout=stall if scenario == "never_constructs" else 120,  # a loaded machine starts slowly
+        group=group,
     )
     event("constructed")
 
@@ -52,6 +62,25 @@ def main(scenario: str) -> None:
 
         engine.backend.forward = flaky
 
+    if scenario == "driver_deadlock" and rank == victim:
+        real, calls = engine.backend.forward, [0]
+
+        def hangs(**kw):
+            calls[0] += 1
+            if calls[0] == 4:
+                event("deadlocked")
+                threading.Event().wait()  # the driver never comes back; the heartbeat runs on
+            return real(**kw)
+
+        engine.backend.forward = hangs
+
+    if scenario == "skip_forward" and rank == victim:
+        # This rank has no requests, so it shadows every forward: it returns without gathering.
+        engine.backend.shadow_forward = lambda: event("skipped")
+        while engine._shared.failed is None:  # not close(): its own bound would race the verdict
+            time.sleep(0.1)
+        raise engine._shared.failed
+
     if scenario == "user_thread_stuck" and rank == victim:
         event("stuck")
         threading.Event().wait()  # the user thread never comes back; the driver serves peers
@@ -59,7 +88,10 @@ def main(scenario: str) -> None:
     ids, mask = batch([4, 6, 3], seed=rank)
     expected = hf_generate(tiny_model("llama", seed=3), ids, mask, max_new_tokens=40)
     n_calls = 2 if scenario == "user_thread_stuck" else 10_000
+    until = time.monotonic() + 3 * stall + 10  # group_sigkill: group [0, 1] outlives the fault
     for i in range(n_calls):
+        if scenario == "group_sigkill" and rank < 2 and time.monotonic() > until:
+            break  # the healthy group stops on its own, after the other group's fault
         out = engine.generate_ids(ids, attention_mask=mask, max_new_tokens=40)
         event("call_done", i=i, same_as_hf=bool(torch.equal(out, expected)))
     event("closing")

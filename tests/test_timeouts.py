@@ -24,6 +24,10 @@ def test_derived_waits_are_ordered(stall, init):
     assert t.param_group > t.attribution_grace
     assert t.control_group >= t.param_group
     assert t.close == t.paused == stall
+    # a store whose host is gone (refused) or stopped (blocked) is named within the stall bound
+    assert t.store_lost <= t.stall and t.store_call <= max(0.5, t.stall)
+    # rank 0 outwaits the beats that carry the verdict to its peers
+    assert t.verdict_linger > 2 * t.heartbeat
 
 
 def test_waits_grow_with_stall_timeout():

@@ -173,6 +173,9 @@ def run_rank(job: JobConfig, engine_cfg: EngineConfig, records: list[PromptRecor
             flush=True,
         )
         sys.stdout.flush()
+        from .liveness import linger
+
+        linger()  # on rank 0, the store's host: let peers read who failed first
         os._exit(ExitCode.FAILED)  # peers may be blocked in collectives: do not wait for teardown
     finally:
         with contextlib.suppress(Exception):

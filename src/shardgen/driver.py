@@ -16,6 +16,7 @@ drivers on the control group and runs exactly one forward or none.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -49,8 +50,10 @@ from .protocol import (
 )
 from .requests import Request, completion_of, resolve_future
 from .scheduler import LocalWork
+from .stalls import GatherCounter
 from .timeline import Timeline
 from .timeouts import Timeouts
+from .verdict import describe, last_seen
 
 log = get_logger()
 
@@ -172,11 +175,15 @@ class Driver:
         key_prefix: str,
         on_failure: Callable[[BaseException], None],
         on_peer_failure: Callable[[BaseException], None],
+        ranks: list[int] | None = None,
     ) -> None:
         """``on_failure``: the engine's failure handling, called by the driver thread with its own
-        (attributed) failure; ``on_peer_failure``: called by the liveness thread."""
+        (attributed) failure; ``on_peer_failure``: called by the liveness thread. ``rank`` is
+        global; ``ranks`` the engine's group in global ranks (default: all ``world``), whose
+        index of ``rank`` is this rank's row in the tick."""
         self.config, self.backend, self.shared = config, backend, shared
         self.control, self.rank, self.world, self.device = control, rank, world, device
+        self.ranks = list(ranks) if ranks is not None else list(range(world))
         self.tokenizer, self.timeouts = tokenizer, timeouts
         self.store, self.key_prefix = store, key_prefix
         self.on_failure = on_failure
@@ -189,15 +196,19 @@ class Driver:
         self.gathered = False
         self.pause_epoch = 0
         self.fp = Fingerprint()
-        self.cp = ControlPlane(control, rank, world)
+        self.cp = ControlPlane(control, self.ranks.index(rank), world)
         self.gather_policy = self._resolve_gather_policy(hf_config)
         self.work = LocalWork(
             backend.hf_model, backend, device, config, self.stats, on_finished=self._finished
         )
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
+        self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
         if store is not None and world > 1:
-            self.live = Liveness(store, key_prefix, rank, world, timeouts, self.status, on_peer_failure)
+            self.gathers = GatherCounter(backend)
+            self.live = Liveness(
+                store, key_prefix, rank, world, timeouts, self.status, on_peer_failure, ranks=self.ranks
+            )
 
     def start(self) -> None:
         """Start liveness (its first heartbeat) and the driver thread. User thread, once."""
@@ -205,9 +216,11 @@ class Driver:
             self.live.start()
         self.thread.start()
 
-    def status(self) -> tuple[int, str]:
-        """(tick, phase) for heartbeats; any thread."""
-        return self.tick, str(Phase.FAILED if self.shared.failed is not None else self.phase)
+    def status(self) -> tuple[int, str, int, int]:
+        """(tick, phase, forwards run, parameter gathers entered) for heartbeats; any thread."""
+        phase = str(Phase.FAILED if self.shared.failed is not None else self.phase)
+        gathers = self.gathers.count if self.gathers is not None else 0
+        return self.tick, phase, self.stats.forwards + self.stats.shadow_forwards, gathers
 
     def check_wait(
         self, called: float, limit: float, col: int, what: str, never: str, absent_if: int = 0
@@ -218,10 +231,13 @@ class Driver:
         if time.monotonic() - max(called, self.last_forward_t) <= limit:
             return
         st = self.last_state
-        absent = [r for r, v in enumerate(st.col(col)) if v == absent_if] if st is not None else []
-        raise RendezvousTimeoutError(
-            f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
-        )
+        cols = st.col(col) if st is not None else []
+        absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
+        msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
+        if self.live is None or not absent:
+            raise RendezvousTimeoutError(msg)
+        rec = self.live.peer(absent[0])  # the verdict: unless a peer's failure came first
+        raise self.live.blame(absent[0], "absent", f"{msg}; {describe(absent[0], rec)}, {last_seen(rec)}")
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -238,7 +254,8 @@ class Driver:
             self.on_failure(err)
         else:
             if self.live is not None:
-                self.live.beat(str(Phase.CLOSED))
+                with contextlib.suppress(Exception):  # rank 0 (the store) may already be gone
+                    self.live.beat(str(Phase.CLOSED))
                 self.live.stop()
 
     def _loop(self) -> None:
@@ -259,7 +276,7 @@ class Driver:
             self.tick += 1
             self.last_state = state
             if cfg.debug_collectives:
-                check_fingerprints(state)
+                check_fingerprints(state, self.ranks)
             decision = decide(state)
             if decision is Decision.FORWARD:
                 idle = 0
@@ -292,6 +309,7 @@ class Driver:
             else:
                 assert decision is Decision.EXIT
                 self._release_if_gathered()  # hand the model back sharded, as it came
+                self.backend.enter_pause()  # with the user's own setup (their groups outlive ours)
                 self.phase = Phase.CLOSED
                 return
 
@@ -344,10 +362,12 @@ class Driver:
         sh = self.shared
         self.phase = Phase.PAUSED
         self.pause_epoch += 1
+        self.backend.enter_pause()  # the model as the user set it up, for training
         sh.paused.set()
         while not sh.resume.wait(0.05):
             pass
         sh.paused.clear()
+        self.backend.exit_pause()  # back to the generation settings before the next tick
         if self.store is not None:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.

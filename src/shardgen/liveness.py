@@ -19,6 +19,9 @@ dump. A peer stopped with SIGSTOP cannot answer; its process state says so.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import datetime
 import faulthandler
 import json
 import os
@@ -27,13 +30,16 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import PeerFailedError, PeerStalledError
+from . import verdict
 from .log import get_logger
+from .stalls import find_laggard, progress_key
 from .timeouts import Timeouts
+from .verdict import Verdict, describe, last_seen
 
 log = get_logger()
 STACK_SIGNAL = signal.SIGUSR2
@@ -100,7 +106,11 @@ def local_stack(pid: int, wait_s: float = 1.0) -> str:
 
 
 class Liveness:
-    """Heartbeat writer and peer watcher for one engine on one rank."""
+    """Heartbeat writer and peer watcher for one engine on one rank.
+
+    ``rank`` and ``ranks`` are global ranks: the engine's group (default: all ``world``
+    ranks); only those are watched, and messages name them as users know them.
+    """
 
     def __init__(
         self,
@@ -109,112 +119,255 @@ class Liveness:
         rank: int,
         world: int,
         timeouts: Timeouts,
-        status: Callable[[], tuple[int, str]],
+        status: Callable[[], tuple[int, str, int, int]],
         on_failure: Callable[[BaseException], None],
+        ranks: list[int] | None = None,
     ) -> None:
-        self.store = store
+        self.ranks = list(ranks) if ranks is not None else list(range(world))  # global ranks watched
         self.prefix = prefix
         self.rank = rank
         self.world = world
         self.stall_timeout = timeouts.stall
         self.interval = timeouts.heartbeat
-        self.status = status
+        self.linger_s = timeouts.verdict_linger
+        # Store calls on a connection of our own, bounded where the store allows (get, wait);
+        # a stopped store host blocks the others (check, set): the watchdog thread sees that.
+        self.store = _own_connection(store, timeouts.store_call)
+        self.store_grace = timeouts.store_lost
+        self._records: dict[int, dict[str, Any]] = {}
+        self._alive_t = time.monotonic()  # the last time a round of store calls completed
+        self._fired = threading.Lock()
+        self.status = status  # () -> (tick, phase, forwards, gathers entered)
         self.on_failure = on_failure
         self.host = socket.gethostname()
         self.pidns = pid_namespace()
+        self.verdict: Verdict | None = None
         self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shardgen-liveness-r{rank}", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"shardgen-watchdog-r{rank}", daemon=True)
 
     def start(self) -> None:
         enable_stack_dumps()
         self.beat()
+        if self.rank == 0:  # the c10d store's host (see verdict.py)
+            _register_host(self)
+        self._alive_t = time.monotonic()
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self) -> None:
-        """Stop beating and watching (after the engine closed or failed). Not collective."""
+        """Stop beating and watching (after the engine closed or failed). Not collective.
+
+        Joins the threads (a daemon thread still inside a store call at interpreter exit can
+        abort the process), except one blocked on an unreachable store."""
         self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5)
+        for t in (self._thread, self._watchdog):
+            if t is not threading.current_thread() and t.is_alive():
+                t.join(self.interval + 1.0 if time.monotonic() - self._alive_t > self.stall_timeout else 10)
+
+    def record(self, phase: str | None = None) -> dict[str, Any]:
+        """This rank's heartbeat: where its driver is, and who it is."""
+        tick, cur, forwards, gathers = self.status()
+        rec = {"seq": self._seq, "tick": tick, "phase": phase or cur, "time": time.time()}
+        rec.update(forwards=forwards, gathers=gathers, pid=os.getpid(), host=self.host, pidns=self.pidns)
+        return rec
 
     def beat(self, phase: str | None = None) -> None:
-        tick, cur = self.status()
         self._seq += 1
-        rec = {"seq": self._seq, "tick": tick, "phase": phase or cur, "time": time.time()}
-        rec.update(pid=os.getpid(), host=self.host, pidns=self.pidns)
-        self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(rec))
+        self.store.set(f"{self.prefix}/hb/{self.rank}", json.dumps(self.record(phase)))
+
+    def blame(self, culprit: int, kind: str, message: str) -> BaseException:
+        """Propose ``culprit`` as the cause; return the error of the verdict that stands (the
+        first one any rank wrote). Not collective."""
+        proposal = Verdict(culprit, kind, message, self.rank)
+        try:
+            self.verdict = verdict.publish(self.store, self.prefix, proposal)
+        except Exception as e:  # the store may be gone with its host
+            log.warning("rank %d: could not publish the verdict to peers: %s", self.rank, e)
+            self.verdict = proposal
+        return self.verdict.error(self.rank)
 
     def report_error(self, err: BaseException) -> None:
-        """Tell peers this rank's driver raised (they raise ``PeerFailedError``)."""
-        try:
-            self.store.set(f"{self.prefix}/error/{self.rank}", f"{type(err).__name__}: {err}")
-            self.beat("failed")
-        except Exception as e:  # the store may be gone with its host
-            log.warning("rank %d: could not publish the error to peers: %s", self.rank, e)
+        """This rank's driver raised: make it the verdict unless a peer's failure came first."""
+        if self.verdict is not None:
+            return  # the driver raised the verdict's own error
+        rec = self.record()
+        self.blame(
+            self.rank,
+            "raised",
+            f"{describe(self.rank, rec)} raised {type(err).__name__}: {err}; {last_seen(rec)}",
+        )
+        if self.verdict is not None and self.verdict.culprit == self.rank:
+            with contextlib.suppress(Exception):
+                self.beat("failed")
+
+    def peer(self, r: int) -> dict[str, Any] | None:
+        """Rank ``r``'s last heartbeat, if the store has one."""
+        with contextlib.suppress(Exception):
+            key = f"{self.prefix}/hb/{r}"
+            if self.store.check([key]):
+                return json.loads(self.store.get(key))
+        return None
+
+    def leave(self, v: Verdict) -> None:
+        """Leaving because of ``v``: say so in the heartbeat (nobody blames a rank that left) and
+        acknowledge, so the store's host may exit."""
+        with contextlib.suppress(Exception):
+            self.beat(f"left: peer {v.culprit} failed")
+            verdict.acknowledge(self.store, self.prefix, self.rank)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        peers = [r for r in range(self.world) if r != self.rank]
+        peers = [r for r in self.ranks if r != self.rank]
         last: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in peers}
-        records: dict[int, dict[str, Any]] = {}
+        moved: dict[int, tuple[Any, float]] = {}
+        records = self._records
         store_down_since: float | None = None
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
-                err = self._check(peers, last, records)
+                v = verdict.read(self.store, self.prefix)
+                if v is None:
+                    found = self._check(peers, last, moved, records)
+                    if found is not None:
+                        self.blame(*found)
+                        v = self.verdict
                 store_down_since = None
+                self._alive_t = time.monotonic()
             except Exception as e:  # a dead store host is a failure of its own
                 if self._stop.is_set():
                     return
                 now = time.monotonic()
                 store_down_since = store_down_since or now
-                if now - store_down_since < self.stall_timeout:
+                if now - store_down_since < self.store_grace:
                     continue
-                err = PeerStalledError(
-                    f"rank {self.rank}: the c10d store has been unreachable for {self.stall_timeout:g}s "
-                    f"(its host, usually rank 0, is probably gone): {e}"
-                )
-            if err is not None and not self._stop.is_set():
-                self.on_failure(err)
+                down = now - store_down_since + self.interval
+                self._store_lost(f"unreachable for {down:.1f}s ({type(e).__name__}: {e})")
+                return
+            if v is not None and not self._stop.is_set():
+                self._fire(v, leave=v.culprit != self.rank)
                 return
 
+    def _watch(self) -> None:
+        """A store call that never returns (its host stopped) blocks ``_run``; name the host."""
+        while not self._stop.wait(self.interval):
+            blocked = time.monotonic() - self._alive_t
+            if blocked > self.stall_timeout + self.interval:
+                self._store_lost(f"its calls blocked for {blocked:.1f}s")
+                return
+
+    def _store_lost(self, how: str) -> None:
+        """The store is unreachable, so no verdict can be read: its host (rank 0) is the culprit."""
+        rec0 = self._records.get(0)
+        msg = f"{describe(0, rec0)} is gone or stopped: it hosts the c10d store, {how}; {last_seen(rec0)}"
+        self._fire(Verdict(0, "store", msg, self.rank), leave=False)
+
+    def _fire(self, v: Verdict, leave: bool) -> None:
+        """Adopt ``v`` once (the thread or the watchdog): mark, acknowledge, fail the engine."""
+        if self._stop.is_set() or not self._fired.acquire(blocking=False):
+            return
+        self.verdict = v
+        if leave:
+            self.leave(v)
+        self.on_failure(v.error(self.rank))
+
     def _check(
-        self, peers: list[int], last: dict[int, tuple[int, float]], records: dict[int, dict[str, Any]]
-    ) -> BaseException | None:
+        self,
+        peers: list[int],
+        last: dict[int, tuple[int, float]],
+        moved: dict[int, tuple[Any, float]],
+        records: dict[int, dict[str, Any]],
+    ) -> tuple[int, str, str] | None:
+        """(culprit, kind, message) for the first peer found gone, silent or stuck; else None."""
         now = time.monotonic()
-        errs = [f"{self.prefix}/error/{r}" for r in peers]
-        for r, key in zip(peers, errs, strict=True):
-            if self.store.check([key]):
-                msg = self.store.get(key).decode()
-                return PeerFailedError(f"rank {r} raised {msg}")
-        hb_keys = [f"{self.prefix}/hb/{r}" for r in peers]
-        for r, key in zip(peers, hb_keys, strict=True):
+        for r in peers:
+            key = f"{self.prefix}/hb/{r}"
             if not self.store.check([key]):
                 continue
             rec = json.loads(self.store.get(key))
             records[r] = rec
-            if rec["phase"] in ("closed",):
+            if rec["phase"] == "closed" or str(rec["phase"]).startswith("left"):
                 last[r] = (rec["seq"], now)
                 continue
             if rec["seq"] != last[r][0]:
                 last[r] = (rec["seq"], now)
+            silent = now - last[r][1]
             if rec.get("pidns") == self.pidns and _process_state(int(rec["pid"])) in (None, "Z"):
-                return self._stalled(r, rec, now - last[r][1])  # dead on this host: no need to wait
-            if now - last[r][1] > self.stall_timeout:
-                return self._stalled(r, rec, now - last[r][1])
-        return None
+                return r, "gone", self._stalled(r, rec, silent)  # dead on this host: no need to wait
+            if silent > self.stall_timeout:
+                return r, "silent", self._stalled(r, rec, silent)
+        records[self.rank] = self.record()
+        frozen: dict[int, float] = {}
+        for r, rec in records.items():
+            key_now = progress_key(rec)
+            if r not in moved or moved[r][0] != key_now:
+                moved[r] = (key_now, now)
+            frozen[r] = now - moved[r][1]
+        found = find_laggard(records, frozen, self.stall_timeout)
+        if found is None:
+            return None
+        r, ahead = found
+        return r, "stuck", self._stuck(r, records, ahead, frozen[r])
 
-    def _stalled(self, r: int, rec: dict[str, Any], silent_s: float) -> PeerStalledError:
-        where = f"host {rec.get('host')}, pid {rec.get('pid')}"
+    def _stalled(self, r: int, rec: dict[str, Any], silent_s: float) -> str:
         why = (
             "is gone (its process exited)"
             if silent_s < self.stall_timeout
             else f"sent no heartbeat for {silent_s:.1f}s (stall_timeout={self.stall_timeout:g}s)"
         )
-        msg = f"rank {r} ({where}) {why}; last phase {rec.get('phase')!r} at tick {rec.get('tick')}"
-        if rec.get("pidns") == self.pidns and isinstance(rec.get("pid"), int):
-            msg += "\n--- its Python stack ---\n" + local_stack(rec["pid"])
-        return PeerStalledError(msg)
+        return f"{describe(r, rec)} {why}; {last_seen(rec)}" + self._stack(rec)
+
+    def _stuck(self, r: int, records: dict[int, dict[str, Any]], ahead: list[int], frozen_s: float) -> str:
+        rec = records[r]
+        where = ", ".join(
+            f"rank {a} at tick {ra['tick']} ({ra['phase']}, {ra.get('gathers')} gathers)"
+            for a, ra in ((a, records[a]) for a in ahead)
+        )
+        return (
+            f"{describe(r, rec)} stopped reaching the tick: its heartbeat runs but its driver has not "
+            f"moved for {frozen_s:.1f}s (stall_timeout={self.stall_timeout:g}s) while its peers wait "
+            f"ahead of it ({where}); {last_seen(rec)}, {rec.get('gathers')} parameter gathers entered"
+            + self._stack(rec)
+        )
+
+    def _stack(self, rec: dict[str, Any]) -> str:
+        if rec.get("pidns") == self.pidns and isinstance(rec.get("pid"), int) and rec["pid"] != os.getpid():
+            return "\n--- its Python stack ---\n" + local_stack(rec["pid"])
+        return ""
+
+
+def _own_connection(store: Any, timeout_s: float) -> Any:
+    """A second client of ``store`` whose calls time out after ``timeout_s`` (the default store's
+    own timeout is the process group's, often 30 min)."""
+    try:
+        mine = store.clone()
+        mine.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return mine
+    except Exception:  # stores without clone(): share the caller's connection
+        return store
+
+
+_HOSTED: weakref.WeakSet[Liveness] = weakref.WeakSet()
+
+
+def _register_host(live: Liveness) -> None:
+    if not _HOSTED:
+        atexit.register(linger)  # registered after process.py's exit guard: runs before it
+    _HOSTED.add(live)
+
+
+def linger() -> None:
+    """On the store's host (rank 0), before the process exits: wait, bounded, until every live
+    peer has read the verdict, so none of them finds the store gone and blames rank 0.
+    Call it before ``os._exit``; ``atexit`` calls it otherwise."""
+    for live in list(_HOSTED):
+        missing = verdict.wait_for_acks(live.store, live.prefix, live.ranks, live.rank, live.linger_s)
+        if missing:
+            log.warning(
+                "rank %d: exiting; rank(s) %s never acknowledged the failure verdict", live.rank, missing
+            )
+        _HOSTED.discard(live)
 
 
 def is_comm_error(err: BaseException) -> bool:

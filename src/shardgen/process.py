@@ -45,13 +45,15 @@ def closed(driver: Any) -> None:
 
 @atexit.register
 def _exit_guard() -> None:
-    """At interpreter exit, a driver stuck in a collective with a dead peer would hold the exit
-    (process-group teardown waits for it): leave at once, non-zero, instead."""
+    """At interpreter exit, a failed engine may leave gloo work that never completes (a driver
+    stuck in a gather, or a tick's all-reduce abandoned when the verdict came): the groups'
+    destructors would join gloo's worker threads until the group timeout. Leave at once,
+    non-zero, instead (after rank 0's ``liveness.linger``, registered later, so run first)."""
     for drv in list(_DRIVERS):
         failed = drv.shared.failed
-        if failed is not None and drv.thread.is_alive():
-            log.error("rank %d: exiting with a driver stuck after: %s", drv.rank, failed)
-            for h in log.handlers:
+        if failed is not None:
+            log.error("rank %d: exiting after: %s", drv.rank, failed)
+            for h in [*log.handlers, sys.stdout, sys.stderr]:
                 with contextlib.suppress(Exception):
                     h.flush()
             os._exit(1)

@@ -19,7 +19,15 @@ class Timeouts:
     heartbeat: float
     """Liveness writes a heartbeat and reads the peers' this often."""
     stall: float
-    """A peer whose heartbeat has not changed for this long is stalled (also: the store unreachable)."""
+    """A peer whose heartbeat has not changed for this long is stalled; a driver that has not moved
+    for this long while its peers wait ahead of it is stuck; store calls blocked this long mean
+    the store's host (rank 0) is stopped."""
+    store_call: float
+    """Liveness's own store connection gives up a get/wait after this long."""
+    store_lost: float
+    """Store calls failing (connection refused) this long mean the store's host (rank 0) is gone."""
+    verdict_linger: float
+    """Rank 0, the store's host, waits at most this long at exit for its peers to read the verdict."""
     attribution_grace: float
     """A driver whose collective broke waits this long for liveness to name the rank that caused it:
     longer than a stall verdict plus the heartbeats that carry it."""
@@ -41,6 +49,9 @@ def derive(stall_timeout: float, init_timeout: float) -> Timeouts:
         arrival=init_timeout,
         heartbeat=heartbeat,
         stall=stall_timeout,
+        store_call=max(0.5, min(stall_timeout / 2, 5.0)),
+        store_lost=min(stall_timeout, max(1.0, 3 * heartbeat)),
+        verdict_linger=max(2.0, 3 * heartbeat + 1.0),
         attribution_grace=stall_timeout + 2 * heartbeat,
         close=stall_timeout,
         paused=stall_timeout,

@@ -1,0 +1,100 @@
+"""Fault-injection worlds: one process per rank of tests/liveness_rank.py, killed by pid on exit.
+
+Not under torchrun's agent (which would kill the survivors itself), so a test sees
+exactly what a healthy rank does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ports import free_port
+
+HERE = Path(__file__).parent
+STALL = 4.0
+
+
+class Ranks:
+    """N rank processes of tests/liveness_rank.py, killed by pid on exit."""
+
+    def __init__(
+        self, scenario: str, world: int = 2, victim: int | None = None, script: str = "liveness_rank.py"
+    ) -> None:
+        port = free_port()
+        tag = f"{scenario}-w{world}-v{victim}"
+        self.logs = [HERE.parent / f".liveness-{os.getpid()}-{tag}-{r}.log" for r in range(world)]
+        self.procs = []
+        for r in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "STALL_TIMEOUT": str(STALL),
+                "GLOO_SOCKET_IFNAME": "lo",
+                "VICTIM": str(world - 1 if victim is None else victim),
+            }
+            out = open(self.logs[r], "w")
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / script), scenario],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        self.t0 = time.monotonic()
+
+    def text(self, r: int) -> str:
+        return self.logs[r].read_text()
+
+    def events(self, r: int, name: str) -> list[dict]:
+        out = []
+        for line in self.text(r).splitlines():
+            if line.startswith(f"EVENT {name} "):
+                out.append(json.loads(line.split(" ", 2)[2]))
+        return out
+
+    def wait_event(self, r: int, name: str, timeout: float = 300.0, count: int = 1) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ev = self.events(r, name)
+            if len(ev) >= count:
+                return ev[count - 1]
+            if self.procs[r].poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"rank {r} never reported {name!r}:\n{self.dump()}")
+
+    def wait_exit(self, r: int, timeout: float) -> tuple[int, float]:
+        """(exit code, seconds waited); a rank still running after ``timeout`` fails the test."""
+        t = time.monotonic()
+        try:
+            code = self.procs[r].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank {r} still running after {timeout:.0f}s:\n{self.dump()}") from None
+        return code, time.monotonic() - t
+
+    def dump(self) -> str:
+        return "\n".join(f"--- rank {r} ---\n{self.text(r)[-6000:]}" for r in range(len(self.procs)))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            p.wait(10)
+        for log in self.logs:
+            log.unlink(missing_ok=True)

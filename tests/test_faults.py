@@ -1,0 +1,81 @@
+"""Faults at 3 and 4 ranks: every healthy rank names the rank that failed, never a messenger.
+
+With 2 ranks the only peer is always the culprit; from 3 ranks on, a rank that exits
+because of a peer (or rank 0 taking the c10d store with it) could be blamed instead.
+Each test runs real rank processes (tests/liveness_rank.py), injects one fault into
+one rank (a middle rank, or rank 0, the store's host), and checks every other rank's
+error. ``pytest -s`` prints a MEASURED line per case for docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+from fault_ranks import STALL, Ranks
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+BOUND = STALL + 8  # a failure must end every healthy process within stall_timeout + a few seconds
+
+
+def named(msg: str) -> set[int]:
+    """Ranks an error message names as a culprit (``rank R (host ...``)."""
+    return {int(m) for m in re.findall(r"rank (\d+) \((?:host|no heartbeat)", msg)}
+
+
+def check_every_healthy_rank_names(ranks: Ranks, victim: int, world: int, fault: str, t_fault: float) -> None:
+    worst = 0.0
+    for r in range(world):
+        if r == victim:
+            continue
+        code, _ = ranks.wait_exit(r, BOUND)
+        worst = max(worst, time.time() - t_fault)
+        assert code != 0, ranks.dump()
+        errs = ranks.events(r, "error")
+        assert errs, f"rank {r} reported no error:\n{ranks.dump()}"
+        assert named(errs[0]["msg"]) == {victim}, f"rank {r} blamed the wrong rank:\n{ranks.dump()}"
+        assert "last phase" in errs[0]["msg"], ranks.dump()
+    print(f"\nMEASURED world={world} fault={fault!r} culprit=rank {victim} detect_and_exit_s={worst:.2f}")
+
+
+CASES = [(w, v) for w in (3, 4) for v in (0, 1)]
+
+
+@pytest.mark.parametrize(("world", "victim"), CASES, ids=[f"w{w}-rank{v}" for w, v in CASES])
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_signal_is_named_by_every_healthy_rank(ranks_factory, world, victim, sig):
+    ranks = ranks_factory("sigkill", world, victim)
+    ranks.wait_event(victim, "call_done", count=2, timeout=300)
+    t_fault = time.time()
+    os.kill(ranks.procs[victim].pid, getattr(signal, sig))
+    check_every_healthy_rank_names(ranks, victim, world, sig, t_fault)
+
+
+@pytest.mark.parametrize(("world", "victim"), CASES, ids=[f"w{w}-rank{v}" for w, v in CASES])
+def test_exception_in_a_forward_is_named_by_every_healthy_rank(ranks_factory, world, victim):
+    ranks = ranks_factory("driver_raises", world, victim)
+    code, _ = ranks.wait_exit(victim, 300)
+    assert code != 0 and "injected failure" in ranks.text(victim), ranks.dump()
+    t_fault = ranks.events(victim, "error")[0]["t"]
+    check_every_healthy_rank_names(ranks, victim, world, "exception in a forward", t_fault)
+    for r in range(world):
+        if r != victim:
+            assert "raised ValueError: injected failure" in ranks.events(r, "error")[0]["msg"]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_deadlocked_driver_with_live_heartbeat_is_named(ranks_factory, victim):
+    ranks = ranks_factory("driver_deadlock", 3, victim)
+    t_fault = ranks.wait_event(victim, "deadlocked", timeout=300)["t"]
+    check_every_healthy_rank_names(ranks, victim, 3, "driver deadlocked, heartbeat alive", t_fault)
+    assert "stopped reaching the tick" in ranks.events((victim + 1) % 3, "error")[0]["msg"]
+
+
+def test_driver_that_skips_its_gathers_is_named_not_its_blocked_peer(ranks_factory):
+    ranks = ranks_factory("skip_forward", 3, 1)
+    t_fault = ranks.wait_event(1, "skipped", timeout=300)["t"]
+    check_every_healthy_rank_names(ranks, 1, 3, "driver skipped a forward's gathers", t_fault)
