@@ -254,6 +254,8 @@ def _check_shape(ckpt: Checkpoint, key: str, shape: Any) -> None:
 def load_full(model: nn.Module, src: Source, *, device: torch.device) -> nn.Module:
     """Allocate every parameter and read it whole (the ``local`` backend: one replica per rank)."""
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # _apply gave each module its own new tensor: tie lm_head to the embedding again
     with Checkpoint(src.path) as ckpt, torch.no_grad():
         for key, tensor in checkpoint_names(model, ckpt).values():
             _check_shape(ckpt, key, tensor.shape)
