@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,plot]"
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,plot,trl]"
 	touch $@
 
 install: $(STAMP)

@@ -28,20 +28,20 @@ from common import relaunch_as_ranks  # noqa: E402
 ALL = ("local", "once-fsdp2", "once-deepspeed", "per-layer-fsdp2", "per-layer-deepspeed")
 
 
-def _engine(kind: str, build, batch: int):
+def _engine(kind: str, build, batch: int, tok):
     import shardgen
 
     if kind == "local":
-        return shardgen.Engine(build(), backend="local", max_batch_size=batch)
+        return shardgen.Engine(build(), tok, backend="local", max_batch_size=batch)
     gather, backend = kind.rsplit("-", 1)
-    return shardgen.Engine(build(), backend=backend, gather=gather, max_batch_size=batch)
+    return shardgen.Engine(build(), tok, backend=backend, gather=gather, max_batch_size=batch)
 
 
 def rank_main(args: argparse.Namespace) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     import shardgen
     from shardgen.toy import check_answer, make_prompts, toy_model_path
@@ -52,6 +52,7 @@ def rank_main(args: argparse.Namespace) -> None:
     methods = args.methods.split(",")
     if args.model == "toy":
         path = toy_model_path()
+        tok = AutoTokenizer.from_pretrained(path)
         prompts = [p["prompt"] for p in make_prompts(args.prompts, seed=rank, skew=True)]
 
         def build():
@@ -64,6 +65,7 @@ def rank_main(args: argparse.Namespace) -> None:
             return texts, sum(len(t.split()) + 1 for t in texts)  # numbers + EOS
 
     else:
+        tok = None
         cfg = LlamaConfig(
             vocab_size=2048,
             hidden_size=1024,
@@ -90,7 +92,7 @@ def rank_main(args: argparse.Namespace) -> None:
             outs = [f.result().token_ids for f in futs]
             return [list(o) for o in outs], sum(lens)
 
-    engines = {m: _engine(m, build, args.batch) for m in methods}
+    engines = {m: _engine(m, build, args.batch, tok) for m in methods}
     first = None
     times = dict.fromkeys(methods, 0.0)
     useful = 0

@@ -36,11 +36,18 @@ def main(scenario: str) -> None:
     if scenario == "never_constructs" and rank == victim:
         event("away")
         time.sleep(3600)
+    group = None
+    if scenario == "group_sigkill":  # two engines, on ranks [0, 1] and [2, 3]; the victim is rank 3
+        import torch.distributed as dist
+
+        pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group = pgs[rank // 2]
     engine = shardgen.Engine(
         tiny_model("llama", seed=3),
         backend="fsdp2",
         stall_timeout=stall,
         init_timeout=stall if scenario == "never_constructs" else 120,  # a loaded machine starts slowly
+        group=group,
     )
     event("constructed")
 
@@ -81,7 +88,10 @@ def main(scenario: str) -> None:
     ids, mask = batch([4, 6, 3], seed=rank)
     expected = hf_generate(tiny_model("llama", seed=3), ids, mask, max_new_tokens=40)
     n_calls = 2 if scenario == "user_thread_stuck" else 10_000
+    until = time.monotonic() + 3 * stall + 10  # group_sigkill: group [0, 1] outlives the fault
     for i in range(n_calls):
+        if scenario == "group_sigkill" and rank < 2 and time.monotonic() > until:
+            break  # the healthy group stops on its own, after the other group's fault
         out = engine.generate_ids(ids, attention_mask=mask, max_new_tokens=40)
         event("call_done", i=i, same_as_hf=bool(torch.equal(out, expected)))
     event("closing")

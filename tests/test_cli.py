@@ -188,6 +188,20 @@ def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list
     assert_no_orphans(out)
 
 
+def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dict]) -> None:
+    """``--nproc 4 --shard-size 2``: two replicas sharded 2 ways, one prompts file, the same results."""
+    args = ["run", "--prompts", "prompts.jsonl", "--out", "replicas.jsonl", "--nproc", "4"]
+    args += ["--shard-size", "2"]
+    job = run([*args, "--json-summary", "replicas.json"], workdir, timeout=240)
+    assert comparable(read_results(workdir / "replicas.jsonl")) == comparable(reference), job.output()
+    summary = json.loads((workdir / "replicas.json").read_text())
+    reps = summary["replicas"]
+    assert [r["ranks"] for r in reps] == [[0, 1], [2, 3]] and summary["shard_size"] == 2
+    # which replica serves how many depends on timing (a replica that loads late may find none left)
+    assert sum(r["prompts"] for r in reps) == len(reference)
+    assert "prompts per replica" in job.stdout and "2 x 2 ranks" in job.stdout, job.output()
+
+
 def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) -> None:
     """``torchrun ... -m shardgen run`` (the package's __main__) is the shardgen command."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -228,6 +242,7 @@ BAD_CASES = {
     # validated in the launcher, before torch's launcher starts any rank
     "launcher-validates": (GOOD + '{"id": 2}\n', ["--nproc", "2"], 4, ["p.jsonl:2:", "missing 'prompt'"]),
     "stale-journals": (GOOD, ["--nproc", "2"], 2, ["pass --resume"]),
+    "shard-size": (GOOD, ["--nproc", "4", "--shard-size", "3"], 2, ["--shard-size 3 must divide the world"]),
 }
 
 

@@ -389,6 +389,33 @@ def test_summary_numbers():
     assert sum(r["busy_share"] for r in s["ranks"]) == pytest.approx(1.0)
     table = progress.format_summary(s)
     assert "tokens/s" in table and "busy share" in table
+    assert "prompts per replica" not in table  # one engine: no replicas to show
+
+
+def test_summary_per_replica():
+    stats = {"busy_s": 1.0, "forwards": 4, "shadow_forwards": 1, "ticks": 5}
+    reports = [
+        {"rank": r, "engine_ranks": [r // 2 * 2, r // 2 * 2 + 1], "prompts": p, "errors": 0, "tokens": 3 * p,
+         "stats": stats}  # fmt: skip
+        for r, p in enumerate([4, 3, 1, 2])
+    ]
+    s = progress.summarize(
+        reports, prompts=10, resumed=0, wall_s=1.0, load_s=0.0, out="o", shard_size=2,
+        engine_cfg=EngineConfig(),
+    )
+    assert s["replicas"] == [
+        {"ranks": [0, 1], "prompts": 7, "tokens": 21},
+        {"ranks": [2, 3], "prompts": 3, "tokens": 9},
+    ]
+    table = progress.format_summary(s)
+    line = next(x for x in table.splitlines() if x.startswith("prompts per replica"))
+    assert line.endswith(" 2 x 2 ranks: 7 (ranks [0, 1]), 3 (ranks [2, 3])"), table
+
+
+def test_shard_size_must_divide_the_launched_world():
+    JobConfig(prompts="p", out="o", nproc=4, shard_size=2).validate()
+    with pytest.raises(ValueError, match="--shard-size 3 must divide the world of 4 ranks"):
+        JobConfig(prompts="p", out="o", nproc=4, shard_size=3).validate()
 
 
 def test_readme_lists_every_exit_code():

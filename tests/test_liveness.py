@@ -111,3 +111,23 @@ def test_stuck_user_thread_is_not_a_failure_but_is_named_at_close(ranks_factory)
     assert code != 0 and err and err[0]["type"] == "RendezvousTimeoutError", ranks.dump()
     assert "rank(s) [1] never called close()" in err[0]["msg"]
     assert ranks.procs[1].poll() is None  # the stuck rank itself was never declared failed
+
+
+def test_fault_in_one_shard_group_spares_the_other(ranks_factory):
+    """Engines on [0, 1] and [2, 3]: rank 3 is killed; rank 2 names it, ranks 0 and 1 keep
+    generating (and checking against HF) and close cleanly."""
+    ranks = ranks_factory("group_sigkill", world=4)
+    ranks.wait_event(3, "call_done", count=2, timeout=300)  # 4 ranks importing torch on 2 cores: slow
+    t_kill = time.time()
+    os.kill(ranks.procs[3].pid, signal.SIGKILL)
+    code2, _ = ranks.wait_exit(2, STALL + 10)
+    err2 = ranks.events(2, "error")
+    assert code2 != 0 and err2 and err2[0]["type"] == "PeerStalledError", ranks.dump()
+    assert "rank 3 " in err2[0]["msg"] and "is gone" in err2[0]["msg"], ranks.dump()
+    for r in (0, 1):
+        code, _ = ranks.wait_exit(r, 4 * STALL + 180)
+        assert code == 0 and ranks.events(r, "closed") and not ranks.events(r, "error"), ranks.dump()
+        done = ranks.events(r, "call_done")
+        assert any(e["t"] > t_kill + STALL for e in done), ranks.dump()
+        assert all(e["same_as_hf"] for e in done), ranks.dump()
+        assert "rank 3" not in ranks.text(r), ranks.dump()

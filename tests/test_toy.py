@@ -57,6 +57,14 @@ def test_expected_answer_rejects_bad_prompts(bad: str) -> None:
         toy.expected_answer(bad)
 
 
+def test_answer_reward_partial_credit() -> None:
+    p = toy.format_prompt(7, 10)
+    assert toy.answer_reward(p, "7 8 9 10") == 1.0
+    assert toy.answer_reward(p, "7 8") == 0.5
+    assert toy.answer_reward(p, "7 8 9 10 11 12 13 14") == 0.5  # too long: over the longer
+    assert toy.answer_reward(p, "8 9 10") == 0.0 and toy.answer_reward(p, "") == 0.0
+
+
 def test_check_answer() -> None:
     p = "count from 7 to 9 :"
     assert toy.check_answer(p, "7 8 9")

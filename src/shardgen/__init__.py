@@ -18,6 +18,7 @@ from .errors import (
     ShardgenError,
 )
 from .requests import Completion
+from .rollout import RolloutBatch
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "PeerFailedError",
     "PeerStalledError",
     "RendezvousTimeoutError",
+    "RolloutBatch",
     "SamplingParams",
     "ShardgenError",
     "init",

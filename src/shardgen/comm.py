@@ -84,65 +84,122 @@ def default_store() -> Any:
     return c10d._get_default_store()
 
 
-_ENGINE_SEQ = [0]
+_ENGINE_SEQ: dict[tuple[int, ...], int] = {}
 
 
-def next_engine_id() -> int:
-    """Engines are numbered per process; collective constructors keep the numbers aligned."""
-    _ENGINE_SEQ[0] += 1
-    return _ENGINE_SEQ[0]
+def engine_prefix(ranks: list[int]) -> str:
+    """The store prefix of the next engine over ``ranks`` (global ranks, group order).
 
-
-def arrive(store: Any, prefix: str, rank: int, world: int, timeout_s: float) -> None:
-    """Wait until every rank wrote ``prefix/arrived/<r>``; name the absent ranks after ``timeout_s``.
-
-    Store-based, so absent ranks cost a clear error instead of a blocked collective.
-    Every rank calls it once per engine.
+    Numbered per rank set: the members of a group construct the same engines over it in
+    the same order, while ranks outside construct any number of others, so the prefix
+    is unique across the world and the same on every member.
     """
+    key = tuple(ranks)
+    _ENGINE_SEQ[key] = _ENGINE_SEQ.get(key, 0) + 1
+    if len(ranks) == (dist.get_world_size() if dist.is_initialized() else 1) and ranks == sorted(ranks):
+        return f"shardgen/engine{_ENGINE_SEQ[key]}"  # the whole world: the historical name
+    return f"shardgen/g{'-'.join(map(str, ranks))}/engine{_ENGINE_SEQ[key]}"
+
+
+def arrive(store: Any, prefix: str, rank: int, ranks: list[int], timeout_s: float) -> None:
+    """Wait until every rank of ``ranks`` wrote ``prefix/arrived/<r>``; name the absent ones after
+    ``timeout_s``.
+
+    Store-based, so absent ranks cost a clear error instead of a blocked collective. ``rank``
+    and ``ranks`` are global ranks. Every rank of ``ranks`` calls it once per engine; no other
+    rank waits.
+    """
+    store.set(f"{prefix}/npg/{rank}", str(_pg_count()))  # read by check_group_names
     store.set(f"{prefix}/arrived/{rank}", str(os.getpid()))
     deadline = time.monotonic() + timeout_s
-    pending = [r for r in range(world) if r != rank]
+    pending = [r for r in ranks if r != rank]
     sleep = 0.005
     while pending:
         try:
             pending = [r for r in pending if not store.check([f"{prefix}/arrived/{r}"])]
         except Exception as e:  # noqa: BLE001 - rank 0 gave up first and took the store with it
             raise RendezvousTimeoutError(
-                f"rank {rank}: rank(s) {pending} of {world} had not constructed the engine when the "
+                f"rank {rank}: rank(s) {pending} of {ranks} had not constructed the engine when the "
                 f"c10d store (rank 0's) went away: {e}"
             ) from None
         if not pending:
             break
         if time.monotonic() > deadline:
             raise RendezvousTimeoutError(
-                f"rank {rank}: rank(s) {pending} of {world} never constructed the engine "
+                f"rank {rank}: rank(s) {pending} of {ranks} never constructed the engine "
                 f"within init_timeout={timeout_s:g}s"
             )
         time.sleep(sleep)
         sleep = min(sleep * 2, 0.1)
 
 
-def private_groups(control_timeout_s: float, param_timeout_s: float) -> tuple[Any, Any]:
-    """(control, param): shardgen's own groups over all ranks, in rank order.
+def private_groups(
+    control_timeout_s: float, param_timeout_s: float, ranks: list[int] | None = None
+) -> tuple[Any, Any]:
+    """(control, param): shardgen's own groups over ``ranks`` (global ranks; ``None``: the world).
 
-    Collective on the default group (``new_group``): every rank, same order. The control
-    group is gloo (CPU tensors); the param group uses the default group's backend, so
-    parameters stay on the model's device (nccl on GPUs).
+    The whole world (``ranks`` None): ``new_group`` on the default group, every rank, same
+    order. A subgroup: ``new_group(ranks, use_local_synchronization=True)``, called by the
+    members of ``ranks`` only, in the same order (torch names the group from the ranks and
+    the number of groups this process holds, so members must agree on both; ``arrive`` has
+    already checked that every member is here). The control group is gloo (CPU tensors);
+    the param group uses the default group's backend, so parameters stay on the model's
+    device (nccl on GPUs).
     """
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
-    param = dist.new_group(backend=dist.get_backend(), timeout=datetime.timedelta(seconds=param_timeout_s))
+    ctl_t = datetime.timedelta(seconds=control_timeout_s)
+    par_t = datetime.timedelta(seconds=param_timeout_s)
+    if ranks is None:
+        control = dist.new_group(backend="gloo", timeout=ctl_t)
+        return control, dist.new_group(backend=dist.get_backend(), timeout=par_t)
+    pool = _POOL.get(tuple(ranks))
+    if pool:  # every member took the same pair: they closed the same engines over these ranks
+        return pool.pop()
+    local = dict(ranks=ranks, use_local_synchronization=True)
+    control = dist.new_group(backend="gloo", timeout=ctl_t, **local)
+    param = dist.new_group(backend=dist.get_backend(), timeout=par_t, **local)
     return control, param
 
 
-def check_same_settings(settings: dict[str, str], group: Any, rank: int, world: int) -> None:
-    """Raise ``ValueError`` on every rank if ranks differ in any setting. Collective on ``group``."""
+# Subgroup pairs of closed engines, for the next engine over the same ranks. Destroying them
+# would lower the count torch hashes into the next subgroup's name, so a later group would
+# reuse a dead group's name and find its stale rendezvous keys in the store.
+_POOL: dict[tuple[int, ...], list[tuple[Any, Any]]] = {}
+
+
+def _pg_count() -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(getattr(c10d._world, "pg_names", {}))
+
+
+def check_group_names(store: Any, prefix: str, rank: int, ranks: list[int]) -> None:
+    """Raise ``ValueError`` naming the ranks if members would give the next subgroup different
+    names (they created different numbers of process groups before): ``new_group`` would wait
+    on a store key no peer writes. Store only, no wait (``arrive`` wrote the counts first);
+    the members of ``ranks`` call it after ``arrive``."""
+    seen = {r: store.get(f"{prefix}/npg/{r}").decode() for r in ranks}
+    if len(set(seen.values())) > 1:
+        raise ValueError(
+            f"rank {rank}: the ranks of the engine's group {ranks} hold different numbers of process "
+            f"groups ({seen}); torch names a subgroup by that number: create process groups in the "
+            "same order on every member before constructing the engine"
+        )
+
+
+def check_same_settings(
+    settings: dict[str, str], group: Any, rank: int, world: int, ranks: list[int] | None = None
+) -> None:
+    """Raise ``ValueError`` on every rank if ranks differ in any setting. Collective on ``group``.
+
+    ``ranks`` maps group ranks to the global ranks the message names (default: the same)."""
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, settings, group=group)
+    names = ranks if ranks is not None else list(range(world))
     problems = []
     for key in sorted({k for s in everyone for k in s}):
         values: dict[str, list[int]] = {}
         for r, s in enumerate(everyone):
-            values.setdefault(str(s.get(key, "<missing>")), []).append(r)
+            values.setdefault(str(s.get(key, "<missing>")), []).append(names[r])
         if len(values) > 1:
             problems.append(f"{key}: " + ", ".join(f"rank(s) {rs}={v!r}" for v, rs in values.items()))
     if problems:
@@ -150,25 +207,36 @@ def check_same_settings(settings: dict[str, str], group: Any, rank: int, world: 
 
 
 def engine_groups(
-    settings: dict[str, str], rank: int, world: int, timeouts: Timeouts
-) -> tuple[int, Any, Any, Any]:
-    """(engine id, store, control group, param group) for a new engine. Collective.
+    settings: dict[str, str], rank: int, ranks: list[int], timeouts: Timeouts
+) -> tuple[str, Any, Any, Any]:
+    """(store prefix, store, control group, param group) for a new engine over ``ranks``.
 
-    Every rank calls it from the engine constructor, in the same order: waits for every
-    rank on the store (``arrive``), creates the private groups on the default group, then
-    checks ``settings`` (plus the world size) on the control group.
+    Collective on ``ranks`` (global ranks; all of them: the world): every rank of ``ranks``
+    calls it from the engine constructor, in the same order; no other rank does. Waits for
+    them on the store (``arrive``), creates the private groups (``private_groups``: on the
+    default group for the world, member-only for a subgroup), then checks ``settings``
+    (plus the group size) on the control group.
     """
-    engine_id = next_engine_id()
+    whole = len(ranks) == dist.get_world_size()
+    prefix = engine_prefix(ranks)
     store = default_store()
-    arrive(store, f"shardgen/engine{engine_id}", rank, world, timeouts.arrival)
+    arrive(store, prefix, rank, ranks, timeouts.arrival)
+    if not whole:
+        check_group_names(store, prefix, rank, ranks)
     # Liveness bounds every wait; the groups' own timeouts are only a backstop.
-    control, param = private_groups(timeouts.control_group, timeouts.param_group)
-    check_same_settings({**settings, "world_size": str(world)}, control, rank, world)
-    return engine_id, store, control, param
+    control, param = private_groups(timeouts.control_group, timeouts.param_group, None if whole else ranks)
+    check_same_settings({**settings, "world_size": str(len(ranks))}, control, rank, len(ranks), ranks)
+    return prefix, store, control, param
 
 
-def destroy_groups(*groups: Any) -> None:
-    """Destroy the engine's groups (each once; None skipped). Every rank, at close."""
+def destroy_groups(param: Any, control: Any, ranks: list[int] | None = None) -> None:
+    """At close, every rank of the engine: destroy its world groups (each once; None skipped);
+    a subgroup's pair goes back to the pool (``_POOL``) for the next engine over ``ranks``.
+    Not collective."""
+    if ranks is not None and dist.is_initialized() and len(ranks) < dist.get_world_size():
+        _POOL.setdefault(tuple(ranks), []).append((control, param))
+        return
+    groups = (param, control)
     for g in {id(g): g for g in groups if g is not None}.values():
         with contextlib.suppress(Exception):
             dist.destroy_process_group(g)

@@ -49,8 +49,15 @@ class SamplingParams:
     """EOS id or ids; None takes the model's ``generation_config``."""
     pad_token_id: int | None = None
     """Pad id written after EOS; None takes the model's, else the first EOS id (as HF does)."""
+    stop: list[str] | None = None
+    """Stop strings: a request ends (finish reason ``stop``) at the first token whose decoded text
+    completes one of them; that token is kept. Matched on the text the tokenizer decodes (special
+    tokens skipped), so the engine needs a tokenizer."""
     logprobs: bool = False
-    """Return the log-probability (under the model) of each chosen token."""
+    """Return the log-probability of each chosen token under ``softmax(logits / temperature)``, the
+    distribution RL trainers recompute (never truncated by top-k / top-p)."""
+    raw_logprobs: bool = False
+    """Take logprobs under the untempered ``softmax(logits)`` instead."""
 
     def resolved(self, generation_config: Any = None) -> SamplingParams:
         """Every model-defaulted field filled: this object's value if set, else the model's
@@ -76,6 +83,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0 when sampling, got {p.temperature!r}")
         if not isinstance(p.top_k, int) or p.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+        if p.stop is not None:
+            if isinstance(p.stop, str) or not all(isinstance(s, str) and s for s in p.stop):
+                raise ValueError(f"stop must be a list of non-empty strings, got {p.stop!r}")
 
     def replace(self, **changes: Any) -> SamplingParams:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -212,6 +222,10 @@ class JobConfig:
     seed: int = 0
     """Base seed: a sampled request without its own seed gets one derived from (seed, id), so its
     tokens do not depend on the rank that served it."""
+    shard_size: int | None = None
+    """Ranks per replica: world/K replicas of K consecutive ranks, each sharding the model K ways
+    with its own engine, all claiming from the one prompts file (K must divide the world).
+    Default: one engine over all ranks."""
     claim_order: str = "longest"
     """Order in which ranks claim prompts: longest (largest max_new_tokens, then longest prompt,
     first, so that no rank starts a long request last) or input."""
@@ -244,6 +258,12 @@ class JobConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
+        if self.shard_size is not None and self.nproc is not None and self.nproc % self.shard_size:
+            # the launcher's check; a rank checks its world (torchrun) in jobs.run_job
+            k, n = self.shard_size, self.nproc
+            raise ValueError(f"--shard-size {k} must divide the world of {n} ranks (--nproc {n})")
         if self.claim_order not in ("longest", "input"):
             raise ValueError(f"--claim-order must be longest or input, got {self.claim_order!r}")
         if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):

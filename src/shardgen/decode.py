@@ -27,9 +27,18 @@ from .sampling import chosen_logprobs, select_tokens
 Forward = Callable[..., Any]
 
 
+#: Why a sequence ended: an EOS id was generated, a stop string appeared in the decoded
+#: text, or ``max_new_tokens`` was reached.
+FINISH_REASONS = ("eos", "stop", "length")
+
+StopCheck = Callable[[list[int]], bool]
+"""Given the generated ids so far, True when a stop string has just appeared (the tokenizer
+lives with the caller: this module never decodes text)."""
+
+
 @dataclass(eq=False)
-class Sequence:
-    """One request inside the decoder: its prompt, its settings and what it produced."""
+class SeqState:
+    """One request inside the decoder: its prompt, its settings and what it produced so far."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -37,9 +46,10 @@ class Sequence:
     pad_id: int
     generator: torch.Generator | None = None
     tag: Any = None  # the engine's handle for the request
+    stop_check: StopCheck | None = None  # stop strings, matched on decoded text
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos" | "length" once finished
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
 
     @property
     def finished(self) -> bool:
@@ -52,6 +62,8 @@ class Sequence:
             self.logprobs.append(logprob)
         if token in self.eos_ids:
             self.finish_reason = "eos"
+        elif self.stop_check is not None and self.stop_check(self.tokens):
+            self.finish_reason = "stop"  # the token completing the stop string is kept
         elif len(self.tokens) >= self.params.max_new_tokens:
             self.finish_reason = "length"
 
@@ -63,7 +75,7 @@ class Batch:
     row's numerics never depend on when its neighbours finish.
     """
 
-    def __init__(self, hf_model: Any, forward: Forward, seqs: list[Sequence], device: torch.device) -> None:
+    def __init__(self, hf_model: Any, forward: Forward, seqs: list[SeqState], device: torch.device) -> None:
         assert seqs, "empty batch"
         self.hf_model = hf_model
         self.forward = forward
@@ -115,7 +127,7 @@ class Batch:
             and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
         )
 
-    def refill(self, seqs: list[Sequence], max_rows: int) -> None:
+    def refill(self, seqs: list[SeqState], max_rows: int) -> None:
         """Prefill ``seqs`` (ONE forward) and merge them into finished rows, growing to ``max_rows``.
 
         The new rows join the batch's KV cache left-padded to a common length, so the
@@ -216,7 +228,7 @@ class Batch:
             logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
         )
         want_lp = any(s.params.logprobs for s in self.seqs)
-        lps = chosen_logprobs(logits, tokens).tolist() if want_lp else None
+        lps = chosen_logprobs(logits, tokens, [s.params for s in self.seqs]).tolist() if want_lp else None
         column = tokens.tolist()
         for i, s in enumerate(self.seqs):
             if s.finished:

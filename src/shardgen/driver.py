@@ -174,11 +174,15 @@ class Driver:
         key_prefix: str,
         on_failure: Callable[[BaseException], None],
         on_peer_failure: Callable[[BaseException], None],
+        ranks: list[int] | None = None,
     ) -> None:
         """``on_failure``: the engine's failure handling, called by the driver thread with its own
-        (attributed) failure; ``on_peer_failure``: called by the liveness thread."""
+        (attributed) failure; ``on_peer_failure``: called by the liveness thread. ``rank`` is
+        global; ``ranks`` the engine's group in global ranks (default: all ``world``), whose
+        index of ``rank`` is this rank's row in the tick."""
         self.config, self.backend, self.shared = config, backend, shared
         self.control, self.rank, self.world, self.device = control, rank, world, device
+        self.ranks = list(ranks) if ranks is not None else list(range(world))
         self.tokenizer, self.timeouts = tokenizer, timeouts
         self.store, self.key_prefix = store, key_prefix
         self.on_failure = on_failure
@@ -191,7 +195,7 @@ class Driver:
         self.gathered = False
         self.pause_epoch = 0
         self.fp = Fingerprint()
-        self.cp = ControlPlane(control, rank, world)
+        self.cp = ControlPlane(control, self.ranks.index(rank), world)
         self.gather_policy = self._resolve_gather_policy(hf_config)
         self.work = LocalWork(
             backend.hf_model, backend, device, config, self.stats, on_finished=self._finished
@@ -201,7 +205,9 @@ class Driver:
         self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
         if store is not None and world > 1:
             self.gathers = GatherCounter(backend)
-            self.live = Liveness(store, key_prefix, rank, world, timeouts, self.status, on_peer_failure)
+            self.live = Liveness(
+                store, key_prefix, rank, world, timeouts, self.status, on_peer_failure, ranks=self.ranks
+            )
 
     def start(self) -> None:
         """Start liveness (its first heartbeat) and the driver thread. User thread, once."""
@@ -224,7 +230,8 @@ class Driver:
         if time.monotonic() - max(called, self.last_forward_t) <= limit:
             return
         st = self.last_state
-        absent = [r for r, v in enumerate(st.col(col)) if v == absent_if] if st is not None else []
+        cols = st.col(col) if st is not None else []
+        absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
         msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
         if self.live is None or not absent:
             raise RendezvousTimeoutError(msg)
@@ -267,7 +274,7 @@ class Driver:
             self.tick += 1
             self.last_state = state
             if cfg.debug_collectives:
-                check_fingerprints(state)
+                check_fingerprints(state, self.ranks)
             decision = decide(state)
             if decision is Decision.FORWARD:
                 idle = 0
@@ -300,6 +307,7 @@ class Driver:
             else:
                 assert decision is Decision.EXIT
                 self._release_if_gathered()  # hand the model back sharded, as it came
+                self.backend.enter_pause()  # with the user's own setup (their groups outlive ours)
                 self.phase = Phase.CLOSED
                 return
 
@@ -352,10 +360,12 @@ class Driver:
         sh = self.shared
         self.phase = Phase.PAUSED
         self.pause_epoch += 1
+        self.backend.enter_pause()  # the model as the user set it up, for training
         sh.paused.set()
         while not sh.resume.wait(0.05):
             pass
         sh.paused.clear()
+        self.backend.exit_pause()  # back to the generation settings before the next tick
         if self.store is not None:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.

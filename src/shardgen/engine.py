@@ -16,12 +16,12 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from . import comm, process
+from . import comm, groups, process
 from .backends import Backend, check_backend_name, make_backend
 from .backends.base import describe_model
 from .config import EngineConfig, SamplingParams
@@ -33,20 +33,34 @@ from .requests import Completion, build_requests, encode_prompt, padded_output, 
 from .timeline import Span
 from .timeouts import derive
 
+if TYPE_CHECKING:
+    from .rollout import RolloutBatch
+
 log = get_logger()
 __all__ = ["Engine", "EngineStats"]
 
 
 class Engine:
-    """Deadlock-free generation on a model sharded across all ranks.
+    """Deadlock-free generation on a model sharded across the ranks of a group.
 
-    ``Engine(model, tokenizer=tok, backend="fsdp2")`` is collective: every rank
-    constructs it, with the same settings and the same model architecture, and
-    engines are constructed in the same order on every rank. In order, it:
-    waits for every rank on the store (``init_timeout``, naming absent ranks);
-    creates two groups with ``new_group`` on the default group; all-gathers the
-    settings on the control group; shards the model on the parameter group; and,
-    for ``gather="auto"``, all-reduces whether the full model fits.
+    ``Engine(model, tokenizer=tok, backend="fsdp2", group=None)`` spans ``group``: the
+    world by default, or, for a model sharded over a subgroup (``fully_shard`` on a 2-D
+    HSDP mesh or on a subgroup's mesh, a DeepSpeed ZeRO-3 model partitioned over a
+    data-parallel subgroup), that shard group, derived from the model. It is collective
+    on the group: exactly the ranks of the group construct it, with the same settings and
+    the same model architecture; ranks outside the group never call it and never wait for
+    it. Over the whole world, every rank constructs every engine, in the same order
+    (``new_group`` on the default group). Over a subgroup, its members construct their
+    engines over those ranks in the same order as each other (the private groups come from
+    ``new_group(ranks, use_local_synchronization=True)``, which only members call); they
+    must have created the same number of process groups before (torch names a subgroup
+    by that count: checked, ``ValueError``), and engines over overlapping groups must be
+    constructed in the same order on every rank. In order, it: waits for the group's
+    ranks on the store (``init_timeout``, naming absent ranks); creates two private
+    groups over those ranks; all-gathers the settings on the control group; shards the
+    model on the parameter group; and, for ``gather="auto"``, all-reduces whether the
+    full model fits. ``rank`` is the global rank (messages name global ranks), ``ranks``
+    the group's global ranks, ``world`` its size.
 
     Its own fields are the user side's (set at construction, then read-only); what user
     threads share with the driver lives in ``self._shared``, the driver's own in ``self._driver``.
@@ -59,6 +73,7 @@ class Engine:
         *,
         config: EngineConfig | None = None,
         device: torch.device | str | None = None,
+        group: Any = None,
         **overrides: Any,
     ) -> None:
         cfg = (config if config is not None else EngineConfig()).replace(**overrides)
@@ -68,16 +83,17 @@ class Engine:
         self.timeouts = derive(cfg.stall_timeout, cfg.init_timeout)
         self._shared = Shared()
         self.rank, self.world = comm.rank_and_world(cfg.backend)
+        self.ranks = groups.engine_ranks(group, model) if dist.is_initialized() else [self.rank]
+        self.world = len(self.ranks)
         self.device = torch.device(device) if device is not None else comm.model_device(model)
         raw = getattr(model, "module", model)  # a DeepSpeedEngine wraps the HF model
         self._hf_config, self._gen_config = raw.config, getattr(raw, "generation_config", None)
         self._control = self._params = self._store = None
-        self.engine_id, prefix = 0, "shardgen/engine0"
+        prefix = "shardgen/engine0"
         if dist.is_initialized():  # arrival, the private groups, the settings check: collective
-            self.engine_id, self._store, self._control, self._params = comm.engine_groups(
-                {**cfg.agreed(), **describe_model(raw)}, self.rank, self.world, self.timeouts
+            prefix, self._store, self._control, self._params = comm.engine_groups(
+                {**cfg.agreed(), **describe_model(raw)}, self.rank, self.ranks, self.timeouts
             )
-            prefix = f"shardgen/engine{self.engine_id}"
         options = {}
         if cfg.backend == "deepspeed":
             mb = cfg.bucket_mb
@@ -92,7 +108,7 @@ class Engine:
             config=cfg, backend=self.backend, shared=self._shared, control=self._control,
             rank=self.rank, world=self.world, device=self.device, hf_config=self._hf_config,
             tokenizer=tokenizer, timeouts=self.timeouts, store=self._store, key_prefix=prefix,
-            on_failure=self._fail, on_peer_failure=self._on_peer_failure,
+            on_failure=self._fail, on_peer_failure=self._on_peer_failure, ranks=self.ranks,
         )  # fmt: skip
         self.gather_policy = self._driver.gather_policy
         process.opened(self._driver, cfg.gil_switch_interval)
@@ -158,6 +174,19 @@ class Engine:
             unpadded_rows(input_ids, attention_mask), params, overrides, as_requests=True
         )
         return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
+
+    def rollout(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        *,
+        n: int = 1,
+        **overrides: Any,
+    ) -> RolloutBatch:
+        """``n`` samples per prompt as trainer-ready padded tensors (``shardgen.rollout``). Not collective."""
+        from .rollout import rollout
+
+        return rollout(self, prompts, params, n=n, **overrides)
 
     def timeline(self) -> list[Span]:
         """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``shardgen.timeline``)."""
@@ -276,5 +305,5 @@ class Engine:
             self._driver.live.stop()
         process.closed(self._driver)
         self.backend.close()
-        comm.destroy_groups(self._params, self._control)
+        comm.destroy_groups(self._params, self._control, ranks=self.ranks)
         self._control = self._params = None

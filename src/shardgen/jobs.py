@@ -148,6 +148,7 @@ class RankReport:
     """What one rank did (gathered to rank 0 for the summary)."""
 
     rank: int
+    engine_ranks: list[int] = field(default_factory=list)  # the ranks its engine spans (a replica)
     prompts: int = 0
     errors: int = 0
     tokens: int = 0
@@ -202,6 +203,7 @@ def run_job(
 
     from . import comm
     from .engine import Engine
+    from .groups import replica_group
     from .progress import Progress, summarize
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -227,8 +229,12 @@ def run_job(
     _quiet_transformers()
     if cfg.timeline:
         engine_cfg = dataclasses.replace(engine_cfg, timeline=True)
+    try:  # collective on the world (new_group): every rank, here
+        group, _ = replica_group(cfg.shard_size) if cfg.shard_size else (None, 0)
+    except ValueError as e:
+        raise JobError(ExitCode.USAGE, str(e)) from None
     engine = Engine.from_pretrained(
-        cfg.model_path, dtype=None if cfg.dtype == "auto" else cfg.dtype, config=engine_cfg
+        cfg.model_path, dtype=None if cfg.dtype == "auto" else cfg.dtype, config=engine_cfg, group=group
     )
     load_s = time.perf_counter() - t_load
     if journal is None:
@@ -254,7 +260,7 @@ def run_job(
         progress.stop()
         journal.close()
     wall_s = time.perf_counter() - t0
-    report.stats = engine.stats()
+    report.stats, report.engine_ranks = engine.stats(), engine.ranks
     report.spans = [(max(a - t0, 0.0), b - t0, k) for a, b, k in engine.timeline() if b > t0]
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, dataclasses.asdict(report))  # after close(): every rank's work is done
@@ -275,6 +281,7 @@ def run_job(
         load_s=load_s,
         out=cfg.out,
         engine_cfg=engine_cfg,
+        shard_size=cfg.shard_size or world,
     )
 
 

@@ -106,7 +106,11 @@ def local_stack(pid: int, wait_s: float = 1.0) -> str:
 
 
 class Liveness:
-    """Heartbeat writer and peer watcher for one engine on one rank."""
+    """Heartbeat writer and peer watcher for one engine on one rank.
+
+    ``rank`` and ``ranks`` are global ranks: the engine's group (default: all ``world``
+    ranks); only those are watched, and messages name them as users know them.
+    """
 
     def __init__(
         self,
@@ -117,7 +121,9 @@ class Liveness:
         timeouts: Timeouts,
         status: Callable[[], tuple[int, str, int, int]],
         on_failure: Callable[[BaseException], None],
+        ranks: list[int] | None = None,
     ) -> None:
+        self.ranks = list(ranks) if ranks is not None else list(range(world))  # global ranks watched
         self.prefix = prefix
         self.rank = rank
         self.world = world
@@ -237,7 +243,7 @@ class Liveness:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        peers = [r for r in range(self.world) if r != self.rank]
+        peers = [r for r in self.ranks if r != self.rank]
         last: dict[int, tuple[int, float]] = {r: (-1, time.monotonic()) for r in peers}
         moved: dict[int, tuple[Any, float]] = {}
         records = self._records
@@ -380,7 +386,7 @@ def linger() -> None:
     peer has read the verdict, so none of them finds the store gone and blames rank 0.
     Call it before ``os._exit``; ``atexit`` calls it otherwise."""
     for live in list(_HOSTED):
-        missing = verdict.wait_for_acks(live.store, live.prefix, live.world, live.rank, live.linger_s)
+        missing = verdict.wait_for_acks(live.store, live.prefix, live.ranks, live.rank, live.linger_s)
         if missing:
             log.warning(
                 "rank %d: exiting; rank(s) %s never acknowledged the failure verdict", live.rank, missing

@@ -254,6 +254,8 @@ def _check_shape(ckpt: Checkpoint, key: str, shape: Any) -> None:
 def load_full(model: nn.Module, src: Source, *, device: torch.device) -> nn.Module:
     """Allocate every parameter and read it whole (the ``local`` backend: one replica per rank)."""
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # _apply gave each module its own new tensor: tie lm_head to the embedding again
     with Checkpoint(src.path) as ckpt, torch.no_grad():
         for key, tensor in checkpoint_names(model, ckpt).values():
             _check_shape(ckpt, key, tensor.shape)
@@ -277,9 +279,22 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
         log.warning("%s has no safetensors files: every rank loads the full model before sharding", path)
         target = resolve_dtype(dtype, AutoConfig.from_pretrained(path))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=target).eval()
-    if tokenizer is None:
+    # A folder without tokenizer files has no tokenizer: skip the failing lookup (seconds).
+    has_files = not os.path.isdir(path) or any(
+        os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES
+    )
+    if tokenizer is None and has_files:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError):
             tokenizer = None
     return model, tokenizer
+
+
+_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)

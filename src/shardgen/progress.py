@@ -67,6 +67,7 @@ def summarize(
     load_s: float,
     out: str,
     engine_cfg: Any,
+    shard_size: int | None = None,
 ) -> dict[str, Any]:
     """The job's numbers from every rank's report (``RankReport`` as a dict, ``stats`` inside)."""
     stats = [r["stats"] for r in reports]
@@ -96,6 +97,8 @@ def summarize(
         "gather": engine_cfg.gather,
         "max_batch_size": engine_cfg.max_batch_size,
         "out": out,
+        "shard_size": shard_size or len(reports),
+        "replicas": _replicas(reports),
         "ranks": [
             {
                 "rank": r["rank"],
@@ -111,6 +114,18 @@ def summarize(
             for r, s in zip(reports, stats, strict=True)
         ],
     }
+
+
+def _replicas(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prompts and tokens per replica (``--shard-size``: one engine per replica, as the engines
+    report their ranks), in rank order."""
+    out: dict[tuple[int, ...], dict[str, Any]] = {}
+    for r in reports:
+        key = tuple(r.get("engine_ranks") or [x["rank"] for x in reports])
+        rep = out.setdefault(key, {"ranks": list(key), "prompts": 0, "tokens": 0})
+        rep["prompts"] += r["prompts"]
+        rep["tokens"] += r["tokens"]
+    return [out[k] for k in sorted(out)]
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -129,6 +144,9 @@ def format_summary(s: dict[str, Any]) -> str:
         ("ranks", f"{s['world_size']} x {s['backend']} (gather {s['gather']}, batch {s['max_batch_size']})"),
         ("results", s["out"]),
     ]
+    if len(s.get("replicas", ())) > 1:
+        per = ", ".join(f"{rep['prompts']} (ranks {rep['ranks']})" for rep in s["replicas"])
+        head.insert(-1, ("prompts per replica", f"{len(s['replicas'])} x {s['shard_size']} ranks: {per}"))
     width = max(len(k) for k, _ in head)
     lines = [f"{k:<{width}}  {v}" for k, v in head]
     cols = ("rank", "prompts", "tokens", "busy s", "busy share", "busy/wall", "forwards", "shadow")

@@ -113,13 +113,16 @@ def decide(state: TickState) -> Decision:
     return Decision.IDLE
 
 
-def check_fingerprints(state: TickState) -> None:
-    """Raise ``CollectiveDivergenceError`` if ranks' collective histories differ (debug mode)."""
+def check_fingerprints(state: TickState, ranks: list[int] | None = None) -> None:
+    """Raise ``CollectiveDivergenceError`` if ranks' collective histories differ (debug mode).
+
+    ``ranks``: the global rank of each row (an engine over a subgroup), for the message."""
     fps = state.col(FINGERPRINT)
     if len(set(fps)) > 1:
+        names = ranks if ranks is not None else list(range(len(fps)))
         groups: dict[int, list[int]] = {}
         for r, fp in enumerate(fps):
-            groups.setdefault(fp, []).append(r)
+            groups.setdefault(fp, []).append(names[r])
         desc = "; ".join(f"ranks {rs} -> {fp:#x}" for fp, rs in groups.items())
         raise CollectiveDivergenceError(f"ranks issued different collective sequences: {desc}")
 

@@ -1,4 +1,4 @@
-"""Requests and results: turning a user's prompt and options into a decoder ``Sequence``.
+"""Requests and results: turning a user's prompt and options into a decoder ``SeqState``.
 
 Validation happens here, in the caller's thread, so a bad request raises
 ``ValueError`` for that call only and never reaches the driver; so does filling
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .config import SamplingParams
-from .decode import Sequence, resolve_special_ids
+from .decode import SeqState, StopCheck, resolve_special_ids
 from .sampling import make_generator
 
 
@@ -28,12 +28,14 @@ class Completion:
     token_ids: list[int]
     """Generated ids, the first EOS included, no padding."""
     finish_reason: str
-    """``eos`` (an EOS id was generated) or ``length`` (``max_new_tokens`` reached)."""
+    """``eos`` (an EOS id was generated), ``stop`` (a stop string appeared; the token completing it
+    is the last one) or ``length`` (``max_new_tokens`` reached)."""
     prompt_token_ids: list[int]
     text: str | None = None
     """The generated text (special tokens skipped), when the engine has a tokenizer."""
     logprobs: list[float] | None = None
-    """log p of each generated token under the model, when asked for."""
+    """log p of each generated token under ``softmax(logits / temperature)`` (``raw_logprobs``:
+    untempered), when asked for."""
     seed: int | None = None
     """The sampling seed used (sampled requests)."""
     rank: int = 0
@@ -44,7 +46,7 @@ class Completion:
 class Request:
     """A validated request travelling from the user thread to the driver."""
 
-    seq: Sequence
+    seq: SeqState
     future: Future = field(default_factory=Future)
 
 
@@ -65,7 +67,7 @@ def build_request(
     generation_config: Any,
     tokenizer: Any = None,
 ) -> Request:
-    """Validate one request and make its ``Sequence``. Raises ``ValueError`` with the numbers.
+    """Validate one request and make its ``SeqState``. Raises ``ValueError`` with the numbers.
 
     The one validation point: unset fields take the model's ``generation_config``, then the
     library defaults (``SamplingParams.resolved``), and the result is checked.
@@ -93,10 +95,33 @@ def build_request(
             seed = random.SystemRandom().randrange(2**63)
             params = params.replace(seed=seed)
         gen = make_generator(seed)
-    seq = Sequence(prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen)
+    stop_check = None
+    if params.stop:
+        if tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: Engine(model, tokenizer=...)")
+        stop_check = stop_string_check(tokenizer, list(params.stop))
+    seq = SeqState(
+        prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check
+    )
     req = Request(seq=seq)
     seq.tag = req
     return req
+
+
+def stop_string_check(tokenizer: Any, stops: list[str]) -> StopCheck:
+    """A check that is True once the decoded text of the generated ids contains a stop string.
+
+    Called after every appended token, so the first token whose text completes a stop string
+    ends the request. Only the tail is decoded: a stop string of L bytes spans at most L tokens
+    (every token decodes to at least one byte), plus one for a character split across tokens.
+    """
+    window = max(len(s.encode()) for s in stops) + 1
+
+    def check(tokens: list[int]) -> bool:
+        text = tokenizer.decode(tokens[-window:], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    return check
 
 
 def build_requests(
@@ -171,7 +196,7 @@ def padded_output(input_ids: torch.Tensor, reqs: list[Request], done: list[Compl
     return out.to(input_ids.device)
 
 
-def completion_of(seq: Sequence, tokenizer: Any, rank: int) -> Completion:
+def completion_of(seq: SeqState, tokenizer: Any, rank: int) -> Completion:
     text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else None
     return Completion(
         token_ids=list(seq.tokens),

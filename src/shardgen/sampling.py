@@ -75,6 +75,24 @@ def select_tokens(
     return out
 
 
-def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the model's distribution. logits: [B, V]; tokens: [B] -> [B] float32."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+def logprob_temperature(params: SamplingParams) -> float:
+    """The temperature a request's logprobs are taken at: its own (``softmax(logits / T)``, what
+    RL trainers recompute on the training side), or 1 with ``raw_logprobs`` or a non-positive T."""
+    t = float(params.temperature) if params.temperature is not None else 1.0
+    return 1.0 if params.raw_logprobs or t <= 0.0 else t
+
+
+def chosen_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams] | None = None
+) -> torch.Tensor:
+    """log p(token) under ``softmax(logits / T)`` per row, never truncated by top-k / top-p.
+
+    logits: [B, V] float32; tokens: [B]; ``params`` gives each row's T (see
+    ``logprob_temperature``; None: T = 1). -> [B] float32.
+    """
+    scaled = logits.float()
+    if params is not None:
+        temps = [logprob_temperature(p) for p in params]
+        if any(t != 1.0 for t in temps):
+            scaled = scaled / torch.tensor(temps, dtype=scaled.dtype, device=scaled.device)[:, None]
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

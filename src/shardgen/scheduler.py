@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .decode import Batch, Sequence
+from .decode import Batch, SeqState
 from .protocol import Phase
 from .requests import Request
 
@@ -30,7 +30,7 @@ class LocalWork:
         device: torch.device,
         config: EngineConfig,
         stats: Any,
-        on_finished: Callable[[Sequence], None],
+        on_finished: Callable[[SeqState], None],
     ) -> None:
         self.model = model
         self.backend = backend  # its forward is looked up per batch (late binding)

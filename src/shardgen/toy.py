@@ -24,6 +24,7 @@ __all__ = [
     "TOY_MODEL_PATH",
     "VOCAB_WORDS",
     "answer_length",
+    "answer_reward",
     "check_answer",
     "expected_answer",
     "format_prompt",
@@ -96,6 +97,16 @@ def answer_length(prompt: str) -> int:
 def check_answer(prompt: str, answer: str) -> bool:
     """True when ``answer`` (after ``.strip()``) is exactly :func:`expected_answer` of ``prompt``."""
     return answer.strip() == expected_answer(prompt)
+
+
+def answer_reward(prompt: str, answer: str) -> float:
+    """Partial credit for RL: the fraction of the expected numbers that ``answer`` gives in order
+    from the start, over the longer of both (1.0 exactly when :func:`check_answer` holds)."""
+    want, got = expected_answer(prompt).split(), answer.split()
+    k = 0
+    while k < min(len(want), len(got)) and want[k] == got[k]:
+        k += 1
+    return k / max(len(want), len(got))
 
 
 def sample_task(rng: random.Random, length: int | None = None, down: bool | None = None) -> tuple[int, int]:

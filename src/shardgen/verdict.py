@@ -68,11 +68,12 @@ def acknowledge(store: Any, prefix: str, rank: int) -> None:
     store.set(f"{prefix}/ack/{rank}", "1")
 
 
-def unacknowledged(store: Any, prefix: str, world: int, verdict: Verdict, me: int) -> list[int]:
+def unacknowledged(store: Any, prefix: str, world: int | list[int], verdict: Verdict, me: int) -> list[int]:
     """Ranks that may still need the store to read ``verdict``: not the culprit, not ``me``,
-    no ack, and a heartbeat that does not say the rank already left or closed."""
+    no ack, and a heartbeat that does not say the rank already left or closed. ``world``: the
+    engine's size, or its global ranks (an engine over a subgroup)."""
     waiting = []
-    for r in range(world):
+    for r in range(world) if isinstance(world, int) else world:
         if r in (me, verdict.culprit) or store.check([f"{prefix}/ack/{r}"]):
             continue
         hb = f"{prefix}/hb/{r}"
@@ -84,7 +85,7 @@ def unacknowledged(store: Any, prefix: str, world: int, verdict: Verdict, me: in
     return waiting
 
 
-def wait_for_acks(store: Any, prefix: str, world: int, me: int, bound_s: float) -> list[int]:
+def wait_for_acks(store: Any, prefix: str, world: int | list[int], me: int, bound_s: float) -> list[int]:
     """Block up to ``bound_s`` until every peer acknowledged the verdict (if there is one);
     return the ranks that never did. Called by the store's host just before its process
     exits, so peers are not left without the verdict. Not collective."""

@@ -9,6 +9,7 @@ Collective contract, per method (all ranks of the parameter group, same order):
 - ``forward(**inputs)``: the sharded gathers of one forward pass.
 - ``shadow_forward()``: exactly the gathers ``forward`` issues, without real work.
 - ``gather_all()`` / ``release_all()``: one full gather / release of every unit.
+- ``enter_pause()`` / ``exit_pause()``: no collective (attribute changes, local releases).
 - ``close()``: no collective; frees what the backend made.
 """
 
@@ -93,6 +94,19 @@ class Backend:
         seen = tuple(getattr(self, "_gathered", ()))
         self._gathered = []
         return seen
+
+    def enter_pause(self) -> None:
+        """Hand the model back as the user set it up, for a training step inside ``paused()``.
+
+        Called by the driver once every rank agreed to pause (no forward in flight, weights
+        released): restore what shardgen changed for generation (communicators, prefetch,
+        persistence, reshard-after-forward), so training is neither slower nor different.
+        Not collective.
+        """
+
+    def exit_pause(self) -> None:
+        """Undo ``enter_pause``: back to the generation settings. Called by the driver after this
+        rank's ``paused()`` block exits, before the next tick. Not collective."""
 
     def close(self) -> None:
         """Release backend resources. Not collective."""

@@ -43,6 +43,28 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def mesh_infos(model: nn.Module) -> list[Any]:
+    """The distinct mesh infos (communicators) of every FSDP param group of ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    infos: list[Any] = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            for info in (pg.mesh_info, pg.post_forward_mesh_info):
+                if info is not None and all(info is not i for i in infos):
+                    infos.append(info)
+    return infos
+
+
+def shard_group(model: Any) -> Any | None:
+    """The shard group of a model the user wrapped with ``fully_shard`` (the shard dimension of
+    an HSDP mesh), or ``None`` for a model without FSDP2 units. Not collective."""
+    infos = mesh_infos(model) if isinstance(model, nn.Module) else []
+    return infos[0].shard_process_group if infos else None
+
+
 def move_to_group(model: nn.Module, param_group: Any) -> None:
     """Point the all-gathers of a model the user wrapped with ``fully_shard`` at ``param_group``.
 
@@ -51,29 +73,24 @@ def move_to_group(model: nn.Module, param_group: Any) -> None:
     Needs the same ranks in the same order. Not collective (attribute changes only).
     """
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
     mine = dist.get_process_group_ranks(param_group)
-    infos = []
-    for m in model.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        for pg in m._get_fsdp_state()._fsdp_param_groups:
-            for info in (pg.mesh_info, pg.post_forward_mesh_info):
-                if info is not None and all(info is not i for i in infos):
-                    infos.append(info)
+    infos = mesh_infos(model)
     for info in infos:
-        if isinstance(info, HSDPMeshInfo) or not isinstance(info, FSDPMeshInfo):
+        # HSDP (a 2-D replicate x shard mesh) gathers on its shard group only; the replicate
+        # group serves gradient all-reduces, which generation never issues.
+        if not isinstance(info, FSDPMeshInfo):  # HSDPMeshInfo is one
             raise ValueError(
-                f"the model is wrapped with {type(info).__name__} (hybrid/replicated sharding); shardgen can "
-                "only move plain fully_shard models to its private group: pass the unwrapped model instead"
+                f"the model is wrapped with {type(info).__name__} (replicate only); shardgen can only "
+                "move sharded fully_shard models to its private group: pass the unwrapped model instead"
             )
         theirs = dist.get_process_group_ranks(info.shard_process_group)
         if theirs != mine:
             raise ValueError(
                 f"the model is sharded over ranks {theirs}, shardgen's group spans ranks {mine}: pass the "
-                "unwrapped model (shardgen shards it) or shard it over all ranks"
+                "unwrapped model (shardgen shards it), or leave Engine(group=...) unset (one engine per "
+                "shard group)"
             )
     for info in infos:
         info.shard_process_group = param_group
@@ -99,8 +116,17 @@ class FSDP2Backend(Backend):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if isinstance(model, FSDPModule):
+            # The user's communicators, put back for training steps (enter_pause).
+            saved = [
+                (i, i.shard_process_group, getattr(i, "reduce_scatter_process_group", None))
+                for i in mesh_infos(model)
+            ]
             move_to_group(model, param_group)
-            return cls(model, model, device)
+            backend = cls(model, model, device)
+            backend._user_groups = saved
+            backend._private_group = param_group
+            backend._user_reshard = backend._reshard_settings()
+            return backend
         mesh = DeviceMesh.from_group(param_group, device.type)
         layers = decoder_layers(model)
         if not layers:
@@ -108,7 +134,47 @@ class FSDP2Backend(Backend):
         for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return cls(model, model, device)
+        backend = cls(model, model, device)
+        backend._user_reshard = backend._reshard_settings()
+        return backend
+
+    _user_groups: list[tuple[Any, Any, Any]] = []  # (mesh info, shard group, reduce-scatter group)
+    _private_group: Any = None
+    _user_reshard: list[tuple[Any, str, Any]] = []  # (object, attribute, value) at create
+    _reshard: list[tuple[Any, str, Any]] = []  # the same, as generation left them, during a pause
+
+    def _reshard_settings(self) -> list[tuple[Any, str, Any]]:
+        """Reshard-after-forward as ``set_reshard_after_forward`` stores it: each FSDP param group's
+        post-forward mesh info (None: stay unsharded after forward) and each state's auto flag."""
+        out: list[tuple[Any, str, Any]] = []
+        for m in self.units():
+            state = m._get_fsdp_state()
+            out.append((state, "_auto_reshard_after_forward", state._auto_reshard_after_forward))
+            out.extend(
+                (pg, "post_forward_mesh_info", pg.post_forward_mesh_info) for pg in state._fsdp_param_groups
+            )
+        return out
+
+    def enter_pause(self) -> None:
+        """Training gets the model as the user set it up: their communicators (a user ``fully_shard``
+        model) and their reshard-after-forward settings. Not collective."""
+        self._reshard = self._reshard_settings()
+        for obj, attr, value in self._user_reshard:
+            setattr(obj, attr, value)
+        for info, shard, reduce_scatter in self._user_groups:
+            info.shard_process_group = shard
+            if reduce_scatter is not None:
+                info.reduce_scatter_process_group = reduce_scatter
+
+    def exit_pause(self) -> None:
+        """Gathers go back to shardgen's private group. Not collective."""
+        for obj, attr, value in self._reshard:
+            setattr(obj, attr, value)
+        self._reshard = []
+        for info, _, reduce_scatter in self._user_groups:
+            info.shard_process_group = self._private_group
+            if reduce_scatter is not None:
+                info.reduce_scatter_process_group = self._private_group
 
     def units(self) -> list[nn.Module]:
         from torch.distributed.fsdp import FSDPModule

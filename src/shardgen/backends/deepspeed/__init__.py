@@ -34,9 +34,9 @@ from ...log import get_logger
 from ..base import Backend
 from ..replica import Replica
 from . import internals as ds
+from . import pause
 
 log = get_logger()
-
 
 
 def default_bucket_bytes(device: torch.device) -> int:
@@ -125,6 +125,7 @@ class DeepSpeedBackend(Backend):
                 log.warning("shardgen: ds_config is ignored for a model that DeepSpeed partitioned already")
             from .adopt import adopt
 
+            user_setup = pause.capture_user(engine, module)  # handed back in training pauses
             offload, odev = adopt(engine, module, param_group, device)
             created = False
         backend = cls(
@@ -139,6 +140,8 @@ class DeepSpeedBackend(Backend):
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(device)
         backend.use_buckets(bucket_bytes, prefetch)
+        if not created:
+            backend._user_setup = user_setup
         return backend
 
     # ------------------------------------------------------------------ forwards
@@ -204,6 +207,22 @@ class DeepSpeedBackend(Backend):
             elif any(True for _ in m.parameters(recurse=False)):
                 out.append(m)
         return out
+
+    # ------------------------------------------------------------------ training pauses
+    _user_setup: pause.ZeroSetup | None = None  # a user-partitioned model's own setup
+    _gen_setup: pause.ZeroSetup | None = None  # shardgen's, while a pause holds the user's
+
+    def enter_pause(self) -> None:
+        """A model from ``deepspeed.initialize`` gets its own groups, coordinator (prefetch,
+        reuse) and persistence back for training (``pause.py``). Not collective."""
+        if self._user_setup is not None and self._gen_setup is None:
+            self._gen_setup = pause.switch(self.offload, self.module, self._user_setup)
+
+    def exit_pause(self) -> None:
+        """Back to the lockstep setup; the user's, as training left it, is kept for the next pause."""
+        if self._gen_setup is not None:
+            self._user_setup = pause.switch(self.offload, self.module, self._gen_setup)
+            self._gen_setup = None
 
     def full_param_bytes(self) -> int:
         return sum(ds.full_numel(p) * p.element_size() for p in self.module.parameters())

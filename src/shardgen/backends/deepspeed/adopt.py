@@ -21,6 +21,16 @@ from .partition import mark_moe_leaves
 log = get_logger()
 
 
+def partition_group(model: Any) -> Any | None:
+    """The group a ZeRO-3 model's parameters are partitioned over (``ds_process_group``: the
+    world, or a data-parallel subgroup from an ``mpu`` or ``zero.Init(data_parallel_group=)``);
+    ``None`` for a model without ZeRO parameters. Accepts a DeepSpeedEngine. Not collective."""
+    module = getattr(model, "module", model)
+    for p in module.parameters() if isinstance(module, torch.nn.Module) else ():
+        return getattr(p, "ds_process_group", None)
+    return None
+
+
 def check_adoptable(module: torch.nn.Module, param_group: Any) -> list:
     """Refuse what cannot be moved, on every rank alike; return the parameters. Local."""
     params = list(module.parameters())

@@ -1,0 +1,5 @@
+"""Integrations with training libraries (optional dependencies, imported lazily).
+
+- ``shardgen.integrations.trl``: TRL's ``GRPOTrainer`` generating on a shardgen ``Engine``
+  (``pip install 'shardgen[trl]'``).
+"""

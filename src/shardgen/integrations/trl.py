@@ -1,0 +1,198 @@
+"""TRL's ``GRPOTrainer`` with its generation on a shardgen ``Engine``: a drop-in subclass.
+
+    from shardgen.integrations.trl import GRPOTrainer     # instead of: from trl import GRPOTrainer
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds,
+                          shardgen_config=shardgen.EngineConfig(max_batch_size=32))   # optional
+    trainer.train()
+
+Install: ``pip install 'shardgen[trl]'`` (TRL 1.16, Python >= 3.11). Same constructor as TRL's,
+plus ``shardgen_config``. Works where TRL's own generation hangs or aborts: ranks that finish at
+different steps, and multi-turn tool loops where ranks make different numbers of generation
+calls (each rank's engine keeps serving its peers with shadow forwards).
+
+How it fits TRL 1.16 (``trl/trainer/grpo_trainer.py``):
+
+- ``_generate_single_turn`` (the one place TRL generates: HF ``generate()`` inside
+  ``unwrap_model_for_generation``, or vLLM) submits the rows to the engine instead (NOT
+  collective) and returns the completions with their sampling logprobs, as TRL's vLLM path does.
+- TRL applies its importance-sampling correction (``vllm_importance_sampling_*``: training-side
+  logprobs against sampling logprobs) only on its vLLM path, so the trainer takes that path:
+  ``use_vllm`` is set on the instance after construction and ``vllm_generation`` is a stand-in
+  whose weight sync is a no-op (the engine generates with the training weights themselves).
+- The engine is created at the first generation (collective: every rank's first generation
+  call), on the model TRL trains (``model_wrapped``: a ``fully_shard`` model, or accelerate's
+  DeepSpeed ZeRO-3 engine). Training never overlaps generation: when ``_generate`` returns, the
+  rank enters ``engine.paused()`` (collective) and stays there, through the loss, backward and
+  optimizer step, until its next ``_generate``. ``train()`` closes the engine at the end.
+
+Sampling: ``temperature``, ``top_k``, ``top_p``, ``max_completion_length`` and the EOS ids TRL
+resolved; logprobs under ``softmax(logits / temperature)``, what TRL recomputes. TRL settings
+shardgen does not implement raise ``ValueError`` at construction (``UNSUPPORTED``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+from ..config import EngineConfig
+from ..log import get_logger
+from ..rollout import sample_seed
+
+log = get_logger()
+
+TRL_VERSION = "1.16"
+
+
+def _import_trl() -> Any:
+    try:
+        import trl
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("shardgen.integrations.trl needs TRL 1.16: pip install 'shardgen[trl]'") from e
+    if not str(trl.__version__).startswith(TRL_VERSION + "."):
+        log.warning("shardgen.integrations.trl is built for TRL %s.*, found %s", TRL_VERSION, trl.__version__)
+    return trl
+
+
+_trl = _import_trl()
+
+
+def unsupported(args: Any) -> list[str]:
+    """The TRL settings of ``args`` (a ``GRPOConfig``) that shardgen's generation cannot honour."""
+    problems = []
+    if getattr(args, "use_vllm", False):
+        problems.append("use_vllm=True (generation runs on shardgen; set use_vllm=False)")
+    if getattr(args, "use_transformers_continuous_batching", False):
+        problems.append("use_transformers_continuous_batching=True")
+    if getattr(args, "min_p", None) is not None:
+        problems.append(f"min_p={args.min_p}")
+    if getattr(args, "repetition_penalty", 1.0) != 1.0:
+        problems.append(f"repetition_penalty={args.repetition_penalty}")
+    if getattr(args, "generation_kwargs", None):
+        problems.append(f"generation_kwargs={args.generation_kwargs}")
+    if getattr(args, "cache_implementation", None) is not None:
+        problems.append(f"cache_implementation={args.cache_implementation!r}")
+    return problems
+
+
+def _check(args: Any) -> None:
+    problems = unsupported(args)
+    if problems:
+        raise ValueError("shardgen's GRPOTrainer does not support these TRL settings: " + "; ".join(problems))
+
+
+class _SharedWeights:
+    """Stands in for TRL's vLLM client: the engine generates with the training weights, no copy."""
+
+    def sync_weights(self) -> None:
+        pass
+
+
+class GRPOTrainer(_trl.GRPOTrainer):
+    """TRL's ``GRPOTrainer``, generating on a shardgen ``Engine`` (see the module docstring)."""
+
+    def __init__(self, *args: Any, shardgen_config: EngineConfig | dict | None = None, **kwargs: Any) -> None:
+        given = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if given is not None:
+            _check(given)  # before TRL loads anything
+        super().__init__(*args, **kwargs)
+        _check(self.args)
+        if self._is_vlm:
+            raise ValueError(
+                "shardgen's GRPOTrainer generates for text-only models; got a vision-language model"
+            )
+        if isinstance(shardgen_config, dict):
+            shardgen_config = EngineConfig(**shardgen_config)
+        self.shardgen_config = shardgen_config or EngineConfig()
+        self.shardgen_engine: Any = None
+        self._shardgen_pause = contextlib.ExitStack()
+        self._shardgen_calls = 0
+        # TRL runs its importance-sampling correction only on its vLLM path (module docstring).
+        self.use_vllm = True
+        self.vllm_mode = "shardgen"
+        self.vllm_generation = _SharedWeights()
+
+    # ------------------------------------------------------------------ engine lifecycle
+    def _shardgen_open(self) -> Any:
+        """The engine, created on first use. Collective: every rank's first generation call."""
+        if self.shardgen_engine is None:
+            import shardgen
+
+            cfg = self.shardgen_config
+            backend = "deepspeed" if self.is_deepspeed_enabled else cfg.backend
+            cfg = dataclasses.replace(cfg, backend=backend)
+            self.shardgen_engine = shardgen.Engine(self.model_wrapped, self._tokenizer, config=cfg)
+        return self.shardgen_engine
+
+    def shardgen_close(self) -> None:
+        """Close the engine (collective, like ``Engine.close``); ``train()`` calls it at the end."""
+        self._shardgen_pause.close()
+        if self.shardgen_engine is not None:
+            engine, self.shardgen_engine = self.shardgen_engine, None
+            engine.close()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.shardgen_close()
+
+    # ------------------------------------------------------------------ TRL hooks
+    def _generate(self, prompts: list) -> Any:
+        """One generation phase (tool turns included), between two pauses of the engine."""
+        self._shardgen_pause.close()  # resume: the engine generates again
+        try:
+            return super()._generate(prompts)
+        finally:
+            if self.shardgen_engine is not None:
+                # Collective: every rank enters once its own generation is done; peers still
+                # generating are served meanwhile. Held through the loss, backward and step.
+                self._shardgen_pause.enter_context(self.shardgen_engine.paused())
+
+    def _generate_single_turn(
+        self,
+        prompt_ids: list[list[int]],
+        images: Any,
+        multimodal_fields: dict,
+        num_generations: int,
+        has_tool_images: bool = False,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One generation call (NOT collective: a rank may make any number, zero rows included).
+
+        Rows are independent samples (TRL repeats each prompt ``num_generations`` times itself).
+        Returns the completions (the first EOS kept, nothing after it) and their logprobs.
+        """
+        if (images is not None and any(images)) or multimodal_fields or has_tool_images:
+            raise ValueError("shardgen's GRPOTrainer generates for text-only prompts")
+        model = self.model
+        was_training = model.training
+        model.eval()  # no dropout while sampling
+        try:
+            engine = self._shardgen_open()
+            done = self._shardgen_generate(engine, [list(map(int, p)) for p in prompt_ids])
+        finally:
+            model.train(was_training)
+        return [c.token_ids for c in done], [list(c.logprobs or []) for c in done]
+
+    def _shardgen_generate(self, engine: Any, rows: list[list[int]]) -> list[Any]:
+        if not rows:
+            return []
+        self._shardgen_calls += 1
+        step = int(self.state.global_step)
+        base = sample_seed(
+            int(self.args.seed), self._shardgen_calls, f"{step}:{self.accelerator.process_index}"
+        )
+        seeds = [sample_seed(base, i, row) for i, row in enumerate(rows)]
+        return engine.generate(
+            rows,
+            seed=seeds,
+            max_new_tokens=int(self.max_completion_length),
+            do_sample=True,
+            temperature=float(self.temperature),
+            top_k=int(self.top_k or 0),
+            top_p=float(self.top_p if self.top_p is not None else 1.0),
+            eos_token_id=list(self.eos_token_ids) or None,
+            pad_token_id=self._tokenizer.pad_token_id,
+            logprobs=True,
+        )

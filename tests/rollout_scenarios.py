@@ -1,0 +1,202 @@
+"""Scenarios for tests/test_rollout_multirank.py (they run inside gloo ranks of a World), and the
+checks on a ``RolloutBatch`` that tests/test_rollout.py shares."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from models import batch, tiny_model
+
+EOS = list(range(2, 10))  # many EOS ids: a random tiny model stops at different steps
+
+
+# ----------------------------------------------------------------------------- checks
+def teacher_forced_logprobs(model, b, temperature: float) -> torch.Tensor:
+    """[R, G] log p of every response token, one unpadded forward per row (0 where masked)."""
+    out = torch.zeros_like(b.logprobs)
+    p_width = b.prompt_width
+    for i in range(len(b)):
+        p, g = int(b.prompt_lengths[i]), int(b.response_lengths[i])
+        ids = b.input_ids[i, p_width - p : p_width + g][None]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        lp = torch.log_softmax(logits[p - 1 : p - 1 + g] / temperature, -1)
+        out[i, :g] = lp.gather(-1, ids[0, p:, None]).squeeze(-1)
+    return out
+
+
+def check_layout(b, pad_id: int) -> None:
+    """Every invariant of the padded layout, row by row."""
+    p_width = b.prompt_width
+    for i in range(len(b)):
+        p, g = int(b.prompt_lengths[i]), int(b.response_lengths[i])
+        mask = b.response_mask[i].tolist()
+        assert mask == [1] * g + [0] * (len(mask) - g), f"row {i}: response_mask {mask} not a prefix"
+        assert b.attention_mask[i].tolist() == [0] * (p_width - p) + [1] * (p + g) + [0] * (len(mask) - g)
+        assert all(t == pad_id for t in b.response_ids[i, g:].tolist())
+        assert all(t == pad_id for t in b.input_ids[i, : p_width - p].tolist())
+        assert torch.all(b.logprobs[i, g:] == 0) and torch.all(b.logprobs[i, :g] <= 0)
+
+
+def id_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    ids, mask = batch(lengths, seed=seed)
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+# ----------------------------------------------------------------------------- helpers
+def warm_up() -> bool:
+    """Import DeepSpeed and start its comm layer (the first time ever it JIT-builds an op)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from shardgen.backends.deepspeed import internals
+
+    internals.ensure_ds_comm(deepspeed)
+    return True
+
+
+def _pair(seed: int = 7):
+    model = tiny_model("llama", seed=seed)
+    ref = tiny_model("llama", seed=seed)
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _user_fsdp2(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _ds_initialize(model, lr: float):
+    import deepspeed
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+# ----------------------------------------------------------------------------- scenarios
+def logprobs_sharded(backend: str) -> dict:
+    """Uneven rollouts (rank 0: 2 prompts, rank 1: 1 prompt, then zero) on a model shardgen shards;
+    logprobs against a teacher-forced forward of an unsharded copy, at T = 0.7 and 1.0."""
+    import shardgen
+
+    rank = dist.get_rank()
+    model, ref = _pair()
+    prompts = id_prompts([5, 8] if rank == 0 else [4], seed=rank)
+    diffs, reasons = {}, []
+    with shardgen.Engine(model, backend=backend) as eng:
+        for t in (0.7, 1.0):
+            b = eng.rollout(
+                prompts, n=2, temperature=t, top_k=40, seed=rank, max_new_tokens=10, eos_token_id=EOS
+            )
+            check_layout(b, pad_id=0)
+            diffs[t] = (b.logprobs - teacher_forced_logprobs(ref, b, t)).abs().max().item()
+            reasons += b.finish_reasons
+        t0 = time.monotonic()
+        empty = eng.rollout([], n=4) if rank == 1 else None
+        empty_s = time.monotonic() - t0
+    return {
+        "diffs": diffs,
+        "reasons": reasons,
+        "empty": None if empty is None else len(empty),
+        "empty_s": empty_s,
+    }
+
+
+def _train_step(step_model, opt, ids, ds: bool) -> float:
+    out = step_model(input_ids=ids, labels=ids)
+    if ds:
+        step_model.backward(out.loss)
+        step_model.step()
+    else:
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return float(out.loss.detach())
+
+
+def train_between(mode: str, steps: int = 3) -> dict:
+    """rollout, train, rollout, train... with uneven prompt counts and EOS steps, against the same
+    training steps without an engine. ``mode``: ``fsdp2-user`` (a user ``fully_shard`` model),
+    ``fsdp2`` (shardgen shards it) or ``deepspeed`` (a ``deepspeed.initialize`` ZeRO-3 engine)."""
+    import shardgen
+
+    rank = dist.get_rank()
+    lr = 0.5
+    ids = batch([6, 6], seed=100 + rank)[0]
+
+    def build():
+        """(model to step, what to give the Engine): a fresh model with the same weights."""
+        model = tiny_model("llama", seed=7).train()
+        if mode == "deepspeed":
+            eng = _ds_initialize(model, lr)
+            return eng, eng
+        return (_user_fsdp2(model) if mode == "fsdp2-user" else model), model
+
+    def optimizer(model):
+        return None if mode == "deepspeed" else torch.optim.SGD(model.parameters(), lr=lr)
+
+    # 1. the same training steps, no engine (shardgen's fsdp2 sharding = a user fully_shard)
+    step_model, _ = build()
+    if mode == "fsdp2":
+        _user_fsdp2(step_model)
+    opt = optimizer(step_model)
+    base = [_train_step(step_model, opt, ids, mode == "deepspeed") for _ in range(steps + 1)]
+    del step_model, opt
+
+    # 2. with an engine open: rollouts in between, training inside paused(); one more step after close
+    step_model, target = build()
+    backend = "deepspeed" if mode == "deepspeed" else "fsdp2"
+    losses, changed, restored = [], [], []
+    prompts = id_prompts([5, 7, 3] if rank == 0 else [6], seed=rank)
+    with shardgen.Engine(target, backend=backend) as eng:
+        opt = optimizer(step_model)  # after the engine: shardgen may have sharded the model
+        prev = None
+        for _ in range(steps):
+            b = eng.rollout(prompts, n=2, seed=5, max_new_tokens=8, eos_token_id=EOS, temperature=0.8)
+            if prev is not None:
+                changed.append(not torch.equal(b.logprobs, prev.logprobs))
+                # the driver re-applied shardgen's setup before that rollout
+                restored.append(mode == "fsdp2" or not _user_setup_in_place(eng, mode))
+            prev = b
+            with eng.paused():
+                restored.append(_user_setup_in_place(eng, mode))
+                losses.append(_train_step(step_model, opt, ids, mode == "deepspeed"))
+    restored.append(_user_setup_in_place(eng, mode))  # closed: the model is handed back as it came
+    losses.append(_train_step(step_model, opt, ids, mode == "deepspeed"))
+    return {"base": base, "losses": losses, "changed": changed, "restored": restored}
+
+
+def _user_setup_in_place(eng, mode: str) -> bool:
+    """Does the model run on the user's own setup now (checked inside and after a pause)?"""
+    if mode == "fsdp2":
+        from shardgen.backends.fsdp2 import FSDP2Backend
+
+        assert isinstance(eng.backend, FSDP2Backend)
+        return True  # shardgen's own sharding: nothing of the user's to restore but reshard flags
+    if mode == "fsdp2-user":
+        from shardgen.backends.fsdp2 import mesh_infos
+
+        return all(i.shard_process_group is dist.group.WORLD for i in mesh_infos(eng.backend.module))
+    coord = eng.backend.offload.get_param_coordinator()
+    params = list(eng.backend.module.parameters())
+    return (
+        coord._PartitionedParameterCoordinator__prefetch_bucket_sz > 0
+        and all(p.ds_process_group is not eng.backend.param_group for p in params)
+        and any(p.ds_persist for p in params)
+    )

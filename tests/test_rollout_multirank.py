@@ -1,0 +1,45 @@
+"""``engine.rollout()`` and training inside ``engine.paused()`` on 2 gloo ranks, FSDP2 and DeepSpeed.
+
+One World for the module (DeepSpeed's CPU accelerator set), every run under a hard timeout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import rollout_scenarios as sc
+from world import World
+
+pytestmark = pytest.mark.multirank
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def rlworld():
+    world = World(2, env=ENV, start_timeout=120.0)
+    try:
+        world.run(sc.warm_up, timeout=300)
+        yield world
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_rollout_logprobs_match_teacher_forcing(rlworld, backend):
+    out = rlworld.run(sc.logprobs_sharded, backend, timeout=180)
+    for r, res in enumerate(out):
+        assert all(d < 1e-5 for d in res["diffs"].values()), f"rank {r}: {res['diffs']}"
+    reasons = out[0]["reasons"] + out[1]["reasons"]
+    assert "eos" in reasons and "length" in reasons  # ranks stopped at different steps
+    assert out[1]["empty"] == 0 and out[1]["empty_s"] < 1.0
+
+
+@pytest.mark.parametrize("mode", ["fsdp2-user", "fsdp2", "deepspeed"])
+def test_training_between_rollouts(rlworld, mode):
+    """The losses equal those of the same steps without an engine; the user's setup is in place
+    inside each pause and shardgen's after it; each rollout after a step sees the new weights."""
+    out = rlworld.run(sc.train_between, mode, timeout=240)
+    for r, res in enumerate(out):
+        assert res["losses"] == res["base"], f"rank {r}: {res['losses']} != {res['base']}"
+        assert all(res["changed"]) and len(res["changed"]) == 2, f"rank {r}: {res['changed']}"
+        assert all(res["restored"]), f"rank {r}: {res['restored']}"

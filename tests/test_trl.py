@@ -1,0 +1,50 @@
+"""shardgen.integrations.trl.GRPOTrainer on 2 gloo ranks (FSDP2 and DeepSpeed ZeRO-3), with rank 1
+making more generation calls per step than rank 0, where TRL's stock trainer fails."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import trl_scenarios as sc
+from world import World, WorldError, WorldHang
+
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.skipif(
+        importlib.util.find_spec("trl") is None, reason="needs trl (pip install 'shardgen[trl]')"
+    ),
+]
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+STOCK_BOUND_S = 120.0  # the stock trainer aborts (gloo) or hangs (NCCL); either way it never finishes
+
+
+@pytest.fixture(scope="module")
+def trlworld():
+    world = World(2, env=ENV, start_timeout=120.0)
+    try:
+        yield world
+    finally:
+        world.close()
+
+
+def test_unsupported_trl_settings_raise():
+    msgs = sc.unsupported_knobs()
+    assert len(msgs) == 3
+    for msg, knob in zip(msgs, ("min_p=0.1", "repetition_penalty=1.2", "use_vllm=True"), strict=True):
+        assert "does not support" in msg and knob in msg
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_subclass_trains_with_uneven_generation_calls(trlworld, backend):
+    out = trlworld.run(sc.grpo_two_steps, backend, timeout=300)
+    assert [r["steps"] for r in out] == [2, 2]
+    assert out[1]["calls"] > out[0]["calls"] > 0  # rank 1 made more generation calls
+    # sampling logprobs reached TRL's importance-sampling correction, and match training's
+    assert len(out[0]["logp_diff"]) == 2 and all(d < 1e-4 for d in out[0]["logp_diff"])
+
+
+def test_stock_trainer_fails_with_uneven_generation_calls(trlworld):
+    with pytest.raises((WorldError, WorldHang)):
+        trlworld.run(sc.grpo_two_steps, "fsdp2", True, timeout=STOCK_BOUND_S)
