@@ -222,18 +222,28 @@ class Driver:
         return self.tick, phase, self.stats.forwards + self.stats.shadow_forwards, gathers
 
     def check_wait(
-        self, called: float, limit: float, col: int, what: str, never: str, absent_if: int = 0
+        self,
+        called: float,
+        limit: float,
+        col: int,
+        what: str,
+        never: str,
+        absent_if: int = 0,
+        verdict: bool = True,
     ) -> None:
         """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (last tick) is
         ``absent_if``, once ``what`` has waited ``limit`` s with no forward anywhere. Idle time
-        before the call does not count. User thread (``close()``, ``paused()``): reads snapshots."""
+        before the call does not count. User thread (``close()``, ``paused()``): reads snapshots.
+
+        With ``verdict`` the absent rank becomes the engine's verdict (every rank fails, naming
+        it); without, only this call raises and the engine goes on (a pause nobody joined)."""
         if time.monotonic() - max(called, self.last_forward_t) <= limit:
             return
         st = self.last_state
         cols = st.col(col) if st is not None else []
         absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
         msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
-        if self.live is None or not absent:
+        if self.live is None or not absent or not verdict:
             raise RendezvousTimeoutError(msg)
         raise self.live.blame_absent(absent[0], msg)  # the verdict: unless a peer's failure came first
 

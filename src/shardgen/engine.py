@@ -222,7 +222,9 @@ class Engine:
         try:
             while not sh.paused.wait(0.05):
                 self._raise_if_failed()
-                self._driver.check_wait(called, self.timeouts.paused, PAUSE, "paused()", "entered paused()")
+                self._driver.check_wait(
+                    called, self.timeouts.paused, PAUSE, "paused()", "entered paused()", verdict=False
+                )
             self._raise_if_failed()  # a failure also ends the wait: no pause then
             yield
         finally:
