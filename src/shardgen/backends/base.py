@@ -67,8 +67,11 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} cannot gather the whole model")
 
     def release_all(self) -> None:
-        """Undo ``gather_all``: back to sharded weights. Collective."""
-        raise NotImplementedError(f"backend {self.name!r} cannot gather the whole model")
+        """Undo ``gather_all``: free the replica; forwards gather per unit again. Local (no
+        collective): the shards were never changed."""
+        if self.replica is not None:
+            self.replica.free()
+        self.lockstep = True
 
     def full_param_bytes(self) -> int:
         """Bytes of the unsharded weights (for the ``auto`` gather policy)."""

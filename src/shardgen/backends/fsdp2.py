@@ -201,12 +201,6 @@ class FSDP2Backend(Backend):
         self.replica.finish()
         self.lockstep = False
 
-    def release_all(self) -> None:
-        """Free the replica; forwards gather per layer again. No collective (frees memory only)."""
-        if self.replica is not None:
-            self.replica.free()
-        self.lockstep = True
-
     def close(self) -> None:
         self.release_all()
 

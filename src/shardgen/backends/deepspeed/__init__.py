@@ -184,12 +184,6 @@ class DeepSpeedBackend(Backend):
         self.replica.finish()
         self.lockstep = False
 
-    def release_all(self) -> None:
-        """Free the replica; forwards gather per bucket again. Local (no collective)."""
-        if self.replica is not None:
-            self.replica.free()
-        self.lockstep = True
-
     # ------------------------------------------------------------------ introspection
     def units(self) -> list[torch.nn.Module]:
         """Modules whose forward pre-hook gathers: owners of parameters and ZeRO-3 leaves (not
