@@ -21,8 +21,10 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts examples
 
+# Two workers, one test file each at a time: the multi-rank tests wait on sockets and timers
+# as much as they compute, and a file keeps its spawned worlds on one worker.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/shardgen demo
