@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 _ARGV = "SHARDGEN_BENCHMARK_ARGV"
 
@@ -25,3 +27,18 @@ def relaunch_as_ranks(script: str, nproc: int) -> None:
 def script_args() -> list[str]:
     """This script's arguments: the relaunched rank's from the environment, else the command line."""
     return json.loads(os.environ[_ARGV]) if _ARGV in os.environ else sys.argv[1:]
+
+
+def run_as_ranks(script: str, nproc: int, rank_main: Callable[[Any], None], args: Any) -> None:
+    """``rank_main(args)`` when this process is a rank; else relaunch ``script`` on ``nproc`` ranks."""
+    if "RANK" in os.environ:
+        rank_main(args)
+    else:
+        relaunch_as_ranks(script, nproc)
+
+
+def write_json(path: str | None, obj: Any) -> None:
+    """Write the results as JSON when ``--json`` named a file."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)

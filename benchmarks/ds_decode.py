@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks  # noqa: E402
+from common import run_as_ranks, script_args  # noqa: E402
 
 SIZES = {"tiny": (64, 3), "medium": (512, 6)}  # hidden, layers
 
@@ -206,11 +206,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--bucket-mb", type=float, default=None, help="default: the engine's")
     p.add_argument("--json", default=None)
-    args = p.parse_args()
-    if "RANK" in os.environ:
-        rank_main(args)
-    else:
-        relaunch_as_ranks(__file__, args.world)
+    args = p.parse_args(script_args())
+    run_as_ranks(__file__, args.world, rank_main, args)
 
 
 if __name__ == "__main__":

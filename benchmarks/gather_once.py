@@ -17,13 +17,12 @@ Reports useful tokens/s and each method as a multiple of ``local`` and of ``per-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks  # noqa: E402
+from common import run_as_ranks, script_args, write_json  # noqa: E402
 
 ALL = ("local", "once-fsdp2", "once-deepspeed", "per-layer-fsdp2", "per-layer-deepspeed")
 
@@ -125,9 +124,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 f"  {v / tok_s[ref]:5.2f}x {ref}" for ref in ("local", "per-layer-fsdp2") if ref in tok_s
             )
             print(f"{k:22s} {v:9.1f} useful tok/s{extra}", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
+        write_json(args.json, res)
     dist.destroy_process_group()
 
 
@@ -141,14 +138,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=26)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(script_args())
     bad = set(args.methods.split(",")) - set(ALL)
     if bad:
         p.error(f"unknown methods {sorted(bad)}; choose from {', '.join(ALL)}")
-    if "RANK" in os.environ:
-        rank_main(args)
-    else:
-        relaunch_as_ranks(__file__, args.world)
+    run_as_ranks(__file__, args.world, rank_main, args)
 
 
 if __name__ == "__main__":

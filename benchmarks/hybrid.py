@@ -19,13 +19,12 @@ every answer against the task.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks  # noqa: E402
+from common import run_as_ranks, script_args, write_json  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -82,9 +81,7 @@ def rank_main(args: argparse.Namespace) -> None:
         for k, v in tok_s.items():
             print(f"{k:6s} {v:9.1f} useful tok/s")
         print(f"{second} / {first} = {res['ratio']:.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
+        write_json(args.json, res)
     dist.destroy_process_group()
 
 
@@ -98,11 +95,8 @@ def main() -> None:
     p.add_argument("--gather", default="per-layer", help="per-layer (sharded decode) or once")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
-    if "RANK" in os.environ:
-        rank_main(args)
-    else:
-        relaunch_as_ranks(__file__, args.nproc)
+    args = p.parse_args(script_args())
+    run_as_ranks(__file__, args.nproc, rank_main, args)
 
 
 if __name__ == "__main__":

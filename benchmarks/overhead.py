@@ -12,13 +12,12 @@ of each and the ratio shardgen / HF (target >= 0.95).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks, script_args  # noqa: E402
+from common import run_as_ranks, script_args, write_json  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -95,9 +94,7 @@ def rank_main(args: argparse.Namespace) -> None:
         print(f"HF generate(synced_gpus=True): {res['hf_synced_gpus_tok_s']:8.1f} tok/s")
         print(f"shardgen Engine             : {res['shardgen_tok_s']:8.1f} tok/s")
         print(f"ratio shardgen / HF         : {res['ratio']:.3f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
+        write_json(args.json, res)
     dist.destroy_process_group()
 
 
@@ -113,10 +110,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
-    if "RANK" in os.environ:
-        rank_main(args)
-    else:
-        relaunch_as_ranks(__file__, args.nproc)
+    run_as_ranks(__file__, args.nproc, rank_main, args)
 
 
 if __name__ == "__main__":

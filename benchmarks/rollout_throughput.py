@@ -21,13 +21,12 @@ useful tokens/s (response tokens up to and including EOS, all ranks) and shardge
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks, script_args  # noqa: E402
+from common import run_as_ranks, script_args, write_json  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -117,9 +116,7 @@ def rank_main(args: argparse.Namespace) -> None:
         print("| method | useful tokens/s | shardgen is |\n|---|---|---|")
         for m in methods:
             print(f"| {m} | {tok_s[m]:.1f} | {tok_s['shardgen'] / tok_s[m]:.2f}x |")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"useful_tok_s": tok_s, "config": vars(args)}, f, indent=2)
+        write_json(args.json, {"useful_tok_s": tok_s, "config": vars(args)})
     dist.destroy_process_group()
 
 
@@ -133,10 +130,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
-    if "RANK" in os.environ:
-        rank_main(args)
-    else:
-        relaunch_as_ranks(__file__, args.nproc)
+    run_as_ranks(__file__, args.nproc, rank_main, args)
 
 
 if __name__ == "__main__":

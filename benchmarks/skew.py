@@ -21,13 +21,12 @@ every answer of every method against the task.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import relaunch_as_ranks, script_args  # noqa: E402
+from common import run_as_ranks, script_args, write_json  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -112,9 +111,7 @@ def rank_main(args: argparse.Namespace) -> None:
         }
         for k, v in tok_s.items():
             print(f"{k:15s} {v:9.1f} useful tok/s   shardgen is {tok_s['shardgen'] / v:5.2f}x")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=2)
+        write_json(args.json, res)
     dist.destroy_process_group()
 
 
@@ -127,10 +124,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
-    if "RANK" in os.environ:
-        rank_main(args)
-    else:
-        relaunch_as_ranks(__file__, args.nproc)
+    run_as_ranks(__file__, args.nproc, rank_main, args)
 
 
 if __name__ == "__main__":

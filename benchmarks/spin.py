@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "tests")]
-from common import relaunch_as_ranks, script_args  # noqa: E402
+from common import run_as_ranks, script_args  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -54,10 +54,7 @@ def main() -> None:
     p.add_argument("--switch-interval", type=float, default=0.0002)
     p.add_argument("--spin-s", type=float, default=6.0)
     args = p.parse_args(script_args())
-    if "RANK" in os.environ:
-        rank_main(args)
-    else:
-        relaunch_as_ranks(__file__, 2)
+    run_as_ranks(__file__, 2, rank_main, args)
 
 
 if __name__ == "__main__":
