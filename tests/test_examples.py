@@ -62,6 +62,25 @@ def deepspeed_launcher(script: str, *args: str) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = RUN_TIMEOUT_S) -> tuple[int, str, float]:
+    """Run ``cmd``; on a lost port race (another process bound the master port between our
+    check and the store's bind) run it again on a new port, up to three times."""
+    for _ in range(3):
+        rc, out, elapsed = _run_once(cmd, timeout)
+        if rc == 0 or "EADDRINUSE" not in out:
+            break
+        cmd = _new_port(cmd)
+    return rc, out, elapsed
+
+
+def _new_port(cmd: list[str]) -> list[str]:
+    cmd = list(cmd)
+    for i, arg in enumerate(cmd[:-1]):
+        if arg in ("--master-port", "--master_port"):
+            cmd[i + 1] = str(free_port())
+    return cmd
+
+
+def _run_once(cmd: list[str], timeout: float) -> tuple[int, str, float]:
     """Run ``cmd`` in a new session; kill its process group on timeout. (rc, output, seconds)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not _cuda():
