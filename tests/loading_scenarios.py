@@ -11,11 +11,17 @@ from models import batch, hf_generate, tiny_config
 import shardgen
 
 
-def write_checkpoint(path: str, *, tied: bool, shards: bool, big: bool = False) -> str:
-    """A Llama checkpoint from a config in code; ``big``: ~250 MB of fp32 in 40 layers (memory tests)."""
+def write_checkpoint(
+    path: str, *, tied: bool, shards: bool, big: bool = False, vocab: int | None = None
+) -> str:
+    """A Llama checkpoint from a config in code. ``big`` (memory tests): ~340 MB of fp32, 40 layers
+    of 3.0 MiB (bf16) and a 32000-row vocabulary, so the embeddings and the head (23 MiB each in
+    bf16) are each bigger than two decoder layers, as in Llama-3-8B."""
     from transformers import AutoModelForCausalLM
 
     over: dict = dict(tie_word_embeddings=tied)
+    if vocab is not None:
+        over["vocab_size"] = vocab
     if big:
         over.update(
             hidden_size=384,
@@ -24,6 +30,7 @@ def write_checkpoint(path: str, *, tied: bool, shards: bool, big: bool = False) 
             num_attention_heads=6,
             num_key_value_heads=2,
             head_dim=64,
+            vocab_size=32000,
         )
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", **over))
@@ -58,7 +65,12 @@ def reset_peak() -> float:
 
 
 def scenario_load_and_generate(
-    path: str, backend: str, dtype: str = "auto", new: int = 5, warm_path: str | None = None
+    path: str,
+    backend: str,
+    dtype: str = "auto",
+    new: int = 5,
+    warm_path: str | None = None,
+    **options,
 ) -> dict:
     """Engine.from_pretrained on ``path``; VmHWM growth while loading and generating; equal to HF?
 
@@ -66,14 +78,14 @@ def scenario_load_and_generate(
     generates and closes, so imports and engine machinery are in the baseline; the peak is
     then reset, and VmHWM minus the baseline is what loading and generating ``path`` cost.
     Run it before anything big was allocated in the process (freed memory kept by the
-    allocator would be reused unseen).
+    allocator would be reused unseen). ``options``: engine options (e.g. ``chunk_mb``).
     """
     if warm_path is not None:
         ids, mask = batch([3], seed=0)
         with shardgen.Engine.from_pretrained(warm_path, backend=backend, dtype=dtype) as warm:
             warm.generate_ids(ids, mask, max_new_tokens=1)
     base = reset_peak()
-    engine = shardgen.Engine.from_pretrained(path, backend=backend, dtype=dtype, max_batch_size=4)
+    engine = shardgen.Engine.from_pretrained(path, backend=backend, dtype=dtype, max_batch_size=4, **options)
     loaded = vm_hwm_mb() - base
     ids, mask = batch([6, 3, 5], seed=dist.get_rank())
     try:
@@ -81,6 +93,8 @@ def scenario_load_and_generate(
         generated = vm_hwm_mb() - base
         tied = engine.model.lm_head.weight is engine.model.get_input_embeddings().weight
         dtypes = {str(p.dtype) for p in engine.model.parameters()}
+        chunked = getattr(engine.backend, "chunked", None)
+        chunks = chunked.describe() if chunked is not None else {}
     finally:
         engine.close()
     ref = _oracle(path, dtype, ids, mask, new)
@@ -90,6 +104,7 @@ def scenario_load_and_generate(
         equal=bool(torch.equal(out, ref)),
         tied=tied,
         dtypes=dtypes,
+        chunks=chunks,
         pid=os.getpid(),
     )
 

@@ -159,6 +159,10 @@ class EngineConfig:
     all-gather (consecutive modules in module order; on accelerators the next bucket travels while
     one computes). None: 4 on CPU (measured best there: large buffers cost more than collectives),
     64 on accelerators. 0 gathers module by module, as DeepSpeed's own hooks do."""
+    chunk_mb: float | None = None
+    """(agreed) Per-layer gathers of a model shardgen shards (fsdp2, deepspeed): the input
+    embeddings and the LM head are gathered in row chunks of at most this many MB of full
+    weights, never whole. None: the size of the largest decoder layer; 0: whole (one gather)."""
 
     def validate(self) -> None:
         if self.gather not in ("per-layer", "once", "auto"):
@@ -169,6 +173,8 @@ class EngineConfig:
             )
         if self.bucket_mb is not None and not self.bucket_mb >= 0:
             raise ValueError(f"bucket_mb must be >= 0, got {self.bucket_mb}")
+        if self.chunk_mb is not None and not self.chunk_mb >= 0:
+            raise ValueError(f"chunk_mb must be >= 0, got {self.chunk_mb}")
         if self.burst_steps < 1:
             raise ValueError(f"burst_steps must be >= 1, got {self.burst_steps}")
         if self.max_batch_size < 1:
@@ -191,6 +197,7 @@ class EngineConfig:
             "gather": self.gather,
             "debug_collectives": str(self.debug_collectives),
             "bucket_mb": str(self.bucket_mb),
+            "chunk_mb": str(self.chunk_mb),
         }
 
 

@@ -94,10 +94,10 @@ class Engine:
             prefix, self._store, self._control, self._params = comm.engine_groups(
                 {**cfg.agreed(), **describe_model(raw)}, self.rank, self.ranks, self.timeouts
             )
-        options = {}
+        options: dict = {"chunk_bytes": None if cfg.chunk_mb is None else int(cfg.chunk_mb * 2**20)}
         if cfg.backend == "deepspeed":
             mb = cfg.bucket_mb
-            options = {"ds_config": cfg.ds_config, "bucket_bytes": None if mb is None else int(mb * 2**20)}
+            options.update(ds_config=cfg.ds_config, bucket_bytes=None if mb is None else int(mb * 2**20))
         self.backend: Backend = make_backend(
             cfg.backend, model, param_group=self._params, device=self.device, options=options
         )

@@ -10,8 +10,8 @@ parameter from then on and are loaded once. The skeleton carries a :class:`Sourc
 ``make_backend`` calls :func:`materialize`, which shards on shardgen's parameter group
 and reads each rank's part from the safetensors files:
 
-* ``fsdp2`` (:func:`load_fsdp2`): ``fully_shard`` per decoder layer and the root, exactly
-  as the fsdp2 backend shards a user's model, on the still-empty skeleton; the meta shards
+* ``fsdp2`` (:func:`load_fsdp2`): ``fully_shard`` in the fsdp2 backend's units (each decoder
+  layer, the embeddings, the head, the root: ``shard_model``), on the still-empty skeleton; the meta shards
   are then allocated on the device (each rank: its padded dim-0 shard, i.e. model / N) and
   each rank reads rows ``[r * ceil(d0 / N), ...)`` of every parameter (FSDP2 splits dim 0
   with ``torch.chunk`` semantics, padding the last shards) straight from the file.
@@ -216,15 +216,11 @@ def load_fsdp2(model: nn.Module, src: Source, *, param_group: Any, device: torch
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    from .backends.fsdp2 import decoder_layers
+    from .backends.fsdp2 import shard_model
 
-    mesh = DeviceMesh.from_group(param_group, device.type)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_model(model, DeviceMesh.from_group(param_group, device.type))
     # Allocate only what is still on meta (the shards); real buffers just move to the device.
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     rank, world = dist.get_rank(param_group), dist.get_world_size(param_group)

@@ -88,6 +88,7 @@ def load_deepspeed(
             built.tie_weights()  # part of init_weights in transformers 5, which no_init_weights skips
     built.eval()
     built.generation_config = model.generation_config
+    built._shardgen_sharded = True  # partitioned by shardgen: its embeddings / head may be chunked
     rank = dist.get_rank(param_group)
     with Checkpoint(src.path) as ckpt, torch.no_grad():
         for key, tensor in checkpoint_names(built, ckpt).values():

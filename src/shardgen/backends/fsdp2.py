@@ -1,9 +1,18 @@
-"""The FSDP2 backend: ``fully_shard`` each decoder layer and the root, on shardgen's own group.
+"""The FSDP2 backend: ``fully_shard`` each decoder layer, the embeddings, the head and the root,
+on shardgen's own group.
+
+Units (:func:`shard_model`): one per decoder layer, one for the input embeddings and one
+for the LM head (one unit for both when they share a tied weight: it stays one
+parameter), and the root, which then holds only the small rest (final norm). So nothing
+big stays gathered between forwards (FSDP2 keeps the root unit gathered).
 
 Collective contract: ``create`` shards on ``param_group`` (every rank, same order).
-Each forward all-gathers every FSDP unit in module order (root first, then each
-layer) and reshards it after use; ``shadow_forward`` runs the same hooks on a 1x1
-input, so it issues the same all-gathers in the same order as any real forward.
+Each forward all-gathers every FSDP unit in module call order (root first, then each
+layer) and reshards it after use; the embeddings and head of a model shardgen sharded
+are gathered in row chunks instead (``chunked.py``: a fixed number of all-gathers on
+``param_group`` per module, a function of its shape only). ``shadow_forward`` runs the
+same forward on a 1x1 input, so it issues the same all-gathers in the same order as any
+real forward.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from torch import nn
 
 from ..log import get_logger
 from .base import Backend
+from .chunked import ChunkedModules, FlatWeight, hook_ids, vocab_modules
 from .replica import Replica
 
 log = get_logger()
@@ -41,6 +51,65 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             if sum(p.numel() for p in m.parameters()) > sum(p.numel() for b in best for p in b.parameters()):
                 best = list(m)
     return best
+
+
+def shard_model(model: nn.Module, mesh: Any) -> None:
+    """``fully_shard`` ``model`` on ``mesh`` in shardgen's units (see the module docstring); marks it
+    as sharded by shardgen. Not collective (FSDP2 records the mesh; gathers start at the first
+    forward). Every rank of the mesh calls it on the same model."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = decoder_layers(model)
+    if not layers:
+        log.warning("no decoder layers found: sharding %s as one unit", type(model).__name__)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    vocab = [m for _, m in vocab_modules(model) if id(m) not in inside]
+    if len(vocab) == 2 and vocab[0].weight is vocab[1].weight:
+        fully_shard(vocab, mesh=mesh)  # tied: one unit, one parameter
+    else:
+        for m in vocab:
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model._shardgen_sharded = True
+
+
+def layer_bytes(model: nn.Module) -> int:
+    """Full bytes of the largest decoder layer (DTensor sizes are global): the default chunk."""
+    layers = decoder_layers(model)
+    return max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
+
+
+def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> ChunkedModules | None:
+    """The chunked embeddings / head of a model :func:`shard_model` sharded (None when there are
+    none, or ``chunk_bytes == 0``). ``chunk_bytes`` None: :func:`layer_bytes`. Not collective."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    if chunk_bytes == 0:
+        return None
+    budget = chunk_bytes if chunk_bytes is not None else max(1, layer_bytes(model))
+    world = dist.get_world_size(param_group)
+    weights: dict[str, tuple[nn.Module, FlatWeight]] = {}
+    handles: list[Any] = []
+    for name, m in vocab_modules(model):
+        w = m.weight
+        if not isinstance(w, DTensor) or w.placements != (Shard(0),) or w.ndim != 2:
+            continue
+        rows = -(-w.shape[0] // world)  # torch.chunk along dim 0, as FSDP2 shards
+        local = lambda m=m: m.weight.to_local().reshape(-1)
+        weights[name] = (
+            m,
+            FlatWeight(tuple(w.shape), rows * w.shape[1], local, param_group, w.dtype, budget),
+        )
+        state = m._get_fsdp_state()
+        handles += [state._pre_forward_hook_handle, state._post_forward_hook_handle]
+    if not weights:
+        return None
+    chunked = ChunkedModules(weights, hook_ids(handles))
+    log.info("shardgen: gathering %s in row chunks of <= %.2f MB", chunked.describe(), budget / 2**20)
+    return chunked
 
 
 def mesh_infos(model: nn.Module) -> list[Any]:
@@ -109,12 +178,30 @@ def plain_class(model: nn.Module) -> type:
 class FSDP2Backend(Backend):
     name = "fsdp2"
 
-    @classmethod
-    def create(cls, model: Any, *, param_group: Any, device: torch.device, **_: Any) -> FSDP2Backend:
-        """Shard ``model`` with FSDP2 on ``param_group``. Collective on ``param_group``."""
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+    #: The embeddings / head gathered in row chunks in shardgen's forwards (``chunked.py``), or None.
+    chunked: ChunkedModules | None = None
 
+    @classmethod
+    def create(
+        cls,
+        model: Any,
+        *,
+        param_group: Any,
+        device: torch.device,
+        chunk_bytes: int | None = None,
+        **_: Any,
+    ) -> FSDP2Backend:
+        """Shard ``model`` with FSDP2 on ``param_group``. Collective on ``param_group``.
+        ``chunk_bytes``: the row chunks of the embeddings / head (None: a decoder layer; 0: whole)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule) and getattr(model, "_shardgen_sharded", False):
+            # Sharded by shardgen on param_group already (Engine.from_pretrained, loading.py).
+            backend = cls(model, model, device)
+            backend._user_reshard = backend._reshard_settings()
+            backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
+            return backend
         if isinstance(model, FSDPModule):
             # The user's communicators, put back for training steps (enter_pause).
             saved = [
@@ -127,16 +214,25 @@ class FSDP2Backend(Backend):
             backend._private_group = param_group
             backend._user_reshard = backend._reshard_settings()
             return backend
-        mesh = DeviceMesh.from_group(param_group, device.type)
-        layers = decoder_layers(model)
-        if not layers:
-            log.warning("no decoder layers found: sharding %s as one unit", type(model).__name__)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_model(model, DeviceMesh.from_group(param_group, device.type))
         backend = cls(model, model, device)
         backend._user_reshard = backend._reshard_settings()
+        backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
         return backend
+
+    def forward(self, **inputs: Any) -> Any:
+        """One forward: the units' all-gathers, the chunked modules' row chunks. Collective on the
+        param group while ``lockstep`` (same order on every rank: module call order)."""
+        if self.replica is not None and self.replica.live:
+            return self.replica(**inputs)
+        if self.chunked is None:
+            return self.module(**inputs)
+        with self.chunked.active():
+            return self.module(**inputs)
+
+    def shadow_forward(self) -> None:
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.forward(input_ids=ids, use_cache=False)
 
     _user_groups: list[tuple[Any, Any, Any]] = []  # (mesh info, shard group, reduce-scatter group)
     _private_group: Any = None
@@ -192,7 +288,12 @@ class FSDP2Backend(Backend):
             return
         if self.replica is None:
             self.replica = Replica(self.module, plain_class(self.module), self.device)
+        states: set[int] = set()
         for unit in self.units():
+            state = unit._get_fsdp_state()
+            if id(state) in states:  # a unit of several modules (tied embeddings and head)
+                continue
+            states.add(id(state))
             unit.unshard()
             for name, p in self.module.named_parameters():
                 if not isinstance(p, DTensor) and not self.replica.has(name):

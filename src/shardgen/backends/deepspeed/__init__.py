@@ -9,7 +9,9 @@ Collective contract (all ranks of ``param_group``, in the same order):
 
 * ``create``: a plain model: ``zero.Init`` broadcasts every weight from the group's first
   rank; a user-partitioned one: no collective.
-* ``forward`` / ``shadow_forward``: with ``bucket_bytes > 0`` (default), one coalesced
+* ``forward`` / ``shadow_forward``: a model shardgen partitioned gathers its embeddings and
+  head in row chunks (``chunked.py``: a fixed number of all-gathers per module, a function
+  of its shape only), then for the other modules: with ``bucket_bytes > 0`` (default), one coalesced
   all-gather per bucket of consecutive modules of a fixed plan (``buckets.py``), the next
   bucket issued while one computes; with ``bucket_bytes=0``, for each module call in
   execution order one all-gather of that module's own parameters (the whole subtree for a
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from ...log import get_logger
 from ..base import Backend
+from ..chunked import ChunkedModules, FlatWeight, hook_ids, vocab_modules
 from ..replica import Replica
 from . import internals as ds
 from . import pause
@@ -56,6 +59,7 @@ class DeepSpeedBackend(Backend):
         self.created = created  # True when shardgen partitioned the model itself
         self.lockstep = True
         self.plan = None  # BucketPlan: the coalesced gathers of a lockstep forward
+        self.chunked: ChunkedModules | None = None  # embeddings / head gathered in row chunks
 
     def use_buckets(self, bucket_bytes: int, prefetch: bool | None = None) -> None:
         """Gather in a fixed plan of buckets of ``bucket_bytes`` (0: module by module). Every
@@ -70,7 +74,9 @@ class DeepSpeedBackend(Backend):
             self.plan.remove()
             self.plan = None
         if bucket_bytes > 0:
-            self.plan = BucketPlan(self.module, self.units(), self.offload, bucket_bytes, prefetch)
+            skip = {id(m) for m in self.chunked.modules} if self.chunked is not None else set()
+            units = [u for u in self.units() if id(u) not in skip]
+            self.plan = BucketPlan(self.module, units, self.offload, bucket_bytes, prefetch)
             log.info(
                 "shardgen: %d modules gathered in %d buckets of <= %.1f MB",
                 len(self.units()),
@@ -88,9 +94,12 @@ class DeepSpeedBackend(Backend):
         ds_config: dict | None = None,
         bucket_bytes: int | None = None,
         prefetch: bool | None = None,
+        chunk_bytes: int | None = None,
         **_: Any,
     ) -> DeepSpeedBackend:
-        """Partition ``model`` on ``param_group`` (or move a partitioned one there).
+        """Partition ``model`` on ``param_group`` (or move a partitioned one there). ``chunk_bytes``:
+        the row chunks of the embeddings / head of a model shardgen partitions (None: a decoder
+        layer; 0: whole).
 
         Collective on ``param_group`` for a plain model (every rank, same order); local for a
         model DeepSpeed partitioned already."""
@@ -137,6 +146,8 @@ class DeepSpeedBackend(Backend):
             offload_device=odev,
             created=created,
         )
+        if created or getattr(module, "_shardgen_sharded", False):  # not a user's ZeRO-3 model
+            backend.chunked = chunk_vocab(module, param_group, chunk_bytes, offload)
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(device)
         backend.use_buckets(bucket_bytes, prefetch)
@@ -148,11 +159,16 @@ class DeepSpeedBackend(Backend):
     def forward(self, **inputs: Any) -> Any:
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
-        with ds.lockstep_forward():
+        with ds.lockstep_forward(), self._chunks():
             if self.plan is None:
                 return self.module(**inputs)
             with self.plan.forward():
                 return self.module(**inputs)
+
+    def _chunks(self) -> Any:
+        import contextlib
+
+        return self.chunked.active() if self.chunked is not None else contextlib.nullcontext()
 
     def shadow_forward(self) -> None:
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -170,6 +186,8 @@ class DeepSpeedBackend(Backend):
         names = {id(p): n for n, p in self.module.named_parameters()}
         if self.plan is not None:
             chunks = self.plan.bucket_params
+            if self.chunked is not None:  # not in the plan: gathered whole here
+                chunks = chunks + [ds.unit_params(m) for m in self.chunked.modules]
         else:
             chunks = [ds.unit_params(u) for u in self.units()]
         with ds.lockstep_forward():
@@ -235,3 +253,36 @@ class DeepSpeedBackend(Backend):
             self.plan.remove()
             self.plan = None
         self.release_all()
+
+
+def chunk_vocab(
+    module: torch.nn.Module, param_group: Any, chunk_bytes: int | None, offload: Any
+) -> ChunkedModules | None:
+    """The embeddings / head of a ZeRO-3 model gathered in row chunks of its flat partitions
+    (``chunked.py``), or None (none found, or ``chunk_bytes == 0``). ``chunk_bytes`` None: the
+    largest decoder layer. Not collective."""
+    from ..fsdp2 import decoder_layers
+
+    if chunk_bytes == 0:
+        return None
+    if chunk_bytes is None:
+        sizes = [
+            sum(ds.full_numel(p) * p.element_size() for p in m.parameters()) for m in decoder_layers(module)
+        ]
+        chunk_bytes = max(1, max(sizes, default=0))
+    weights: dict[str, tuple[torch.nn.Module, FlatWeight]] = {}
+    for name, m in vocab_modules(module):
+        p = m.weight
+        if not hasattr(p, "ds_tensor") or len(p.ds_shape) != 2 or ds.has_hpz([p]):
+            continue
+        shape = tuple(p.ds_shape)
+        local = lambda p=p: p.ds_tensor.reshape(-1)
+        weights[name] = (
+            m,
+            FlatWeight(shape, p.ds_tensor.ds_numel, local, p.ds_process_group, p.dtype, chunk_bytes),
+        )
+    if not weights:
+        return None
+    chunked = ChunkedModules(weights, hook_ids([*offload.forward_hooks, *offload.backward_hooks]))
+    log.info("shardgen: gathering %s in row chunks of <= %.2f MB", chunked.describe(), chunk_bytes / 2**20)
+    return chunked

@@ -1,0 +1,239 @@
+"""Input embeddings and LM head gathered in fixed-size row chunks, never whole.
+
+A big-vocabulary model's embeddings and head are each bigger than a decoder layer
+(Llama-3-8B: 2.4 layers each); gathered whole, they set the peak of per-layer generation.
+In shardgen's own forwards (real or shadow) an ``nn.Embedding`` / bias-free ``nn.Linear``
+over the vocabulary runs here instead, from its shard:
+
+* Both backends partition such a weight *flat*: rank ``r`` holds row-major elements
+  ``[r * P, r * P + P)`` (FSDP2: ``P = ceil(V / N)`` rows of ``H``, ``torch.chunk`` along
+  dim 0; DeepSpeed ZeRO-3: ``P = ceil(V * H / N)`` elements), the last ranks padded.
+* Chunk ``c`` is elements ``[c * E, c * E + E)`` of every rank's partition, gathered with
+  one ``all_gather_into_tensor`` of equal pieces on the weight's parameter group; ``E`` is
+  a whole number of rows sized so that a chunk's ``N * E`` elements hold at most
+  ``chunk_bytes`` (the largest decoder layer, unless set). The schedule (how many chunks,
+  their sizes, their order) is a function of the weight's shape, dtype, the group size and
+  ``chunk_bytes`` only: every rank issues the same gathers in the same order whatever its
+  input, so a shadow forward (1x1 input) matches any real forward.
+* From each chunk, the complete rows it holds are used where they belong: the embedding
+  fills the positions whose ids fall in them (exact: a copy), the head computes their
+  logits into its slice of the vocabulary. A row cut by a partition or chunk boundary
+  (DeepSpeed, when ``P`` is not a multiple of ``H``) is assembled across chunks and used
+  once complete, so every row is used whole, exactly once.
+
+Peak gathered weight of these modules: one chunk. Outside shardgen's forwards (a training
+step in ``Engine.paused()``) the modules run their own forward under the backend's hooks.
+Nothing here issues a collective except :meth:`FlatWeight.gather` (and the forwards that
+call it), as their docstrings say.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def chunk_rows(rows_per_rank: int, cols: int, itemsize: int, world: int, chunk_bytes: int) -> int:
+    """Rows of each rank's partition per chunk: the most whose ``world`` pieces fit ``chunk_bytes``
+    (at least one, at most the partition)."""
+    per_row = max(1, world * cols * itemsize)
+    return max(1, min(rows_per_rank, chunk_bytes // per_row))
+
+
+class FlatWeight:
+    """A 2-D weight partitioned flat over the ranks of ``group``.
+
+    ``local()`` returns this rank's partition as a 1-D tensor of at most ``part`` elements
+    (shorter when the backend stores it unpadded). Per-forward state: the rows being
+    assembled across chunks; :meth:`chunks` resets it.
+    """
+
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        part: int,
+        local: Callable[[], torch.Tensor],
+        group: Any,
+        dtype: torch.dtype,
+        chunk_bytes: int,
+        world: int | None = None,
+    ) -> None:
+        self.rows, self.cols = int(shape[0]), int(shape[1])
+        self.numel = self.rows * self.cols
+        self.part = int(part)
+        self.local = local
+        self.group = group
+        self.dtype = dtype
+        self.world = world if world is not None else dist.get_world_size(group)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        k = chunk_rows(-(-self.part // self.cols), self.cols, itemsize, self.world, chunk_bytes)
+        self.piece = min(k * self.cols, self.part)  # E: elements per rank per chunk
+        self.n_chunks = -(-self.part // self.piece)
+        self._pending: dict[int, list[Any]] = {}
+
+    def gather(self, c: int, device: torch.device) -> torch.Tensor:
+        """Chunk ``c`` of every rank's partition, ``(world * E,)``, rank-major. Collective on
+        ``group``: every rank, for the same ``c``, in the same order (see :meth:`chunks`)."""
+        local = self.local()
+        lo = c * self.piece
+        n = max(0, min(self.piece, local.numel() - lo))
+        if n == self.piece and local.device == device and local.is_contiguous():
+            send = local.narrow(0, lo, n)
+        else:  # padding, or a partition offloaded to another device
+            send = torch.zeros(self.piece, dtype=self.dtype, device=device)
+            if n:
+                send[:n].copy_(local.narrow(0, lo, n))
+        out = torch.empty(self.world * self.piece, dtype=self.dtype, device=device)
+        dist.all_gather_into_tensor(out, send, group=self.group)
+        return out
+
+    def assemble(self, c: int, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """The complete rows chunk ``c`` (gathered into ``buf``) yields: ``(first row, rows)``
+        pairs, ``rows`` a ``(k, cols)`` view or an assembled row. Local."""
+        cols, out = self.cols, []
+        for r in range(self.world):
+            lo = r * self.part + c * self.piece
+            hi = min(lo + self.piece, (r + 1) * self.part, self.numel)
+            if hi <= lo:
+                continue
+            piece = buf[r * self.piece : r * self.piece + (hi - lo)]
+            first, last = -(-lo // cols), hi // cols  # rows [first, last) lie wholly in the piece
+            if first < last:
+                a = first * cols - lo
+                out.append((first, piece[a : a + (last - first) * cols].view(last - first, cols)))
+            frags = [(lo, first * cols), (last * cols, hi)] if first <= last else [(lo, hi)]
+            for f_lo, f_hi in frags:
+                if f_hi <= f_lo:
+                    continue
+                v = f_lo // cols
+                row, filled = self._pending.get(v) or [
+                    torch.empty(cols, dtype=buf.dtype, device=buf.device),
+                    0,
+                ]
+                row[f_lo - v * cols : f_hi - v * cols] = piece[f_lo - lo : f_hi - lo]
+                filled += f_hi - f_lo
+                if filled == cols:
+                    self._pending.pop(v, None)
+                    out.append((v, row.view(1, cols)))
+                else:
+                    self._pending[v] = [row, filled]
+        return out
+
+    def chunks(self, device: torch.device) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Gather the chunks in order; yield each one's complete rows. Collective on ``group``
+        (``n_chunks`` gathers, chunk 0 first): every rank must exhaust the iterator."""
+        self._pending = {}
+        for c in range(self.n_chunks):
+            buf = self.gather(c, device)
+            yield self.assemble(c, buf)
+            del buf
+        assert not self._pending, f"rows left incomplete: {sorted(self._pending)[:4]}"
+
+
+def embedding_forward(weight: FlatWeight, ids: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, W)`` from the chunks of ``W``. Collective (``weight.chunks``)."""
+    flat = ids.reshape(-1)
+    out = torch.zeros((flat.numel(), weight.cols), dtype=weight.dtype, device=ids.device)
+    for rows in weight.chunks(ids.device):
+        for first, block in rows:
+            hit = ((flat >= first) & (flat < first + block.shape[0])).nonzero().squeeze(1)
+            if hit.numel():
+                out[hit] = block[flat[hit] - first]
+    return out.view(*ids.shape, weight.cols)
+
+
+def linear_forward(weight: FlatWeight, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, W)`` (no bias) from the chunks of ``W``: each chunk's rows make their slice of
+    the output. Collective (``weight.chunks``)."""
+    out: torch.Tensor | None = None
+    for rows in weight.chunks(x.device):
+        for first, block in rows:
+            part = F.linear(x, block)
+            if out is None:
+                out = part.new_empty((*x.shape[:-1], weight.rows))
+            out[..., first : first + block.shape[0]] = part
+    assert out is not None
+    return out
+
+
+def plain_type(module: nn.Module) -> type:
+    """The module's class without a mix-in sharding wrapper (FSDP2 subclasses it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def vocab_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the input embeddings and the LM head when they can be chunked: a plain
+    ``nn.Embedding`` (no ``max_norm``) and a bias-free plain ``nn.Linear``. Not collective."""
+    out: list[tuple[str, nn.Module]] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    for getter, kind in (("get_input_embeddings", nn.Embedding), ("get_output_embeddings", nn.Linear)):
+        try:
+            m = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):
+            m = None
+        if m is None or id(m) not in names or plain_type(m) is not kind:
+            continue
+        if getattr(m, "max_norm", None) is not None or getattr(m, "bias", None) is not None:
+            continue
+        out.append((names[id(m)], m))
+    return out
+
+
+class ChunkedModules:
+    """The chunked embedding / head of one model, swapped in around shardgen's forwards.
+
+    ``weights``: ``name -> (module, FlatWeight)``; ``hook_ids``: the ids of the backend's
+    hooks on those modules (its gathers), set aside while a chunked forward runs.
+    """
+
+    def __init__(self, weights: dict[str, tuple[nn.Module, FlatWeight]], hook_ids: set[int]) -> None:
+        self.weights = weights
+        self.hook_ids = hook_ids
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [m for m, _ in self.weights.values()]
+
+    def describe(self) -> dict[str, int]:
+        """Gathers per forward of each chunked module (tests, logs)."""
+        return {name: w.n_chunks for name, (_, w) in self.weights.items()}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Around one of shardgen's forwards: the modules compute from chunks, their backend hooks
+        (whole-unit gathers) set aside; other hooks (instrumentation) keep their order. Local."""
+        saved: list[tuple[nn.Module, str, Any]] = []
+        for module, weight in self.weights.values():
+            fn = embedding_forward if isinstance(module, nn.Embedding) else linear_forward
+            module.forward = lambda x, *_a, _fn=fn, _w=weight, **_k: _fn(_w, x)  # type: ignore[method-assign]
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                d = getattr(module, attr)
+                if any(k in self.hook_ids for k in d):
+                    saved.append((module, attr, d))
+                    setattr(module, attr, OrderedDict((k, v) for k, v in d.items() if k not in self.hook_ids))
+        try:
+            yield
+        finally:
+            for module, attr, d in saved:
+                setattr(module, attr, d)
+            for module, _ in self.weights.values():
+                del module.forward
+
+
+def hook_ids(handles: list[Any]) -> set[int]:
+    """Ids of ``RemovableHandle`` s (or handles grouping several in ``.handles``)."""
+    out: set[int] = set()
+    for h in handles:
+        for one in getattr(h, "handles", None) or (h,):
+            if one is not None and hasattr(one, "id"):
+                out.add(one.id)
+    return out
