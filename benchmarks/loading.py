@@ -6,12 +6,15 @@
 
 For each backend, world size and method, a fresh set of ranks (VmHWM is a lifetime peak):
 ``full`` is the old path (``AutoModelForCausalLM.from_pretrained`` on every rank, then
-``Engine(model)`` shards it); ``sharded`` is ``Engine.from_pretrained`` (``loading.py``). Each
+``Engine(model)`` shards it); ``sharded`` is ``Engine.from_pretrained`` (``loading.py``), its
+embeddings and head gathered in row chunks (``backends/chunked.py``); ``whole`` is the same
+with ``chunk_mb=0`` (each gathered as one unit). Each
 rank imports, runs a warm-up engine the same way on a tiny model of the same architecture
 (lazy imports, kernels, the allocator) and closes it, resets its peak (``clear_refs``),
 then records VmHWM after loading and after generating 4 tokens for one 8-token prompt;
 the table shows the worst rank, in MB above that baseline, next to the issue's bound:
-1.25 x (model bytes / N) + two decoder layers.
+1.25 x (model bytes / N) + two decoder layers. "decode ms": one decode step (greedy, one
+sequence), from two timed generations after the measured one: (17 tokens - 1 token) / 16.
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ def worker(args: argparse.Namespace) -> None:
     opts = dict(backend=args.backend, gather="per-layer", max_batch_size=1)
     imports = vm("VmHWM")
 
+    if args.method == "whole":
+        opts["chunk_mb"] = 0
+
     def load(path: str):
         if args.method == "full":
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
@@ -121,8 +127,22 @@ def worker(args: argparse.Namespace) -> None:
     ids = torch.arange(3, 11).unsqueeze(0)
     engine.generate_ids(ids, max_new_tokens=4, eos_token_id=[])
     generated = vm("VmHWM")
+    spent = {}
+    for new in (1, 17):  # decode step time: the difference over 16 steps (prefill cancels out)
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.generate_ids(ids, max_new_tokens=new, eos_token_id=[])
+        spent[new] = time.perf_counter() - t0
     engine.close()
-    row = dict(rank=rank, imports=imports, base=base, load=loaded - base, gen=generated - base, load_s=load_s)
+    row = dict(
+        rank=rank,
+        imports=imports,
+        base=base,
+        load=loaded - base,
+        gen=generated - base,
+        load_s=load_s,
+        step_ms=(spent[17] - spent[1]) / 16 * 1000,
+    )
     with open(f"{args.out}.{rank}", "w") as f:
         json.dump(row, f)
     dist.barrier()
@@ -135,7 +155,7 @@ def main() -> None:
     p.add_argument("--model", default="/tmp/llama-320m")
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     p.add_argument("--backends", nargs="+", default=["fsdp2", "deepspeed"])
-    p.add_argument("--methods", nargs="+", default=["full", "sharded"])
+    p.add_argument("--methods", nargs="+", default=["full", "sharded", "whole"])
     p.add_argument("--dtype", default="float32", help="load the (fp32) checkpoint in this dtype")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
@@ -157,9 +177,9 @@ def main() -> None:
     print(f"model in {args.dtype}: {total / 1e6:.0f} MB, one decoder layer {layer / 1e6:.1f} MB")
     print(
         "| backend | N | method | load s | imports MB | baseline MB | load: MB over baseline | "
-        "generate: MB over baseline | bound | load within |"
+        "generate: MB over baseline | bound | load within | generate within | decode ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for backend in args.backends:
         for n in args.nproc:
@@ -203,7 +223,8 @@ def main() -> None:
                     f"| {backend} | {n} | {method} | {max(r['load_s'] for r in rows):.1f} | "
                     f"{max(r['imports'] for r in rows):.0f} | {max(r['base'] for r in rows):.0f} | "
                     f"{load_peak:.0f} | {worst:.0f} | {bound:.0f} | "
-                    f"{'yes' if load_peak <= bound else 'no'} |",
+                    f"{'yes' if load_peak <= bound else 'no'} | {'yes' if worst <= bound else 'no'} | "
+                    f"{max(r['step_ms'] for r in rows):.1f} |",
                     flush=True,
                 )
 
