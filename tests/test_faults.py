@@ -75,7 +75,33 @@ def test_deadlocked_driver_with_live_heartbeat_is_named(ranks_factory, victim):
     assert "stopped reaching the tick" in ranks.events((victim + 1) % 3, "error")[0]["msg"]
 
 
-def test_driver_that_skips_its_gathers_is_named_not_its_blocked_peer(ranks_factory):
-    ranks = ranks_factory("skip_forward", 3, 1)
-    t_fault = ranks.wait_event(1, "skipped", timeout=300)["t"]
-    check_every_healthy_rank_names(ranks, 1, 3, "driver skipped a forward's gathers", t_fault)
+@pytest.mark.parametrize("victim", [0, 1])
+def test_driver_that_skips_its_gathers_is_named_not_its_blocked_peer(ranks_factory, victim):
+    ranks = ranks_factory("skip_forward", 3, victim)
+    t_fault = ranks.wait_event(victim, "skipped", timeout=300)["t"]
+    check_every_healthy_rank_names(ranks, victim, 3, "driver skipped a forward's gathers", t_fault)
+
+
+# Beyond 4 ranks: one case per fault kind, culprits spread over the ranks. Minutes on 2 cores
+# (8 processes each import torch), so `make fuzz` runs them, not `make test`.
+BIG = [(8, 5, "SIGKILL"), (6, 0, "SIGSTOP")]
+
+
+@pytest.mark.bigworld
+@pytest.mark.parametrize(("world", "victim", "sig"), BIG, ids=[f"w{w}-rank{v}-{s}" for w, v, s in BIG])
+def test_signal_at_up_to_8_ranks_is_named_by_every_healthy_rank(ranks_factory, world, victim, sig):
+    ranks = ranks_factory("sigkill", world, victim)
+    ranks.wait_event(victim, "call_done", count=2, timeout=300)
+    t_fault = time.time()
+    os.kill(ranks.procs[victim].pid, getattr(signal, sig))
+    check_every_healthy_rank_names(ranks, victim, world, sig, t_fault)
+
+
+@pytest.mark.bigworld
+def test_exception_at_5_ranks_is_named_by_every_healthy_rank(ranks_factory):
+    world, victim = 5, 3
+    ranks = ranks_factory("driver_raises", world, victim)
+    code, _ = ranks.wait_exit(victim, 300)
+    assert code != 0 and "injected failure" in ranks.text(victim), ranks.dump()
+    t_fault = ranks.events(victim, "error")[0]["t"]
+    check_every_healthy_rank_names(ranks, victim, world, "exception in a forward", t_fault)

@@ -153,8 +153,9 @@ class Driver:
 
     Constructed in the user thread inside the collective ``Engine`` constructor (it
     resolves the gather policy there); after ``start()``, only the driver thread writes
-    its fields. Other threads read ``phase``, ``tick``, ``last_state``, ``last_forward_t``
-    and ``stats`` as snapshots (liveness heartbeats, ``close()``/``paused()`` bounds, ``stats()``).
+    its fields. Other threads read ``phase``, ``tick``, ``last_state``, ``last_forward_t``,
+    ``last_tick_t`` and ``stats`` as snapshots (liveness heartbeats, ``close()``/``paused()``
+    bounds, ``stats()``).
     """
 
     def __init__(
@@ -192,6 +193,7 @@ class Driver:
         self.timeline = Timeline(config.timeline)  # (t0, t1, kind) spans; off by default
         self.last_state: TickState | None = None
         self.last_forward_t = time.monotonic()
+        self.last_tick_t = time.monotonic()  # when the last tick was agreed
         self.gathered = False
         self.pause_epoch = 0
         self.fp = Fingerprint()
@@ -237,8 +239,23 @@ class Driver:
 
         With ``verdict`` the absent rank becomes the engine's verdict (every rank fails, naming
         it); without, only this call raises and the engine goes on (a pause nobody joined)."""
-        if time.monotonic() - max(called, self.last_forward_t) <= limit:
+        now = time.monotonic()
+        if now - max(called, self.last_forward_t) <= limit:
             return
+        # The absent ranks come from the last agreed tick. While ticks flow, every rank is alive
+        # and that tick is fresh. When they have stopped (a peer stopped, died or is stuck in its
+        # driver: the tick and the gathers are collectives), the last tick is stale and would
+        # name a rank that has since called close(): the cause is liveness's to name, within a
+        # stall verdict plus the heartbeats that carry it. Only past that does this call raise.
+        fresh = self.timeouts.heartbeat * 3 + self.config.idle_sleep_max
+        if self.live is not None and now - self.last_tick_t > fresh:
+            since = now - max(called, self.last_forward_t, self.last_tick_t)
+            if since <= limit + self.timeouts.attribution_grace:
+                return
+            raise RendezvousTimeoutError(
+                f"rank {self.rank}: {what} waited {limit:g}s with no work left, and no tick has been "
+                f"agreed for {now - self.last_tick_t:.1f}s (phase {self.phase}); liveness named no peer"
+            )
         st = self.last_state
         cols = st.col(col) if st is not None else []
         absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
@@ -283,6 +300,7 @@ class Driver:
             stats.ticks += 1
             self.tick += 1
             self.last_state = state
+            self.last_tick_t = time.monotonic()
             if cfg.debug_collectives:
                 check_fingerprints(state, self.ranks)
             decision = decide(state)
