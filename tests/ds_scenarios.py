@@ -181,6 +181,7 @@ def logits_match(arch: str = "llama", offload: bool = False) -> dict:
         "leaves": sorted({type(m).__name__ for m in backend.module.modules() if z3_leaf_module(m)}),
         "describe": backend.describe(),
         "full_bytes_ok": backend.full_param_bytes() == sum(p.numel() * 4 for p in ref.parameters()),
+        "chunks": backend.chunked.describe() if backend.chunked is not None else {},
     }
 
 
@@ -235,6 +236,7 @@ def lockstep_uneven(bucket_bytes: int | None = None) -> dict:
         "lockstep_flag_after": backend.lockstep,
         "n_units": n_units,
         "n_buckets": n_buckets,
+        "chunks": backend.chunked.describe() if backend.chunked is not None else {},
     }
 
 

@@ -24,11 +24,9 @@ class SimulatedWeight(FlatWeight):
         flat = torch.zeros(self.world * self.part, dtype=self.dtype)
         flat[: self.numel] = self.full.reshape(-1)
         parts = flat.view(self.world, self.part)
-        out = torch.zeros(self.world, self.piece, dtype=self.dtype)
-        n = min(self.piece, self.part - c * self.piece)
-        out[:, :n] = parts[:, c * self.piece : c * self.piece + n]
+        n = self.size(c)
         self.gathers += 1
-        return out.reshape(-1)
+        return parts[:, c * self.piece : c * self.piece + n].reshape(-1)
 
 
 CASES = [
@@ -47,10 +45,12 @@ def test_every_row_is_assembled_whole_exactly_once(rows, cols, world, flat, chun
     full = torch.randn(rows, cols)
     w = SimulatedWeight(full, world, flat, chunk_bytes)
     seen = torch.zeros(rows, dtype=torch.long)
-    for chunk in w.chunks(torch.device("cpu")):
-        for first, block in chunk:
-            assert torch.equal(block, full[first : first + block.shape[0]])
-            seen[first : first + block.shape[0]] += 1
+
+    def check(first: int, block: torch.Tensor) -> None:
+        assert torch.equal(block, full[first : first + block.shape[0]])
+        seen[first : first + block.shape[0]] += 1
+
+    w.for_each_rows(torch.device("cpu"), check)
     assert seen.tolist() == [1] * rows
     assert w.gathers == w.n_chunks == -(-w.part // w.piece)
     assert w.world * w.piece * 4 <= max(chunk_bytes, w.world * cols * 4)  # one row per rank at least

@@ -115,7 +115,9 @@ def test_forward_logits_equal_unsharded(dsworld, arch, offload):
         assert r["diff"] <= TOL and r["diff_small_buckets"] <= TOL, r
         assert r["diff_replica"] <= TOL and r["replica_calls"] == [] and r["replica_freed"], r
         n_buckets, n_calls = r["small_buckets"]
-        assert n_calls == n_buckets > 1, r["small_buckets"]
+        # one gather per bucket, and per row chunk of the embeddings / head (not in the plan)
+        assert r["chunks"] and n_calls == n_buckets + sum(r["chunks"].values()) and n_buckets > 1, r
+
         assert r["partitioned"] and r["full_bytes_ok"]
         assert r["groups"] == ["param"], f"gathers outside the private group: {r['groups']}"
         assert r["describe"]["zero_stage"] == "3"
@@ -132,10 +134,12 @@ def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld, b
     With a bucket plan, each forward issues exactly one all-gather per bucket."""
     r0, r1 = dsworld.run(sc.lockstep_uneven, bucket_bytes, timeout=90)
     per_forward = {len(seq) for r in (r0, r1) for seq in r["seqs"]}
-    if bucket_bytes == 0:
-        assert r0["n_buckets"] is None and per_forward == {r0["n_units"]}  # one per module
+    chunks = r0["chunks"]  # the embeddings and head: gathers of row chunks, not in the plan
+    assert len(chunks) == 2, chunks
+    if bucket_bytes == 0:  # one per module
+        assert r0["n_buckets"] is None and per_forward == {r0["n_units"] - 2 + sum(chunks.values())}
     else:
-        assert per_forward == {r0["n_buckets"]}, (per_forward, r0["n_buckets"])
+        assert per_forward == {r0["n_buckets"] + sum(chunks.values())}, (per_forward, r0["n_buckets"])
         assert r0["n_buckets"] < r0["n_units"]  # the plan is what makes it fewer
         if bucket_bytes:
             assert r0["n_buckets"] > 2  # several buckets: the next one is prefetched

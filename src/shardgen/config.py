@@ -162,7 +162,8 @@ class EngineConfig:
     chunk_mb: float | None = None
     """(agreed) Per-layer gathers of a model shardgen shards (fsdp2, deepspeed): the input
     embeddings and the LM head are gathered in row chunks of at most this many MB of full
-    weights, never whole. None: the size of the largest decoder layer; 0: whole (one gather)."""
+    weights, never whole. None: half the largest decoder layer (gloo gathers through a temporary
+    copy: a chunk then costs at most a layer); 0: whole (one gather)."""
 
     def validate(self) -> None:
         if self.gather not in ("per-layer", "once", "auto"):

@@ -8,10 +8,12 @@ over the vocabulary runs here instead, from its shard:
 * Both backends partition such a weight *flat*: rank ``r`` holds row-major elements
   ``[r * P, r * P + P)`` (FSDP2: ``P = ceil(V / N)`` rows of ``H``, ``torch.chunk`` along
   dim 0; DeepSpeed ZeRO-3: ``P = ceil(V * H / N)`` elements), the last ranks padded.
-* Chunk ``c`` is elements ``[c * E, c * E + E)`` of every rank's partition, gathered with
-  one ``all_gather_into_tensor`` of equal pieces on the weight's parameter group; ``E`` is
-  a whole number of rows sized so that a chunk's ``N * E`` elements hold at most
-  ``chunk_bytes`` (the largest decoder layer, unless set). The schedule (how many chunks,
+* Chunk ``c`` is elements ``[c * E, c * E + E)`` of every rank's partition (the last chunk
+  what is left), gathered with one ``all_gather_into_tensor`` of equal pieces on the
+  weight's parameter group; ``E`` is a whole number of rows sized so that a chunk's
+  ``N * E`` elements hold at most ``chunk_bytes`` (default: half the largest decoder layer,
+  as gloo gathers into a temporary and copies out, so a chunk briefly costs twice its
+  size: at most what one layer's gather costs). The schedule (how many chunks,
   their sizes, their order) is a function of the weight's shape, dtype, the group size and
   ``chunk_bytes`` only: every rank issues the same gathers in the same order whatever its
   input, so a shadow forward (1x1 input) matches any real forward.
@@ -78,32 +80,36 @@ class FlatWeight:
         self.n_chunks = -(-self.part // self.piece)
         self._pending: dict[int, list[Any]] = {}
 
+    def size(self, c: int) -> int:
+        """Elements per rank in chunk ``c``: ``E``, the last one what is left of the partition."""
+        return min(self.piece, self.part - c * self.piece)
+
     def gather(self, c: int, device: torch.device) -> torch.Tensor:
-        """Chunk ``c`` of every rank's partition, ``(world * E,)``, rank-major. Collective on
-        ``group``: every rank, for the same ``c``, in the same order (see :meth:`chunks`)."""
+        """Chunk ``c`` of every rank's partition, ``(world * size(c),)``, rank-major. Collective on
+        ``group``: every rank, for the same ``c``, in the same order (see :meth:`for_each_rows`)."""
         local = self.local()
-        lo = c * self.piece
-        n = max(0, min(self.piece, local.numel() - lo))
-        if n == self.piece and local.device == device and local.is_contiguous():
+        lo, size = c * self.piece, self.size(c)
+        n = max(0, min(size, local.numel() - lo))
+        if n == size and local.device == device and local.is_contiguous():
             send = local.narrow(0, lo, n)
-        else:  # padding, or a partition offloaded to another device
-            send = torch.zeros(self.piece, dtype=self.dtype, device=device)
+        else:  # padding (a rank past the rows), or a partition offloaded to another device
+            send = torch.zeros(size, dtype=self.dtype, device=device)
             if n:
                 send[:n].copy_(local.narrow(0, lo, n))
-        out = torch.empty(self.world * self.piece, dtype=self.dtype, device=device)
+        out = torch.empty(self.world * size, dtype=self.dtype, device=device)
         dist.all_gather_into_tensor(out, send, group=self.group)
         return out
 
     def assemble(self, c: int, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """The complete rows chunk ``c`` (gathered into ``buf``) yields: ``(first row, rows)``
         pairs, ``rows`` a ``(k, cols)`` view or an assembled row. Local."""
-        cols, out = self.cols, []
+        cols, out, size = self.cols, [], self.size(c)
         for r in range(self.world):
             lo = r * self.part + c * self.piece
-            hi = min(lo + self.piece, (r + 1) * self.part, self.numel)
+            hi = min(lo + size, (r + 1) * self.part, self.numel)
             if hi <= lo:
                 continue
-            piece = buf[r * self.piece : r * self.piece + (hi - lo)]
+            piece = buf[r * size : r * size + (hi - lo)]
             first, last = -(-lo // cols), hi // cols  # rows [first, last) lie wholly in the piece
             if first < last:
                 a = first * cols - lo
@@ -126,41 +132,46 @@ class FlatWeight:
                     self._pending[v] = [row, filled]
         return out
 
-    def chunks(self, device: torch.device) -> Iterator[list[tuple[int, torch.Tensor]]]:
-        """Gather the chunks in order; yield each one's complete rows. Collective on ``group``
-        (``n_chunks`` gathers, chunk 0 first): every rank must exhaust the iterator."""
+    def for_each_rows(self, device: torch.device, fn: Callable[[int, torch.Tensor], None]) -> None:
+        """Gather the chunks in order and call ``fn(first_row, rows)`` for each complete block of
+        rows; ``fn`` must not keep ``rows`` (a view of the chunk, freed before the next gather:
+        one chunk alive at a time). Collective on ``group``: ``n_chunks`` gathers, chunk 0 first,
+        whatever ``fn`` does; every rank calls it."""
         self._pending = {}
         for c in range(self.n_chunks):
-            buf = self.gather(c, device)
-            yield self.assemble(c, buf)
-            del buf
+            blocks = self.assemble(c, self.gather(c, device))
+            while blocks:
+                fn(*blocks.pop(0))
         assert not self._pending, f"rows left incomplete: {sorted(self._pending)[:4]}"
 
 
 def embedding_forward(weight: FlatWeight, ids: torch.Tensor) -> torch.Tensor:
-    """``F.embedding(ids, W)`` from the chunks of ``W``. Collective (``weight.chunks``)."""
+    """``F.embedding(ids, W)`` from the chunks of ``W``. Collective (``weight.for_each_rows``)."""
     flat = ids.reshape(-1)
     out = torch.zeros((flat.numel(), weight.cols), dtype=weight.dtype, device=ids.device)
-    for rows in weight.chunks(ids.device):
-        for first, block in rows:
-            hit = ((flat >= first) & (flat < first + block.shape[0])).nonzero().squeeze(1)
-            if hit.numel():
-                out[hit] = block[flat[hit] - first]
+
+    def fill(first: int, block: torch.Tensor) -> None:
+        hit = ((flat >= first) & (flat < first + block.shape[0])).nonzero().squeeze(1)
+        if hit.numel():
+            out[hit] = block[flat[hit] - first]
+
+    weight.for_each_rows(ids.device, fill)
     return out.view(*ids.shape, weight.cols)
 
 
 def linear_forward(weight: FlatWeight, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, W)`` (no bias) from the chunks of ``W``: each chunk's rows make their slice of
-    the output. Collective (``weight.chunks``)."""
-    out: torch.Tensor | None = None
-    for rows in weight.chunks(x.device):
-        for first, block in rows:
-            part = F.linear(x, block)
-            if out is None:
-                out = part.new_empty((*x.shape[:-1], weight.rows))
-            out[..., first : first + block.shape[0]] = part
-    assert out is not None
-    return out
+    the output. Collective (``weight.for_each_rows``)."""
+    out: list[torch.Tensor] = []
+
+    def project(first: int, block: torch.Tensor) -> None:
+        part = F.linear(x, block)
+        if not out:
+            out.append(part.new_empty((*x.shape[:-1], weight.rows)))
+        out[0][..., first : first + block.shape[0]] = part
+
+    weight.for_each_rows(x.device, project)
+    return out[0]
 
 
 def plain_type(module: nn.Module) -> type:

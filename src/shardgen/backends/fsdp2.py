@@ -76,7 +76,7 @@ def shard_model(model: nn.Module, mesh: Any) -> None:
 
 
 def layer_bytes(model: nn.Module) -> int:
-    """Full bytes of the largest decoder layer (DTensor sizes are global): the default chunk."""
+    """Full bytes of the largest decoder layer (DTensor sizes are global); half of it: the default chunk."""
     layers = decoder_layers(model)
     return max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
 
@@ -89,7 +89,7 @@ def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> 
 
     if chunk_bytes == 0:
         return None
-    budget = chunk_bytes if chunk_bytes is not None else max(1, layer_bytes(model))
+    budget = chunk_bytes if chunk_bytes is not None else max(1, layer_bytes(model) // 2)
     world = dist.get_world_size(param_group)
     weights: dict[str, tuple[nn.Module, FlatWeight]] = {}
     handles: list[Any] = []
@@ -192,7 +192,7 @@ class FSDP2Backend(Backend):
         **_: Any,
     ) -> FSDP2Backend:
         """Shard ``model`` with FSDP2 on ``param_group``. Collective on ``param_group``.
-        ``chunk_bytes``: the row chunks of the embeddings / head (None: a decoder layer; 0: whole)."""
+        ``chunk_bytes``: the row chunks of the embeddings / head (None: half a decoder layer; 0: whole)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule
 
@@ -201,6 +201,7 @@ class FSDP2Backend(Backend):
             backend = cls(model, model, device)
             backend._user_reshard = backend._reshard_settings()
             backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
+            backend.free_gathers_early()
             return backend
         if isinstance(model, FSDPModule):
             # The user's communicators, put back for training steps (enter_pause).
@@ -213,22 +214,48 @@ class FSDP2Backend(Backend):
             backend._user_groups = saved
             backend._private_group = param_group
             backend._user_reshard = backend._reshard_settings()
+            backend.free_gathers_early()
             return backend
         shard_model(model, DeviceMesh.from_group(param_group, device.type))
         backend = cls(model, model, device)
         backend._user_reshard = backend._reshard_settings()
         backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
+        backend.free_gathers_early()
         return backend
+
+    _in_forward = False
+    _free_hooks: list[Any] = []
+
+    def free_gathers_early(self) -> None:
+        """On a CPU device: in shardgen's forwards, drop FSDP2's reference to each unit's all-gather
+        buffer once the unit's parameters are copied out of it. FSDP2 keeps it until the next
+        unit's gather completes, to overlap copy-out and gather on accelerator streams; on the
+        CPU there are none, and it costs a third layer at the peak (the previous buffer, this
+        one, and gloo's temporary). Local; the hooks do nothing outside shardgen's forwards."""
+        if self.device.type != "cpu" or self._free_hooks:
+            return
+
+        def drop(module: nn.Module, _args: Any) -> None:
+            if self._in_forward:
+                ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
+                if ctx is not None:
+                    ctx.all_gather_state = None  # its parameters are unsharded: copy-out done
+
+        self._free_hooks = [u.register_forward_pre_hook(drop) for u in self.units()]  # after FSDP's
 
     def forward(self, **inputs: Any) -> Any:
         """One forward: the units' all-gathers, the chunked modules' row chunks. Collective on the
         param group while ``lockstep`` (same order on every rank: module call order)."""
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
-        if self.chunked is None:
-            return self.module(**inputs)
-        with self.chunked.active():
-            return self.module(**inputs)
+        self._in_forward = True
+        try:
+            if self.chunked is None:
+                return self.module(**inputs)
+            with self.chunked.active():
+                return self.module(**inputs)
+        finally:
+            self._in_forward = False
 
     def shadow_forward(self) -> None:
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -303,6 +330,9 @@ class FSDP2Backend(Backend):
         self.lockstep = False
 
     def close(self) -> None:
+        for h in self._free_hooks:
+            h.remove()
+        self._free_hooks = []
         self.release_all()
 
     def full_param_bytes(self) -> int:

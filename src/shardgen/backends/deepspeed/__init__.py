@@ -260,7 +260,7 @@ def chunk_vocab(
 ) -> ChunkedModules | None:
     """The embeddings / head of a ZeRO-3 model gathered in row chunks of its flat partitions
     (``chunked.py``), or None (none found, or ``chunk_bytes == 0``). ``chunk_bytes`` None: the
-    largest decoder layer. Not collective."""
+    largest decoder layer, halved. Not collective."""
     from ..fsdp2 import decoder_layers
 
     if chunk_bytes == 0:
@@ -269,7 +269,7 @@ def chunk_vocab(
         sizes = [
             sum(ds.full_numel(p) * p.element_size() for p in m.parameters()) for m in decoder_layers(module)
         ]
-        chunk_bytes = max(1, max(sizes, default=0))
+        chunk_bytes = max(1, max(sizes, default=0) // 2)
     weights: dict[str, tuple[torch.nn.Module, FlatWeight]] = {}
     for name, m in vocab_modules(module):
         p = m.weight
