@@ -54,7 +54,7 @@ class FlatWeight:
 
     ``local()`` returns this rank's partition as a 1-D tensor of at most ``part`` elements
     (shorter when the backend stores it unpadded). Per-forward state: the rows being
-    assembled across chunks; :meth:`chunks` resets it.
+    assembled across chunks; :meth:`for_each_rows` resets it.
     """
 
     def __init__(

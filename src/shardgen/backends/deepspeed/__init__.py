@@ -146,7 +146,8 @@ class DeepSpeedBackend(Backend):
             offload_device=odev,
             created=created,
         )
-        if created or getattr(module, "_shardgen_sharded", False):  # not a user's ZeRO-3 model
+        # Not a user's ZeRO-3 model; NVMe-offloaded partitions are not in ds_tensor between gathers.
+        if (created or getattr(module, "_shardgen_sharded", False)) and odev != "nvme":
             backend.chunked = chunk_vocab(module, param_group, chunk_bytes, offload)
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(device)
