@@ -196,6 +196,15 @@ def pause_and_user_collectives():
         dist.all_reduce(t)  # a user collective: no engine traffic can interleave
         time.sleep(0.3 * rank())
         assert eng.stats()["ticks"] == ticks, "the engine ticked while paused"
+    # Back to back, as a training loop does: each block must be a pause of its own. (A block
+    # exiting and the next paused() right after it once looked the same to the driver: the
+    # next block ran inside the previous pause and the ranks fell out of step.)
+    for i in range(6):
+        ticks = eng.stats()["ticks"]
+        with eng.paused():
+            assert eng.stats()["ticks"] > ticks, f"block {i} ran without a pause of its own"
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.02 * rank() * (i % 2))
     _check(eng, ref, ids, mask, max_new_tokens=6)
     eng.close()
     return t.item()

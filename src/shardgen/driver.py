@@ -83,9 +83,15 @@ class Shared:
     """State that user threads and the driver thread exchange.
 
     ``lock`` guards every field: take it to read or write any of them together. A lone
-    read of ``closed`` or ``failed`` (one reference) may skip it. The three events are
-    thread-safe themselves: ``wake`` (work or a request arrived), ``paused`` (the driver
-    entered the agreed pause, or failed), ``resume`` (this rank's ``paused()`` block exited).
+    read of ``closed`` or ``failed`` (one reference) may skip it. ``wake`` (work or a request
+    arrived) is an event; ``changed`` (a condition on ``lock``) is notified when the driver
+    enters a pause, a ``paused()`` block exits, or the engine fails.
+
+    Pauses are counted, not flagged: ``pauses_entered`` (the driver entered its n-th agreed
+    pause) and ``pauses_left`` (this rank's user thread left its n-th block). A block that
+    exits and a ``paused()`` called right after it can then never be mistaken for each other,
+    however late the driver wakes up (with two events, a set-then-cleared "resume" was missed
+    and the next block ran inside the previous pause: fuzz seed 662).
     """
 
     def __init__(self) -> None:
@@ -96,8 +102,9 @@ class Shared:
         self.pause_wanted = False
         self.failed: BaseException | None = None  # the first failure; set once
         self.wake = threading.Event()
-        self.paused = threading.Event()
-        self.resume = threading.Event()
+        self.changed = threading.Condition(self.lock)
+        self.pauses_entered = 0  # driver: agreed pauses entered
+        self.pauses_left = 0  # user thread: paused() blocks exited
 
     def enqueue(self, reqs: list[Request]) -> bool:
         """User thread: hand requests to the driver; False (nothing queued) once closed."""
@@ -122,15 +129,40 @@ class Shared:
         self.wake.set()
 
     def want_pause(self, wanted: bool) -> None:
-        """User thread: enter (True) or leave (False) ``paused()``."""
+        """User thread: ask for a pause (True), or leave ``paused()`` (False: the block exited,
+        or the wait for the pause failed)."""
         with self.lock:
             self.pause_wanted = wanted
-            if wanted:
-                self.resume.clear()
+            if not wanted:
+                self.pauses_left = self.pauses_entered
+                self.changed.notify_all()
         if wanted:
             self.wake.set()
-        else:
-            self.resume.set()
+
+    def wait_pause_entered(self, timeout: float) -> bool:
+        """User thread: True once the driver entered a pause this thread has not left yet (or
+        the engine failed); False after ``timeout`` s."""
+        with self.lock:
+            return self.changed.wait_for(
+                lambda: self.pauses_entered > self.pauses_left or self.failed is not None, timeout
+            )
+
+    def enter_pause(self) -> int:
+        """Driver thread: the agreed pause begins; returns its number."""
+        with self.lock:
+            self.pauses_entered += 1
+            self.changed.notify_all()
+            return self.pauses_entered
+
+    def wait_block_left(self, pause: int, timeout: float) -> bool:
+        """Driver thread: True once the user thread left its block of pause ``pause``."""
+        with self.lock:
+            return self.changed.wait_for(lambda: self.pauses_left >= pause, timeout)
+
+    def notify(self) -> None:
+        """Any thread: wake the waits above (e.g. after a failure)."""
+        with self.lock:
+            self.changed.notify_all()
 
     def resolved(self, req: Request) -> None:
         with self.lock:
@@ -195,7 +227,6 @@ class Driver:
         self.last_forward_t = time.monotonic()
         self.last_tick_t = time.monotonic()  # when the last tick was agreed
         self.gathered = False
-        self.pause_epoch = 0
         self.fp = Fingerprint()
         self.cp = ControlPlane(control, self.ranks.index(rank), world)
         self.gather_policy = self._resolve_gather_policy(hf_config)
@@ -387,17 +418,15 @@ class Driver:
         """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits."""
         sh = self.shared
         self.phase = Phase.PAUSED
-        self.pause_epoch += 1
         self.backend.enter_pause()  # the model as the user set it up, for training
-        sh.paused.set()
-        while not sh.resume.wait(0.05):
+        pause = sh.enter_pause()
+        while not sh.wait_block_left(pause, 0.05):
             pass
-        sh.paused.clear()
         self.backend.exit_pause()  # back to the generation settings before the next tick
         if self.store is not None:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.
-            key = f"{self.key_prefix}/resume{self.pause_epoch}"
+            key = f"{self.key_prefix}/resume{pause}"  # the same number on every rank
             self.store.add(key, 1)
             while int(self.store.add(key, 0)) < self.world:
                 time.sleep(0.005)

@@ -220,7 +220,7 @@ class Engine:
         sh.want_pause(True)
         called = time.monotonic()
         try:
-            while not sh.paused.wait(0.05):
+            while not sh.wait_pause_entered(0.05):
                 self._raise_if_failed()
                 self._driver.check_wait(
                     called, self.timeouts.paused, PAUSE, "paused()", "entered paused()", verdict=False
@@ -298,7 +298,7 @@ class Engine:
             log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
         for r in reqs:
             resolve_future(r.future, error=err)
-        self._shared.paused.set()  # unblock a waiting paused()
+        self._shared.notify()  # unblock a waiting paused()
         if self._driver.live is not None and on_driver:
             self._driver.live.stop()
 
