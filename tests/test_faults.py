@@ -48,6 +48,10 @@ CASES = [(w, v) for w in (3, 4) for v in (0, 1)]
 @pytest.mark.parametrize(("world", "victim"), CASES, ids=[f"w{w}-rank{v}" for w, v in CASES])
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_signal_is_named_by_every_healthy_rank(ranks_factory, world, victim, sig):
+    signal_after_two_calls(ranks_factory, world, victim, sig)
+
+
+def signal_after_two_calls(ranks_factory, world: int, victim: int, sig: str) -> None:
     ranks = ranks_factory("sigkill", world, victim)
     ranks.wait_event(victim, "call_done", count=2, timeout=300)
     t_fault = time.time()
@@ -90,11 +94,7 @@ BIG = [(8, 5, "SIGKILL"), (6, 0, "SIGSTOP")]
 @pytest.mark.bigworld
 @pytest.mark.parametrize(("world", "victim", "sig"), BIG, ids=[f"w{w}-rank{v}-{s}" for w, v, s in BIG])
 def test_signal_at_up_to_8_ranks_is_named_by_every_healthy_rank(ranks_factory, world, victim, sig):
-    ranks = ranks_factory("sigkill", world, victim)
-    ranks.wait_event(victim, "call_done", count=2, timeout=300)
-    t_fault = time.time()
-    os.kill(ranks.procs[victim].pid, getattr(signal, sig))
-    check_every_healthy_rank_names(ranks, victim, world, sig, t_fault)
+    signal_after_two_calls(ranks_factory, world, victim, sig)
 
 
 @pytest.mark.bigworld
