@@ -41,9 +41,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per process) for its new name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def chunk_rows(rows_per_rank: int, cols: int, itemsize: int, world: int, chunk_bytes: int) -> int:
     """Rows of each rank's partition per chunk: the most whose ``world`` pieces fit ``chunk_bytes``
@@ -100,7 +97,7 @@ class FlatWeight:
             if n:
                 send[:n].copy_(local.narrow(0, lo, n))
         out = torch.empty(self.world * size, dtype=self.dtype, device=device)
-        _all_gather_single(out, send, group=self.group)
+        dist.all_gather_into_tensor(out, send, group=self.group)
         return out
 
     def assemble(self, c: int, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
