@@ -60,7 +60,7 @@ class Backend:
         real forward of any batch size and length.
         """
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.module(input_ids=ids, use_cache=False)
+        self.forward(input_ids=ids, use_cache=False)  # the backend's forward: its gathers
 
     def gather_all(self) -> None:
         """Materialize full weights on every rank (gather policy ``once``). Collective."""

@@ -41,6 +41,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..log import get_logger
+
+log = get_logger()
+
 
 def chunk_rows(rows_per_rank: int, cols: int, itemsize: int, world: int, chunk_bytes: int) -> int:
     """Rows of each rank's partition per chunk: the most whose ``world`` pieces fit ``chunk_bytes``
@@ -248,3 +252,28 @@ def hook_ids(handles: list[Any]) -> set[int]:
             if one is not None and hasattr(one, "id"):
                 out.add(one.id)
     return out
+
+
+def chunk_budget(chunk_bytes: int | None, layer_bytes: int) -> int | None:
+    """Bytes of full weight per chunk: ``chunk_bytes`` as set, None (gather whole) when it is 0,
+    and by default half the largest decoder layer (``layer_bytes``): gloo gathers into a
+    temporary it copies out of, so a chunk costs twice its size at the peak."""
+    if chunk_bytes == 0:
+        return None
+    return chunk_bytes if chunk_bytes is not None else max(1, layer_bytes // 2)
+
+
+def chunked_modules(
+    weights: dict[str, tuple[nn.Module, FlatWeight]], hooks: set[int], budget: int
+) -> ChunkedModules | None:
+    """The backend's :class:`ChunkedModules`, logged once; None when no module can be chunked."""
+    if not weights:
+        return None
+    chunked = ChunkedModules(weights, hooks)
+    log.info("shardgen: gathering %s in row chunks of <= %.2f MB", chunked.describe(), budget / 2**20)
+    return chunked
+
+
+def active(chunked: ChunkedModules | None) -> contextlib.AbstractContextManager:
+    """``chunked.active()``, or nothing to do when the backend chunks nothing."""
+    return chunked.active() if chunked is not None else contextlib.nullcontext()

@@ -24,7 +24,15 @@ from torch import nn
 
 from ..log import get_logger
 from .base import Backend
-from .chunked import ChunkedModules, FlatWeight, hook_ids, vocab_modules
+from .chunked import (
+    ChunkedModules,
+    FlatWeight,
+    active,
+    chunk_budget,
+    chunked_modules,
+    hook_ids,
+    vocab_modules,
+)
 from .replica import Replica
 
 log = get_logger()
@@ -76,20 +84,20 @@ def shard_model(model: nn.Module, mesh: Any) -> None:
 
 
 def layer_bytes(model: nn.Module) -> int:
-    """Full bytes of the largest decoder layer (DTensor sizes are global); half of it: the default chunk."""
+    """Full bytes of the largest decoder layer (DTensor sizes are global)."""
     layers = decoder_layers(model)
     return max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
 
 
 def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> ChunkedModules | None:
     """The chunked embeddings / head of a model :func:`shard_model` sharded (None when there are
-    none, or ``chunk_bytes == 0``). ``chunk_bytes`` None: :func:`layer_bytes`. Not collective."""
+    none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`. Not collective."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    if chunk_bytes == 0:
+    budget = chunk_budget(chunk_bytes, layer_bytes(model))
+    if budget is None:
         return None
-    budget = chunk_bytes if chunk_bytes is not None else max(1, layer_bytes(model) // 2)
     world = dist.get_world_size(param_group)
     weights: dict[str, tuple[nn.Module, FlatWeight]] = {}
     handles: list[Any] = []
@@ -105,11 +113,7 @@ def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> 
         )
         state = m._get_fsdp_state()
         handles += [state._pre_forward_hook_handle, state._post_forward_hook_handle]
-    if not weights:
-        return None
-    chunked = ChunkedModules(weights, hook_ids(handles))
-    log.info("shardgen: gathering %s in row chunks of <= %.2f MB", chunked.describe(), budget / 2**20)
-    return chunked
+    return chunked_modules(weights, hook_ids(handles), budget)
 
 
 def mesh_infos(model: nn.Module) -> list[Any]:
@@ -250,16 +254,10 @@ class FSDP2Backend(Backend):
             return self.replica(**inputs)
         self._in_forward = True
         try:
-            if self.chunked is None:
-                return self.module(**inputs)
-            with self.chunked.active():
+            with active(self.chunked):
                 return self.module(**inputs)
         finally:
             self._in_forward = False
-
-    def shadow_forward(self) -> None:
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.forward(input_ids=ids, use_cache=False)
 
     _user_groups: list[tuple[Any, Any, Any]] = []  # (mesh info, shard group, reduce-scatter group)
     _private_group: Any = None

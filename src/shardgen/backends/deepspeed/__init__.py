@@ -34,7 +34,15 @@ import torch.distributed as dist
 
 from ...log import get_logger
 from ..base import Backend
-from ..chunked import ChunkedModules, FlatWeight, hook_ids, vocab_modules
+from ..chunked import (
+    ChunkedModules,
+    FlatWeight,
+    active,
+    chunk_budget,
+    chunked_modules,
+    hook_ids,
+    vocab_modules,
+)
 from ..replica import Replica
 from . import internals as ds
 from . import pause
@@ -160,20 +168,11 @@ class DeepSpeedBackend(Backend):
     def forward(self, **inputs: Any) -> Any:
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
-        with ds.lockstep_forward(), self._chunks():
+        with ds.lockstep_forward(), active(self.chunked):
             if self.plan is None:
                 return self.module(**inputs)
             with self.plan.forward():
                 return self.module(**inputs)
-
-    def _chunks(self) -> Any:
-        import contextlib
-
-        return self.chunked.active() if self.chunked is not None else contextlib.nullcontext()
-
-    def shadow_forward(self) -> None:
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.forward(input_ids=ids, use_cache=False)
 
     # ------------------------------------------------------------------ gather policy once
     def gather_all(self) -> None:
@@ -260,17 +259,14 @@ def chunk_vocab(
     module: torch.nn.Module, param_group: Any, chunk_bytes: int | None, offload: Any
 ) -> ChunkedModules | None:
     """The embeddings / head of a ZeRO-3 model gathered in row chunks of its flat partitions
-    (``chunked.py``), or None (none found, or ``chunk_bytes == 0``). ``chunk_bytes`` None: the
-    largest decoder layer, halved. Not collective."""
+    (``chunked.py``), or None (none found, or ``chunk_bytes == 0``); the chunk size from
+    ``chunked.chunk_budget``. Not collective."""
     from ..fsdp2 import decoder_layers
 
-    if chunk_bytes == 0:
-        return None
+    sizes = [sum(ds.full_numel(p) * p.element_size() for p in m.parameters()) for m in decoder_layers(module)]
+    chunk_bytes = chunk_budget(chunk_bytes, max(sizes, default=0))
     if chunk_bytes is None:
-        sizes = [
-            sum(ds.full_numel(p) * p.element_size() for p in m.parameters()) for m in decoder_layers(module)
-        ]
-        chunk_bytes = max(1, max(sizes, default=0) // 2)
+        return None
     weights: dict[str, tuple[torch.nn.Module, FlatWeight]] = {}
     for name, m in vocab_modules(module):
         p = m.weight
@@ -282,8 +278,4 @@ def chunk_vocab(
             m,
             FlatWeight(shape, p.ds_tensor.ds_numel, local, p.ds_process_group, p.dtype, chunk_bytes),
         )
-    if not weights:
-        return None
-    chunked = ChunkedModules(weights, hook_ids([*offload.forward_hooks, *offload.backward_hooks]))
-    log.info("shardgen: gathering %s in row chunks of <= %.2f MB", chunked.describe(), chunk_bytes / 2**20)
-    return chunked
+    return chunked_modules(weights, hook_ids([*offload.forward_hooks, *offload.backward_hooks]), chunk_bytes)
