@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# ruff, then the layer contracts of pyproject.toml ([tool.importlinter]): an upward import fails.
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts examples
+	$(BIN)/lint-imports
 
 # Two workers, one test file each at a time: the multi-rank tests wait on sockets and timers
 # as much as they compute, and a file keeps its spawned worlds on one worker.

@@ -78,7 +78,7 @@ def make(path: str, tiny: bool = False, like: str | None = None) -> None:
 def sizes(path: str) -> tuple[int, int]:
     """(checkpoint bytes, bytes of one decoder layer) from the safetensors headers."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    from shardgen.checkpoint import Checkpoint
+    from shardgen.loading.checkpoint import Checkpoint
 
     ck = Checkpoint(path)
     total = sum(e.numel * e.itemsize for e in ck.entries.values())

@@ -154,7 +154,7 @@ def load_model(args: argparse.Namespace):
     elif args.load == "sharded":
         # A skeleton (parameters on the meta device): the engine reads each rank's shard from the
         # checkpoint once its groups exist; no rank ever holds the whole model.
-        from shardgen.loading import pretrained
+        from shardgen.loading.pretrained import pretrained
 
         model, _ = pretrained(args.model, dtype=dtype)
     elif args.load == "hf-zero3":

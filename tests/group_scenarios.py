@@ -155,7 +155,7 @@ def deepspeed_subgroup(kind: str, sleep_s: float):
 
 def replica_groups(shard_size: int):
     """``groups.replica_group`` on every rank: (ranks of my group or None, replica) or the error."""
-    from shardgen.groups import replica_group
+    from shardgen.core.groups import replica_group
 
     try:
         group, replica = replica_group(shard_size)

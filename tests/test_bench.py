@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shardgen import bench, timeline
+from shardgen.bench import command as bench
+from shardgen.core import timeline
 
 
 def test_timeline_merges_runs_of_one_kind_and_totals():

@@ -7,7 +7,7 @@ from models import batch, tiny_model
 
 import shardgen
 from shardgen.config import LIBRARY_DEFAULTS, SamplingParams, model_defaults
-from shardgen.requests import build_request
+from shardgen.generation.requests import build_request
 
 MODEL_SET = {"max_new_tokens": 6, "do_sample": True, "temperature": 0.7, "top_k": 1, "top_p": 0.9}
 

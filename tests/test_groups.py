@@ -46,7 +46,7 @@ class _Store:
 
 
 def test_members_holding_different_numbers_of_groups_are_refused_before_new_group():
-    from shardgen import comm
+    from shardgen.core import comm
 
     store = _Store()
     store.set("p/npg/2", "5")
@@ -58,7 +58,7 @@ def test_members_holding_different_numbers_of_groups_are_refused_before_new_grou
 
 
 def test_store_prefixes_are_per_rank_set():
-    from shardgen import comm
+    from shardgen.core import comm
 
     a1, b1, a2 = comm.engine_prefix([0, 1]), comm.engine_prefix([2, 3]), comm.engine_prefix([0, 1])
     assert len({a1, b1, a2}) == 3 and "g0-1" in a1 and "g2-3" in b1

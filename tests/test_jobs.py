@@ -9,10 +9,13 @@ import threading
 
 import pytest
 
-from shardgen import cli, flags, jobs, journal, progress, prompts
+from shardgen import flags
+from shardgen.cli import command as cli
 from shardgen.config import EngineConfig, JobConfig, SamplingParams
 from shardgen.errors import ExitCode, JobError
-from shardgen.prompts import PromptRecord
+from shardgen.jobs import journal, progress, prompts
+from shardgen.jobs import run as jobs
+from shardgen.jobs.prompts import PromptRecord
 
 
 def write(tmp_path, name: str, text: str) -> str:

@@ -15,8 +15,8 @@ import torch
 from loading_scenarios import scenario_hf_zero3, scenario_load_and_generate, write_checkpoint
 from world import World
 
-from shardgen import loading
-from shardgen.checkpoint import Checkpoint
+from shardgen.loading import pretrained as loading
+from shardgen.loading.checkpoint import Checkpoint
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 N = 2
@@ -186,7 +186,7 @@ def test_sharded_loading_memory_and_outputs(ckpts, lworld, backend):
 def test_kv_cache_estimate_follows_the_model_dtype():
     from models import tiny_config
 
-    from shardgen.memory import kv_cache_bytes
+    from shardgen.loading.memory import kv_cache_bytes
 
     fp32 = kv_cache_bytes(tiny_config("llama", dtype=torch.float32), batch=4, tokens=100)
     bf16 = kv_cache_bytes(tiny_config("llama", dtype=torch.bfloat16), batch=4, tokens=100)
@@ -195,7 +195,7 @@ def test_kv_cache_estimate_follows_the_model_dtype():
 
 
 def test_memory_budget_is_what_the_host_has_free_now_split_between_local_ranks(monkeypatch):
-    from shardgen import memory
+    from shardgen.loading import memory
 
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 10_000)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -8,8 +8,7 @@ import torch
 import shardgen
 from shardgen.backends import check_backend_name
 from shardgen.config import EngineConfig, SamplingParams
-from shardgen.errors import CollectiveDivergenceError
-from shardgen.protocol import (
+from shardgen.core.protocol import (
     FINGERPRINT,
     LIVE,
     NCOLS,
@@ -22,7 +21,8 @@ from shardgen.protocol import (
     check_fingerprints,
     decide,
 )
-from shardgen.sampling import make_generator, sample_row, select_tokens
+from shardgen.errors import CollectiveDivergenceError
+from shardgen.generation.sampling import make_generator, sample_row, select_tokens
 
 
 def state(*rows: dict[int, int]) -> TickState:

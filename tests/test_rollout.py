@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import shardgen
 from shardgen import toy
-from shardgen.rollout import sample_seed
+from shardgen.generation.rollout import sample_seed
 
 PROMPTS = ["count from 3 to 9 :", "count down from 20 to 18 :", "count from 40 to 41 :"]
 

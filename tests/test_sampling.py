@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 )
 
 from shardgen import SamplingParams
-from shardgen.sampling import make_generator, select_tokens, warpers_for
+from shardgen.generation.sampling import make_generator, select_tokens, warpers_for
 
 NEG = -float("inf")
 # Hand-built next-token logits [V=8]; token order deliberately not sorted by probability.

@@ -6,7 +6,7 @@ import pytest
 from models import tiny_model
 
 import shardgen
-from shardgen.liveness import Liveness
+from shardgen.faults.liveness import Liveness
 from shardgen.timeouts import derive
 
 

@@ -7,10 +7,10 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from shardgen import verdict
 from shardgen.errors import PeerFailedError, PeerStalledError, RendezvousTimeoutError
-from shardgen.stalls import find_laggard
-from shardgen.verdict import Verdict
+from shardgen.faults import verdict
+from shardgen.faults.stalls import find_laggard
+from shardgen.faults.verdict import Verdict
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ with shardgen.Engine.from_pretrained(path, backend="fsdp2") as engine:
     out = engine.generate(["a prompt"], max_new_tokens=32)
 """
 
-from .comm import init
-from .config import EngineConfig, SamplingParams
-from .engine import Engine, EngineStats
-from .errors import (
+from shardgen.config import EngineConfig, SamplingParams
+from shardgen.core.comm import init
+from shardgen.core.engine import Engine, EngineStats
+from shardgen.errors import (
     CollectiveDivergenceError,
     EngineClosedError,
     PeerFailedError,
@@ -17,8 +17,8 @@ from .errors import (
     RendezvousTimeoutError,
     ShardgenError,
 )
-from .requests import Completion
-from .rollout import RolloutBatch
+from shardgen.generation.requests import Completion
+from shardgen.rollout import RolloutBatch  # binds shardgen.rollout (public: shardgen.rollout.sample_seed)
 
 __version__ = "0.1.0"
 

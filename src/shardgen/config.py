@@ -255,7 +255,7 @@ class JobConfig:
     def model_path(self) -> str:
         if self.model is not None:
             return self.model
-        from .toy import toy_model_path
+        from shardgen.toy import toy_model_path
 
         return toy_model_path()
 
@@ -276,3 +276,12 @@ class JobConfig:
             raise ValueError(f"--claim-order must be longest or input, got {self.claim_order!r}")
         if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+def context_length(config: Any) -> int | None:
+    """The model's context window, from the names HF configs use for it."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 
-from .errors import ExitCode
+from shardgen.errors import ExitCode
 
 
 def launch(

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .base import Backend
+from shardgen.backends.base import Backend
 
 BACKENDS = ("fsdp2", "deepspeed", "local")
 
@@ -28,29 +28,26 @@ def make_backend(
     """Build backend ``name`` around ``model``.
 
     Collective: every rank of ``param_group`` calls it, in the same order, with the
-    same ``name`` (sharding issues collectives on ``param_group``). A skeleton from
-    ``Engine.from_pretrained`` (``loading.source_of(model)``) is first loaded into shards
-    on ``param_group`` (``loading.materialize``: no collective), then adopted like a model
-    the user sharded/partitioned there.
+    same ``name`` (sharding issues collectives on ``param_group``). A model from
+    ``Engine.from_pretrained`` arrives already loaded into shards on ``param_group``
+    (``shardgen.loading.pretrained.materialize``, called by the engine) and is adopted like a
+    model the user sharded/partitioned there.
     """
     options = dict(options or {})
-    from ..loading import materialize, source_of
-    from ..memory import return_freed_weights_to_os
+    from shardgen.loading.memory import return_freed_weights_to_os
 
     if name != "local" and torch.device(device).type == "cpu":
         return_freed_weights_to_os()  # per-layer gathers would otherwise stay resident
-    if source_of(model) is not None:  # Engine.from_pretrained: load straight into shards on param_group
-        model = materialize(name, model, param_group=param_group, device=device, options=options)
     if name == "local":
-        from .local import LocalBackend
+        from shardgen.backends.local import LocalBackend
 
         return LocalBackend.create(model, device=device)
     if name == "fsdp2":
-        from .fsdp2 import FSDP2Backend
+        from shardgen.backends.fsdp2 import FSDP2Backend
 
         return FSDP2Backend.create(model, param_group=param_group, device=device, **options)
     if name == "deepspeed":
-        from .deepspeed import DeepSpeedBackend
+        from shardgen.backends.deepspeed import DeepSpeedBackend
 
         return DeepSpeedBackend.create(model, param_group=param_group, device=device, **options)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

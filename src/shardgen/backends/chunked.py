@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..log import get_logger
+from shardgen.log import get_logger
 
 log = get_logger()
 

@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..log import get_logger
-from .base import Backend
-from .chunked import (
+from shardgen.backends.base import Backend
+from shardgen.backends.chunked import (
     ChunkedModules,
     FlatWeight,
     active,
@@ -33,7 +32,8 @@ from .chunked import (
     hook_ids,
     vocab_modules,
 )
-from .replica import Replica
+from shardgen.backends.replica import Replica
+from shardgen.log import get_logger
 
 log = get_logger()
 
@@ -201,7 +201,7 @@ class FSDP2Backend(Backend):
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule) and getattr(model, "_shardgen_sharded", False):
-            # Sharded by shardgen on param_group already (Engine.from_pretrained, loading.py).
+            # Sharded by shardgen on param_group already (Engine.from_pretrained, shardgen.loading).
             backend = cls(model, model, device)
             backend._user_reshard = backend._reshard_settings()
             backend.chunked = chunk_vocab(model, param_group, chunk_bytes)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import Backend
+from shardgen.backends.base import Backend
 
 
 class LocalBackend(Backend):

@@ -36,9 +36,9 @@ import contextlib
 import dataclasses
 from typing import Any
 
-from ..config import EngineConfig
-from ..log import get_logger
-from ..rollout import sample_seed
+from shardgen.config import EngineConfig
+from shardgen.generation.rollout import sample_seed
+from shardgen.log import get_logger
 
 log = get_logger()
 

@@ -32,9 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...log import get_logger
-from ..base import Backend
-from ..chunked import (
+from shardgen.backends.base import Backend
+from shardgen.backends.chunked import (
     ChunkedModules,
     FlatWeight,
     active,
@@ -43,9 +42,10 @@ from ..chunked import (
     hook_ids,
     vocab_modules,
 )
-from ..replica import Replica
-from . import internals as ds
-from . import pause
+from shardgen.backends.deepspeed import internals as ds
+from shardgen.backends.deepspeed import pause
+from shardgen.backends.replica import Replica
+from shardgen.log import get_logger
 
 log = get_logger()
 
@@ -76,7 +76,7 @@ class DeepSpeedBackend(Backend):
         beside the compute, not on CPU, where gloo's thread takes cores from the compute)."""
         if prefetch is None:
             prefetch = self.device.type != "cpu"
-        from .buckets import BucketPlan
+        from shardgen.backends.deepspeed.buckets import BucketPlan
 
         if self.plan is not None:
             self.plan.remove()
@@ -130,7 +130,7 @@ class DeepSpeedBackend(Backend):
                 "partition parameters; use stage 3, or pass the plain model (backend 'deepspeed' shards it)"
             )
         if n_zero == 0:
-            from .partition import partition
+            from shardgen.backends.deepspeed.partition import partition
 
             offload, odev = partition(module, param_group, device, ds_config)
             created = True
@@ -140,7 +140,7 @@ class DeepSpeedBackend(Backend):
                 raise ValueError(f"{n_plain} of {len(params)} parameters are not ZeRO-3 parameters")
             if ds_config:
                 log.warning("shardgen: ds_config is ignored for a model that DeepSpeed partitioned already")
-            from .adopt import adopt
+            from shardgen.backends.deepspeed.adopt import adopt
 
             user_setup = pause.capture_user(engine, module)  # handed back in training pauses
             offload, odev = adopt(engine, module, param_group, device)
@@ -261,7 +261,7 @@ def chunk_vocab(
     """The embeddings / head of a ZeRO-3 model gathered in row chunks of its flat partitions
     (``chunked.py``), or None (none found, or ``chunk_bytes == 0``); the chunk size from
     ``chunked.chunk_budget``. Not collective."""
-    from ..fsdp2 import decoder_layers
+    from shardgen.backends.fsdp2 import decoder_layers
 
     sizes = [sum(ds.full_numel(p) * p.element_size() for p in m.parameters()) for m in decoder_layers(module)]
     chunk_bytes = chunk_budget(chunk_bytes, max(sizes, default=0))

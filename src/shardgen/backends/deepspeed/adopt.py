@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...log import get_logger
-from . import internals as ds
-from .partition import mark_moe_leaves
+from shardgen.backends.deepspeed import internals as ds
+from shardgen.backends.deepspeed.partition import mark_moe_leaves
+from shardgen.log import get_logger
 
 log = get_logger()
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import internals as ds
+from shardgen.backends.deepspeed import internals as ds
 
 
 def cut_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:

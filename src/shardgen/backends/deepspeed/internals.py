@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...log import get_logger
+from shardgen.log import get_logger
 
 log = get_logger()
 

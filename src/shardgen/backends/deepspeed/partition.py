@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ...log import get_logger
-from .internals import enum_str
+from shardgen.backends.deepspeed.internals import enum_str
+from shardgen.log import get_logger
 
 log = get_logger()
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import internals as ds
+from shardgen.backends.deepspeed import internals as ds
 
 #: DeepSpeedZeRoOffload attributes shardgen changes for generation.
 _OFFLOAD_ATTRS = (

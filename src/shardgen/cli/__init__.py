@@ -1,0 +1,5 @@
+"""The ``shardgen`` command (``command``), ``shardgen run`` (``run``), ``shardgen demo`` (``demo``)."""
+
+from shardgen.cli.command import main
+
+__all__ = ["main"]

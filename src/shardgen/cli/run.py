@@ -1,0 +1,128 @@
+"""``shardgen run``: validate everything, then launch the ranks or run as one of them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+from shardgen.backends import check_backend_name
+from shardgen.config import EngineConfig, JobConfig, SamplingParams
+from shardgen.errors import ExitCode, JobError
+from shardgen.flags import build, flag_names, to_argv
+from shardgen.jobs.journal import journal_paths
+from shardgen.jobs.prompts import PromptRecord, read_prompts
+from shardgen.jobs.run import check_model
+from shardgen.launch import die_with_parent, is_rank, launch
+
+# The settings `shardgen run` exposes, per dataclass (None: every field). SamplingParams'
+# temperature and seed are JobConfig's own (0 = greedy; a base seed for per-request seeds).
+RUN_FIELDS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
+    (JobConfig, None),
+    (EngineConfig, ("backend", "gather", "max_batch_size", "refill", "stall_timeout")),
+    (SamplingParams, ("max_new_tokens", "top_k", "top_p")),
+)
+LAUNCHER_ONLY = ("nproc", "max_restarts")  # consumed by the launcher, not passed to the ranks
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    try:
+        job, engine_cfg, base = (build(cls, ns, names) for cls, names in RUN_FIELDS)
+        job.validate()
+        engine_cfg.validate()
+        check_backend_name(engine_cfg.backend)
+        base.validate()
+    except ValueError as e:
+        raise JobError(ExitCode.USAGE, flag_names(str(e), RUN_FIELDS)) from None
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        job = dataclasses.replace(job, resume=True)  # a restarted worker group picks up the journals
+    # Validate everything before any rank or engine starts (in the launcher when it spawns).
+    if job.timeline:
+        from shardgen.bench.plot import pyplot
+
+        try:
+            pyplot()
+        except ImportError as e:
+            raise JobError(ExitCode.USAGE, str(e)) from None
+    records = read_prompts(job.prompts, job, base)
+    check_model(job.model_path)
+    for path in (job.out, job.json_summary, job.timeline):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise JobError(ExitCode.USAGE, f"cannot write {path}: {folder} is not a writable folder")
+    if job.nproc is not None and not is_rank():
+        if journal_paths(job.out) and not job.resume:
+            raise JobError(ExitCode.USAGE, _stale_journals(job.out))
+        return launch_job(job, engine_cfg, base)
+    return run_rank(job, engine_cfg, records)
+
+
+def _stale_journals(out: str) -> str:
+    return (
+        f"{journal_paths(out)[0]}: journals of an unfinished earlier run exist; "
+        "pass --resume to continue it, or delete them to start over"
+    )
+
+
+def run_rank(job: JobConfig, engine_cfg: EngineConfig, records: list[PromptRecord]) -> int:
+    """This process as one rank (of a torchrun world, or alone). Collective across the world."""
+    import torch.distributed as dist
+
+    from shardgen.core import comm
+    from shardgen.jobs.progress import format_summary
+    from shardgen.jobs.run import run_job
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()  # a SIGKILLed launcher must not leave ranks running on their own
+    comm.init()
+    try:
+        outcome = run_job(job, engine_cfg, records)
+        if outcome is not None:
+            summary, rows = outcome
+            if job.timeline:
+                from shardgen.bench.plot import plot
+
+                todo, world = summary["prompts"] - summary["resumed"], dist.get_world_size()
+                title = f"shardgen run: {todo} prompts on {world} ranks"
+                plot(rows, job.timeline, title=title, origin=dict.fromkeys(rows, 0.0))
+            if not job.quiet:
+                print(format_summary(summary), flush=True)
+            if job.json_summary:
+                from shardgen.jobs.journal import atomic_write_text
+
+                atomic_write_text(job.json_summary, [json.dumps(summary, indent=2) + "\n"])
+        return ExitCode.OK
+    except JobError:
+        raise
+    except Exception as e:  # the journals are intact; say how to go on
+        import traceback
+
+        traceback.print_exc()
+        print(
+            f"shardgen run: error: rank {dist.get_rank()} failed: {type(e).__name__}: {e} "
+            "(results so far are in the journals; rerun with --resume)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        from shardgen.faults.liveness import linger
+
+        linger()  # on rank 0, the store's host: let peers read who failed first
+        os._exit(ExitCode.FAILED)  # peers may be blocked in collectives: do not wait for teardown
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def launch_job(
+    job: JobConfig, engine_cfg: EngineConfig, base: SamplingParams, timeout: float | None = None
+) -> ExitCode:
+    """Spawn ``job.nproc`` ranks running ``shardgen run`` with the same settings (see ``launch``)."""
+    assert job.nproc is not None
+    argv = ["run"]
+    for obj, (_, names) in zip((job, engine_cfg, base), RUN_FIELDS, strict=True):
+        argv += to_argv(obj, names, skip=LAUNCHER_ONLY)
+    return launch(argv, job.nproc, max_restarts=job.max_restarts, timeout=timeout)

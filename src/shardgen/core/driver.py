@@ -1,0 +1,345 @@
+"""The driver thread of one rank: the tick loop, forwards and shadows, gathers, pauses, stats.
+
+Three kinds of state, three homes, so that a reader sees from the class which thread
+may touch a field:
+
+- ``Shared`` (``shared.py``): what user threads and the driver exchange (inbox, open
+  requests, closed, pause wanted, the first failure, pause counts, the wake event), every
+  field under ``Shared.lock``;
+- ``Driver``: what only the driver thread writes (the local work, the tick, the phase,
+  the gathered flag, the stats, the last agreed state);
+- the ``Engine`` (``engine.py``): the user-side state (config, backend, groups, futures).
+
+The driver runs the protocol of ``protocol.py``: once per tick it agrees with the other
+drivers on the control group and runs exactly one forward or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardgen.backends import Backend
+from shardgen.config import EngineConfig
+from shardgen.core.protocol import (
+    FINGERPRINT,
+    LIVE,
+    NCOLS,
+    OPEN,
+    PAUSE,
+    PENDING,
+    ControlPlane,
+    Decision,
+    Fingerprint,
+    Phase,
+    TickState,
+    check_fingerprints,
+    decide,
+)
+from shardgen.core.shared import EngineStats, Shared
+from shardgen.core.timeline import Timeline
+from shardgen.errors import PeerFailedError, PeerStalledError, RendezvousTimeoutError
+from shardgen.faults.liveness import Liveness, is_comm_error
+from shardgen.faults.stalls import GatherCounter
+from shardgen.generation.requests import Request, completion_of, resolve_future
+from shardgen.generation.scheduler import LocalWork
+from shardgen.loading.memory import kv_cache_bytes, memory_budget
+from shardgen.log import get_logger
+from shardgen.timeouts import Timeouts
+
+log = get_logger()
+
+
+class Driver:
+    """One rank's driver thread and everything only it writes.
+
+    Constructed in the user thread inside the collective ``Engine`` constructor (it
+    resolves the gather policy there); after ``start()``, only the driver thread writes
+    its fields. Other threads read ``phase``, ``tick``, ``last_state``, ``last_forward_t``,
+    ``last_tick_t`` and ``stats`` as snapshots (liveness heartbeats, ``close()``/``paused()``
+    bounds, ``stats()``).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: EngineConfig,
+        backend: Backend,
+        shared: Shared,
+        control: Any,
+        rank: int,
+        world: int,
+        device: torch.device,
+        hf_config: Any,
+        tokenizer: Any,
+        timeouts: Timeouts,
+        store: Any,
+        key_prefix: str,
+        on_failure: Callable[[BaseException], None],
+        on_peer_failure: Callable[[BaseException], None],
+        ranks: list[int] | None = None,
+    ) -> None:
+        """``on_failure``: the engine's failure handling, called by the driver thread with its own
+        (attributed) failure; ``on_peer_failure``: called by the liveness thread. ``rank`` is
+        global; ``ranks`` the engine's group in global ranks (default: all ``world``), whose
+        index of ``rank`` is this rank's row in the tick."""
+        self.config, self.backend, self.shared = config, backend, shared
+        self.control, self.rank, self.world, self.device = control, rank, world, device
+        self.ranks = list(ranks) if ranks is not None else list(range(world))
+        self.tokenizer, self.timeouts = tokenizer, timeouts
+        self.store, self.key_prefix = store, key_prefix
+        self.on_failure = on_failure
+        self.phase = Phase.INIT
+        self.tick = 0
+        self.stats = EngineStats()
+        self.timeline = Timeline(config.timeline)  # (t0, t1, kind) spans; off by default
+        self.last_state: TickState | None = None
+        self.last_forward_t = time.monotonic()
+        self.last_tick_t = time.monotonic()  # when the last tick was agreed
+        self.gathered = False
+        self.fp = Fingerprint()
+        self.cp = ControlPlane(control, self.ranks.index(rank), world)
+        self.gather_policy = self._resolve_gather_policy(hf_config)
+        self.work = LocalWork(
+            backend.hf_model, backend, device, config, self.stats, on_finished=self._finished
+        )
+        self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
+        self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
+        self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
+        if store is not None and world > 1:
+            self.gathers = GatherCounter(backend)
+            self.live = Liveness(
+                store, key_prefix, rank, world, timeouts, self.status, on_peer_failure, ranks=self.ranks
+            )
+
+    def start(self) -> None:
+        """Start liveness (its first heartbeat) and the driver thread. User thread, once."""
+        if self.live is not None:
+            self.live.start()
+        self.thread.start()
+
+    def status(self) -> tuple[int, str, int, int]:
+        """(tick, phase, forwards run, parameter gathers entered) for heartbeats; any thread."""
+        phase = str(Phase.FAILED if self.shared.failed is not None else self.phase)
+        gathers = self.gathers.count if self.gathers is not None else 0
+        return self.tick, phase, self.stats.forwards + self.stats.shadow_forwards, gathers
+
+    def check_wait(
+        self,
+        called: float,
+        limit: float,
+        col: int,
+        what: str,
+        never: str,
+        absent_if: int = 0,
+        verdict: bool = True,
+    ) -> None:
+        """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (last tick) is
+        ``absent_if``, once ``what`` has waited ``limit`` s with no forward anywhere. Idle time
+        before the call does not count. User thread (``close()``, ``paused()``): reads snapshots.
+
+        With ``verdict`` the absent rank becomes the engine's verdict (every rank fails, naming
+        it); without, only this call raises and the engine goes on (a pause nobody joined)."""
+        now = time.monotonic()
+        if now - max(called, self.last_forward_t) <= limit:
+            return
+        # The absent ranks come from the last agreed tick. While ticks flow, every rank is alive
+        # and that tick is fresh. When they have stopped (a peer stopped, died or is stuck in its
+        # driver: the tick and the gathers are collectives), the last tick is stale and would
+        # name a rank that has since called close(): the cause is liveness's to name, within a
+        # stall verdict plus the heartbeats that carry it. Only past that does this call raise.
+        fresh = self.timeouts.heartbeat * 3 + self.config.idle_sleep_max
+        if self.live is not None and now - self.last_tick_t > fresh:
+            since = now - max(called, self.last_forward_t, self.last_tick_t)
+            if since <= limit + self.timeouts.attribution_grace:
+                return
+            raise RendezvousTimeoutError(
+                f"rank {self.rank}: {what} waited {limit:g}s with no work left, and no tick has been "
+                f"agreed for {now - self.last_tick_t:.1f}s (phase {self.phase}); liveness named no peer"
+            )
+        st = self.last_state
+        cols = st.col(col) if st is not None else []
+        absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
+        msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
+        if self.live is None or not absent or not verdict:
+            raise RendezvousTimeoutError(msg)
+        raise self.live.blame_absent(absent[0], msg)  # the verdict: unless a peer's failure came first
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            self._loop()
+        except BaseException as e:  # every failure must reach the user threads
+            err = self._attribute(e)
+            if err is e and self.live is not None and not isinstance(e, PeerFailedError):
+                self.live.report_error(e)  # our own failure: peers raise PeerFailedError naming us
+            self.phase = Phase.FAILED
+            self.on_failure(err)
+        else:
+            if self.live is not None:
+                with contextlib.suppress(Exception):  # rank 0 (the store) may already be gone
+                    self.live.beat(str(Phase.CLOSED))
+                self.live.stop()
+
+    def _loop(self) -> None:
+        sh, cfg, stats = self.shared, self.config, self.stats
+        idle = 0
+        while True:
+            new, closed, pause = sh.take_inbox()
+            self.work.pending.extend(new)
+            row = [0] * NCOLS
+            row[LIVE], row[PENDING], row[OPEN] = self.work.live, len(self.work.pending), int(not closed)
+            row[PAUSE] = int(pause)
+            row[FINGERPRINT] = self.fp.value if cfg.debug_collectives else 0
+            self.phase = Phase.TICK
+            t0 = time.perf_counter()
+            state = self.cp.agree(row, abort=lambda: sh.failed)
+            stats.control_s += self.timeline.since(t0, "tick") - t0
+            stats.ticks += 1
+            self.tick += 1
+            self.last_state = state
+            self.last_tick_t = time.monotonic()
+            if cfg.debug_collectives:
+                check_fingerprints(state, self.ranks)
+            decision = decide(state)
+            if decision is Decision.FORWARD:
+                idle = 0
+                stats.forward_ticks += 1
+                if self.gather_policy == "once" and not self.gathered:
+                    self.phase = Phase.GATHER
+                    t0 = time.perf_counter()
+                    self.backend.gather_all()  # collective: every rank, this same tick
+                    self.timeline.since(t0, "gather")
+                    self.gathered = True
+                    if cfg.debug_collectives:
+                        self.fp.fold("gather_all")
+                self._forward_tick(state)
+                self.last_forward_t = time.monotonic()
+            elif decision is Decision.IDLE:
+                self._release_if_gathered()  # nobody has work: give the memory back
+                stats.idle_ticks += 1
+                self.phase = Phase.IDLE
+                t0 = time.perf_counter()
+                sh.wake.wait(min(cfg.idle_sleep_max, 0.0005 * (2**idle)))
+                self.timeline.since(t0, "idle")
+                sh.wake.clear()
+                idle = min(idle + 1, 16)
+            elif decision is Decision.PAUSE:
+                self._release_if_gathered()  # a training step inside would make the copies stale
+                t0 = time.perf_counter()
+                self._pause_here()
+                self.timeline.since(t0, "paused")
+                idle = 0
+            else:
+                assert decision is Decision.EXIT
+                self._release_if_gathered()  # hand the model back sharded, as it came
+                self.backend.enter_pause()  # with the user's own setup (their groups outlive ours)
+                self.phase = Phase.CLOSED
+                return
+
+    def _release_if_gathered(self) -> None:
+        """Back to sharded weights. Every rank calls it on the same (agreed) tick."""
+        if self.gathered:
+            t0 = time.perf_counter()
+            self.backend.release_all()
+            self.timeline.since(t0, "release")
+            self.gathered = False
+            if self.config.debug_collectives:
+                self.fp.fold("release_all")
+
+    def _forward_tick(self, state: TickState) -> None:
+        """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant).
+
+        When forwards issue no parameter collectives (weights gathered, or the local
+        backend), a rank with work runs a burst of real forwards instead and nobody
+        shadows: the tick then only decides admission, pause, release and exit.
+        """
+        t0 = time.perf_counter()
+        lockstep = self.backend.lockstep
+        steps = 1 if lockstep else self.config.burst_steps
+        did_work = False
+        t = t0
+        for _ in range(steps):
+            if not self.work.step(state.admit):
+                break
+            self.phase = Phase(self.work.phase.value)
+            t = self.timeline.since(t, str(self.work.phase))
+            did_work = True
+        if not did_work and lockstep:
+            self.phase = Phase.SHADOW
+            self.backend.shadow_forward()
+            self.timeline.since(t, "shadow")
+            self.stats.shadow_forwards += 1
+        if self.config.debug_collectives:
+            signature = self.backend.collective_signature()  # always drained
+            self.fp.fold("forward", signature if lockstep else ())
+        self.stats.forward_s += time.perf_counter() - t0
+
+    def _finished(self, seq: Any) -> None:
+        """A request finished: resolve its future."""
+        req: Request = seq.tag
+        self.shared.resolved(req)
+        resolve_future(req.future, result=completion_of(seq, self.tokenizer, self.rank))
+
+    def _pause_here(self) -> None:
+        """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits."""
+        sh = self.shared
+        self.phase = Phase.PAUSED
+        self.backend.enter_pause()  # the model as the user set it up, for training
+        pause = sh.enter_pause()
+        while not sh.wait_block_left(pause, 0.05):
+            pass
+        self.backend.exit_pause()  # back to the generation settings before the next tick
+        if self.store is not None:
+            # Peers may stay inside their block for long (a training step): wait on the store,
+            # not in the next tick's all-reduce, whose group has a timeout.
+            key = f"{self.key_prefix}/resume{pause}"  # the same number on every rank
+            self.store.add(key, 1)
+            while int(self.store.add(key, 0)) < self.world:
+                time.sleep(0.005)
+
+    def _resolve_gather_policy(self, hf_config: Any) -> str:
+        """``per-layer`` or ``once``; ``auto`` picks ``once`` only if it fits on EVERY rank.
+
+        Runs in the user thread, in the collective constructor: one all-reduce on the control
+        group when the policy is ``auto`` (every rank, same point of construction).
+        """
+        policy = self.config.gather
+        if not self.backend.lockstep:
+            return "per-layer"  # nothing to gather
+        if policy != "auto":
+            return policy
+        need = self.backend.full_param_bytes() + kv_cache_bytes(hf_config, self.config.max_batch_size)
+        fits = need <= memory_budget(self.config.memory_budget_gb, self.device)
+        if self.world > 1:
+            flag = torch.tensor([int(fits)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
+            fits = bool(flag.item())
+        log.info(
+            "gather='auto': %s (%.1f MB of weights + KV cache)", "once" if fits else "per-layer", need / 1e6
+        )
+        return "once" if fits else "per-layer"
+
+    def _attribute(self, err: BaseException) -> BaseException:
+        """Blame the right rank: a broken collective is a symptom; wait for liveness to name the cause."""
+        if self.shared.failed is not None:
+            return self.shared.failed
+        if self.live is None or isinstance(err, (PeerFailedError, PeerStalledError)):
+            return err
+        if not is_comm_error(err):
+            return err
+        self.phase = Phase.COMM_ERROR
+        deadline = time.monotonic() + self.timeouts.attribution_grace
+        while self.shared.failed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        failed = self.shared.failed
+        return failed if failed is not None else err

@@ -1,0 +1,330 @@
+"""The Engine: the user-facing side of a rank; its driver thread (``driver.py``) runs the protocol.
+
+    torchrun --nproc-per-node 2 examples/basic.py
+
+User threads call ``generate()`` / ``generate_ids()`` / ``submit()`` (NOT collective:
+any rank, any number of times, zero included); requests go to a queue; the
+driver thread moves them into batches and, once per tick, agrees with the other
+drivers (``protocol.py``) and runs exactly one forward or none. ``Engine(...)``,
+``paused()`` and ``close()`` are collective.
+
+Construction is collective on the engine's group: exactly the ranks of the group construct
+it, with the same settings and the same model architecture; ranks outside the group never
+call it and never wait for it. Over the whole world, every rank constructs every engine, in
+the same order (``new_group`` on the default group). Over a subgroup, its members construct
+their engines over those ranks in the same order as each other (the private groups come from
+``new_group(ranks, use_local_synchronization=True)``, which only members call); they must
+have created the same number of process groups before (torch names a subgroup by that count:
+checked, ``ValueError``), and engines over overlapping groups must be constructed in the same
+order on every rank. In order, it: waits for the group's ranks on the store (``init_timeout``,
+naming absent ranks); creates two private groups over those ranks; all-gathers the settings
+on the control group; shards the model on the parameter group (:func:`build_backend`); and,
+for ``gather="auto"``, all-reduces whether the full model fits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from shardgen.backends import Backend, check_backend_name, make_backend
+from shardgen.backends.base import describe_model
+from shardgen.config import EngineConfig, SamplingParams
+from shardgen.core import comm, groups, process
+from shardgen.core.driver import Driver
+from shardgen.core.protocol import OPEN, PAUSE
+from shardgen.core.shared import EngineStats, Shared
+from shardgen.core.timeline import Span
+from shardgen.errors import EngineClosedError
+from shardgen.generation.requests import (
+    Completion,
+    build_requests,
+    encode_prompt,
+    padded_output,
+    resolve_future,
+    unpadded_rows,
+)
+from shardgen.loading.pretrained import materialize, source_of
+from shardgen.log import get_logger
+from shardgen.timeouts import derive
+
+if TYPE_CHECKING:
+    from shardgen.generation.rollout import RolloutBatch
+
+log = get_logger()
+__all__ = ["Engine", "EngineStats"]
+
+
+class Engine:
+    """Deadlock-free generation on a model sharded across the ranks of a group.
+
+    ``Engine(model, tokenizer=tok, backend="fsdp2", group=None)`` spans ``group``: the world
+    by default, or the shard group derived from a model sharded over a subgroup (HSDP, a
+    DeepSpeed data-parallel subgroup). Constructing it is collective on the group, in the
+    order written in the module docstring. ``rank`` is the global rank (messages name global
+    ranks), ``ranks`` the group's global ranks, ``world`` its size.
+
+    Its own fields are the user side's (set at construction, then read-only); what user
+    threads share with the driver lives in ``self._shared``, the driver's own in ``self._driver``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        config: EngineConfig | None = None,
+        device: torch.device | str | None = None,
+        group: Any = None,
+        **overrides: Any,
+    ) -> None:
+        cfg = (config if config is not None else EngineConfig()).replace(**overrides)
+        cfg.validate()
+        check_backend_name(cfg.backend)  # before any collective
+        self.config, self.tokenizer = cfg, tokenizer
+        self.timeouts = derive(cfg.stall_timeout, cfg.init_timeout)
+        self._shared = Shared()
+        self.rank, self.world = comm.rank_and_world(cfg.backend)
+        self.ranks = groups.engine_ranks(group, model) if dist.is_initialized() else [self.rank]
+        self.world = len(self.ranks)
+        self.device = torch.device(device) if device is not None else comm.model_device(model)
+        raw = getattr(model, "module", model)  # a DeepSpeedEngine wraps the HF model
+        self._hf_config, self._gen_config = raw.config, getattr(raw, "generation_config", None)
+        self._control = self._params = self._store = None
+        prefix = "shardgen/engine0"
+        if dist.is_initialized():  # arrival, the private groups, the settings check: collective
+            prefix, self._store, self._control, self._params = comm.engine_groups(
+                {**cfg.agreed(), **describe_model(raw)}, self.rank, self.ranks, self.timeouts
+            )
+        self.backend: Backend = build_backend(cfg, model, param_group=self._params, device=self.device)
+        self.model = self.backend.hf_model
+        self._driver = Driver(
+            config=cfg, backend=self.backend, shared=self._shared, control=self._control,
+            rank=self.rank, world=self.world, device=self.device, hf_config=self._hf_config,
+            tokenizer=tokenizer, timeouts=self.timeouts, store=self._store, key_prefix=prefix,
+            on_failure=self._fail, on_peer_failure=self._on_peer_failure, ranks=self.ranks,
+        )  # fmt: skip
+        self.gather_policy = self._driver.gather_policy
+        process.opened(self._driver, cfg.gil_switch_interval)
+        self._driver.start()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, *, dtype: torch.dtype | str | None = None, tokenizer: Any = None, **kwargs: Any
+    ) -> Engine:
+        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective.
+
+        The weights go straight into each rank's shard (``shardgen.loading``): no rank holds the
+        full model. ``dtype``: ``"auto"``/None (the checkpoint's), ``"bfloat16"``, ...
+        """
+        from shardgen.loading.pretrained import pretrained
+
+        model, tokenizer = pretrained(path, dtype=dtype, tokenizer=tokenizer)
+        return cls(model, tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------ user API (not collective)
+    def submit(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor,
+        params: SamplingParams | None = None,
+        **overrides: Any,
+    ) -> Future:
+        """Queue one request; returns a ``Future[Completion]``. Not collective.
+
+        ``params`` (a ``SamplingParams``; None: the model's generation defaults), then ``overrides``
+        (``SamplingParams`` fields) on top.
+        """
+        return self._submit_many([prompt], params, overrides)[0]
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        **overrides: Any,
+    ) -> list[Completion]:
+        """Generate for each prompt (text, or token ids); blocks until all are done. Not collective.
+
+        ``params`` and ``overrides`` as in ``submit()``; ``seed`` may be a list (one per prompt).
+        """
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        futures = self._submit_many(list(prompts), params, overrides)
+        return [f.result() for f in futures]
+
+    def generate_ids(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        params: SamplingParams | None = None,
+        **overrides: Any,
+    ) -> torch.Tensor:
+        """HF-shaped generation: ``[B, T]`` left-padded ids -> ``[B, T + G]``, post-EOS padded.
+
+        Returns exactly what HF ``generate()`` returns for the same batch: the input
+        columns unchanged, then G = the longest generation; finished rows are padded.
+        Not collective.
+        """
+        reqs = self._submit_many(
+            unpadded_rows(input_ids, attention_mask), params, overrides, as_requests=True
+        )
+        return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
+
+    def rollout(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        *,
+        n: int = 1,
+        **overrides: Any,
+    ) -> RolloutBatch:
+        """``n`` samples per prompt as trainer-ready padded tensors (``shardgen.rollout``). Not collective."""
+        from shardgen.generation.rollout import rollout
+
+        return rollout(self, prompts, params, n=n, **overrides)
+
+    def timeline(self) -> list[Span]:
+        """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``core/timeline.py``)."""
+        return list(self._driver.timeline.spans)
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's driver counters (a snapshot)."""
+        return self._driver.stats.as_dict()
+
+    @property
+    def phase(self) -> str:
+        """What this rank's driver is doing (a ``Phase``; reads as its word)."""
+        return self._driver.status()[1]
+
+    @property
+    def tick(self) -> int:
+        return self._driver.tick
+
+    # ------------------------------------------------------------------ collective API
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collective: every rank enters; inside, the engine issues no traffic at all.
+
+        The pause begins once every rank asked for it and every live sequence
+        finished (requests still queued wait); it ends on each rank when its block exits.
+        Ranks that never enter are named in a ``RendezvousTimeoutError`` once this rank
+        has waited ``stall_timeout`` with no forward anywhere.
+        """
+        self._check_usable()
+        sh = self._shared
+        sh.want_pause(True)
+        called = time.monotonic()
+        try:
+            while not sh.wait_pause_entered(0.05):
+                self._raise_if_failed()
+                self._driver.check_wait(
+                    called, self.timeouts.paused, PAUSE, "paused()", "entered paused()", verdict=False
+                )
+            self._raise_if_failed()  # a failure also ends the wait: no pause then
+            yield
+        finally:
+            sh.want_pause(False)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Collective join: stop taking requests, finish all work on every rank, stop the driver.
+
+        Returns once every rank closed and all work is done. A rank that never closes
+        is named in a ``RendezvousTimeoutError`` once this call has waited ``timeout``
+        seconds (default: ``stall_timeout``) with no forward anywhere. Idempotent.
+        """
+        sh, thread = self._shared, self._driver.thread
+        sh.close()
+        limit = self.timeouts.close if timeout is None else timeout
+        called = time.monotonic()
+        while thread.is_alive() and sh.failed is None:
+            thread.join(0.05)
+            if thread.is_alive():
+                self._driver.check_wait(called, limit, OPEN, "close()", "called close()", absent_if=1)
+        self._raise_if_failed()
+        self._teardown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # the block raised: still join (peers may need our shadow forwards)
+            with contextlib.suppress(Exception):
+                self.close()
+
+    # ------------------------------------------------------------------ internals (user side)
+    def _check_usable(self) -> None:
+        if self._shared.closed:
+            raise EngineClosedError(f"rank {self.rank}: engine is closed")
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        failed = self._shared.failed
+        if failed is not None:
+            raise failed
+
+    def _submit_many(
+        self, prompts: list[Any], params: SamplingParams | None, overrides: dict[str, Any], as_requests=False
+    ) -> list[Any]:
+        self._check_usable()
+        reqs = build_requests(
+            [encode_prompt(p, self.tokenizer) for p in prompts],
+            params,
+            overrides,
+            model_config=self._hf_config,
+            generation_config=self._gen_config,
+            tokenizer=self.tokenizer,
+        )
+        if not self._shared.enqueue(reqs):
+            raise EngineClosedError(f"rank {self.rank}: engine is closed")
+        return reqs if as_requests else [r.future for r in reqs]
+
+    def _on_peer_failure(self, err: BaseException) -> None:
+        """Called by the liveness thread: a peer stalled or raised."""
+        log.error("rank %d: %s", self.rank, err)
+        self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        """Fail every open request with ``err`` (driver or liveness thread). The first failure wins."""
+        on_driver = threading.current_thread() is self._driver.thread
+        err, reqs, first = self._shared.fail(err)
+        if first and on_driver:
+            log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
+        for r in reqs:
+            resolve_future(r.future, error=err)
+        self._shared.notify()  # unblock a waiting paused()
+        if self._driver.live is not None and on_driver:
+            self._driver.live.stop()
+
+    def _teardown(self) -> None:
+        if self._driver.live is not None:
+            self._driver.live.stop()
+        process.closed(self._driver)
+        self.backend.close()
+        comm.destroy_groups(self._params, self._control, ranks=self.ranks)
+        self._control = self._params = None
+
+
+def build_backend(cfg: EngineConfig, model: Any, *, param_group: Any, device: torch.device) -> Backend:
+    """The engine's backend around ``model``, sharded on ``param_group``; a ``from_pretrained``
+    skeleton is first loaded straight into shards there (``loading.pretrained.materialize``).
+
+    Collective on ``param_group``: every rank of the engine calls it from the constructor, in
+    the same order, with the same settings (see ``make_backend``)."""
+    options: dict = {"chunk_bytes": None if cfg.chunk_mb is None else int(cfg.chunk_mb * 2**20)}
+    if cfg.backend == "deepspeed":
+        mb = cfg.bucket_mb
+        options.update(ds_config=cfg.ds_config, bucket_bytes=None if mb is None else int(mb * 2**20))
+    if source_of(model) is not None:
+        model = materialize(cfg.backend, model, param_group=param_group, device=device, options=options)
+    backend = make_backend(cfg.backend, model, param_group=param_group, device=device, options=options)
+    if cfg.debug_collectives:
+        backend.instrument()
+    return backend

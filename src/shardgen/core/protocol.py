@@ -1,0 +1,180 @@
+"""The tick: how every rank's driver agrees, once per step, on what all ranks do next.
+
+THE INVARIANT (why no rank can be left stuck by another's divergence)
+----------------------------------------------------------------------
+Every rank's driver runs the same sequence of ticks. A tick is:
+
+1. ``agree()``: ONE ``all_reduce(SUM)`` of a CPU int64 vector on the private
+   gloo control group. Each rank writes its own row (live sequences, pending
+   requests, open, pause wanted, fingerprint) and zeros elsewhere, so
+   the sum is every rank's row: all ranks hold the same ``TickState``.
+2. ``decide(state)``: a pure function of that agreed state, hence the same
+   ``Decision`` on every rank.
+3. If the decision is ``FORWARD``, every rank runs EXACTLY ONE forward (its own
+   prefill or decode step, or a shadow forward that issues the same parameter
+   gathers); otherwise no rank touches the parameter group.
+
+Because (1) is the only control collective, (2) is deterministic and (3) depends
+only on (2), every rank issues the same collectives in the same order on each
+private group, whatever its local work, its user thread, or its timing. What a
+rank does *inside* its forward (real or shadow, batch size, prompt length) never
+changes the sequence of gathers, which depends only on the module structure.
+User collectives on the default group never interleave with these: they live on
+other communicators.
+
+``debug_collectives`` folds a fingerprint of each rank's collective history into
+its row; ranks that disagree raise ``CollectiveDivergenceError`` at the next tick.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardgen.errors import CollectiveDivergenceError
+
+# Columns of a rank's row in the tick vector.
+LIVE, PENDING, OPEN, PAUSE, FINGERPRINT = range(5)
+NCOLS = 5
+
+
+class Phase(str, enum.Enum):
+    """What a rank's driver is doing; heartbeats and errors quote it (as its plain word)."""
+
+    INIT = "init"
+    TICK = "tick"  # in the tick's all-reduce
+    GATHER = "gather"
+    PREFILL = "prefill"
+    REFILL = "refill"
+    DECODE = "decode"
+    SHADOW = "shadow"
+    IDLE = "idle"
+    PAUSED = "paused"
+    CLOSED = "closed"
+    FAILED = "failed"
+    COMM_ERROR = "comm-error"  # a collective broke; waiting for liveness to name the cause
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Decision(enum.Enum):
+    FORWARD = "forward"  # every rank runs exactly one forward
+    IDLE = "idle"  # nobody has work: no gathers, sleep, tick again
+    PAUSE = "pause"  # every rank asked to pause and no sequence is live
+    EXIT = "exit"  # every rank closed and no work is left anywhere
+
+
+@dataclass(frozen=True)
+class TickState:
+    """The agreed view of all ranks after one tick: ``rows[r][c]`` is rank r's column c.
+
+    Plain Python ints: the decision runs on every tick, so it avoids tensor ops.
+    """
+
+    rows: list[list[int]]
+
+    @property
+    def world(self) -> int:
+        return len(self.rows)
+
+    def col(self, c: int) -> list[int]:
+        return [row[c] for row in self.rows]
+
+    def total(self, c: int) -> int:
+        return sum(row[c] for row in self.rows)
+
+    @property
+    def all_pause(self) -> bool:
+        return self.total(PAUSE) == self.world
+
+    @property
+    def admit(self) -> bool:
+        """May ranks admit new requests this tick? Not while everybody waits to pause."""
+        return not self.all_pause
+
+
+def decide(state: TickState) -> Decision:
+    """The whole protocol decision. Pure: same state -> same decision on every rank."""
+    live = state.total(LIVE)
+    pending = state.total(PENDING) if state.admit else 0
+    if live + pending > 0:
+        return Decision.FORWARD
+    if state.all_pause:
+        return Decision.PAUSE
+    if state.total(OPEN) == 0:
+        return Decision.EXIT
+    return Decision.IDLE
+
+
+def check_fingerprints(state: TickState, ranks: list[int] | None = None) -> None:
+    """Raise ``CollectiveDivergenceError`` if ranks' collective histories differ (debug mode).
+
+    ``ranks``: the global rank of each row (an engine over a subgroup), for the message."""
+    fps = state.col(FINGERPRINT)
+    if len(set(fps)) > 1:
+        names = ranks if ranks is not None else list(range(len(fps)))
+        groups: dict[int, list[int]] = {}
+        for r, fp in enumerate(fps):
+            groups.setdefault(fp, []).append(names[r])
+        desc = "; ".join(f"ranks {rs} -> {fp:#x}" for fp, rs in groups.items())
+        raise CollectiveDivergenceError(f"ranks issued different collective sequences: {desc}")
+
+
+class Fingerprint:
+    """A running hash of the collectives a rank has issued (63 bits, fits int64)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def fold(self, *items: Any) -> None:
+        h = hashlib.blake2b(repr((self.value, items)).encode(), digest_size=8).digest()
+        self.value = int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class ControlPlane:
+    """The tick's collective on the private gloo control group.
+
+    ``agree()`` is a collective: every rank's driver thread (and nobody else)
+    calls it, once per tick, in the same order.
+    """
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self._buf = torch.zeros((world, NCOLS), dtype=torch.int64)
+
+    def agree(self, row: list[int], abort: Callable[[], BaseException | None] | None = None) -> TickState:
+        """All-reduce this rank's row with every other rank's. Collective on the control group.
+
+        Waits in short slices so that ``abort()`` (the liveness verdict: a peer stalled
+        or failed) can end the wait with that error instead of blocking forever.
+        """
+        import torch.distributed as dist
+
+        assert len(row) == NCOLS
+        self._buf.zero_()
+        self._buf[self.rank] = torch.tensor(row, dtype=torch.int64)
+        if self.world > 1:
+            work = dist.all_reduce(self._buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            while True:
+                try:
+                    work.wait(timeout=_SLICE)
+                    break
+                except RuntimeError as e:
+                    if "timed out" not in str(e).lower():
+                        raise
+                    err = abort() if abort is not None else None
+                    if err is not None:
+                        raise err from None
+        return TickState(self._buf.tolist())
+
+
+_SLICE = datetime.timedelta(seconds=0.2)

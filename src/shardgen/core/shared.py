@@ -1,0 +1,134 @@
+"""What a rank's user threads and its driver thread share (``Shared``, every field under one
+lock, changed only through its methods), and the driver's counters (``EngineStats``)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardgen.generation.requests import Request
+
+
+@dataclass
+class EngineStats:
+    """Counters of one rank's driver (``engine.stats()``)."""
+
+    ticks: int = 0
+    forward_ticks: int = 0  # ticks that decided FORWARD (every rank forwarded)
+    forwards: int = 0  # real forwards: prefills + decode steps
+    prefills: int = 0  # waves and refills
+    refills: int = 0  # prefills that joined a running batch
+    decode_steps: int = 0
+    shadow_forwards: int = 0
+    idle_ticks: int = 0
+    requests: int = 0
+    generated_tokens: int = 0
+    forward_s: float = 0.0  # time in real and shadow forwards
+    control_s: float = 0.0  # time in the tick's all-reduce
+    busy_s: float = 0.0  # time in real forwards only
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Shared:
+    """State that user threads and the driver thread exchange.
+
+    ``lock`` guards every field: take it to read or write any of them together. A lone
+    read of ``closed`` or ``failed`` (one reference) may skip it. ``wake`` (work or a request
+    arrived) is an event; ``changed`` (a condition on ``lock``) is notified when the driver
+    enters a pause, a ``paused()`` block exits, or the engine fails.
+
+    Pauses are counted, not flagged: ``pauses_entered`` (the driver entered its n-th agreed
+    pause) and ``pauses_left`` (this rank's user thread left its n-th block). A block that
+    exits and a ``paused()`` called right after it can then never be mistaken for each other,
+    however late the driver wakes up (with two events, a set-then-cleared "resume" was missed
+    and the next block ran inside the previous pause: fuzz seed 662).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inbox: deque[Request] = deque()  # submitted, not yet seen by the driver
+        self.open_reqs: set[Request] = set()  # submitted, not yet resolved
+        self.closed = False
+        self.pause_wanted = False
+        self.failed: BaseException | None = None  # the first failure; set once
+        self.wake = threading.Event()
+        self.changed = threading.Condition(self.lock)
+        self.pauses_entered = 0  # driver: agreed pauses entered
+        self.pauses_left = 0  # user thread: paused() blocks exited
+
+    def enqueue(self, reqs: list[Request]) -> bool:
+        """User thread: hand requests to the driver; False (nothing queued) once closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.inbox.extend(reqs)
+            self.open_reqs.update(reqs)
+        self.wake.set()
+        return True
+
+    def take_inbox(self) -> tuple[list[Request], bool, bool]:
+        """Driver thread, once per tick: (new requests, closed, pause wanted)."""
+        with self.lock:
+            reqs = list(self.inbox)
+            self.inbox.clear()
+            return reqs, self.closed, self.pause_wanted
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        self.wake.set()
+
+    def want_pause(self, wanted: bool) -> None:
+        """User thread: ask for a pause (True), or leave ``paused()`` (False: the block exited,
+        or the wait for the pause failed)."""
+        with self.lock:
+            self.pause_wanted = wanted
+            if not wanted:
+                self.pauses_left = self.pauses_entered
+                self.changed.notify_all()
+        if wanted:
+            self.wake.set()
+
+    def wait_pause_entered(self, timeout: float) -> bool:
+        """User thread: True once the driver entered a pause this thread has not left yet (or
+        the engine failed); False after ``timeout`` s."""
+        with self.lock:
+            return self.changed.wait_for(
+                lambda: self.pauses_entered > self.pauses_left or self.failed is not None, timeout
+            )
+
+    def enter_pause(self) -> int:
+        """Driver thread: the agreed pause begins; returns its number."""
+        with self.lock:
+            self.pauses_entered += 1
+            self.changed.notify_all()
+            return self.pauses_entered
+
+    def wait_block_left(self, pause: int, timeout: float) -> bool:
+        """Driver thread: True once the user thread left its block of pause ``pause``."""
+        with self.lock:
+            return self.changed.wait_for(lambda: self.pauses_left >= pause, timeout)
+
+    def notify(self) -> None:
+        """Any thread: wake the waits above (e.g. after a failure)."""
+        with self.lock:
+            self.changed.notify_all()
+
+    def resolved(self, req: Request) -> None:
+        with self.lock:
+            self.open_reqs.discard(req)
+
+    def fail(self, err: BaseException) -> tuple[BaseException, list[Request], bool]:
+        """Any thread: record ``err`` unless a failure came first. -> (the first failure, the
+        requests still open, now forgotten, whether ``err`` was the first)."""
+        with self.lock:
+            first = self.failed is None
+            if first:
+                self.failed = err
+            reqs = list(self.open_reqs)
+            self.open_reqs.clear()
+            return self.failed, reqs, first

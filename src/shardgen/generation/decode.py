@@ -1,0 +1,266 @@
+"""Prefill, decode step, KV cache and EOS/pad bookkeeping for one batch on one rank.
+
+No ``torch.distributed`` here: the batch calls a ``forward`` callable it is given
+(the backend's, which may gather shards) exactly once per ``prefill()`` or ``step()``.
+
+The inputs mirror Hugging Face ``generate()`` step for step so greedy output is
+token-identical: left padding, ``position_ids`` from the mask's cumsum, the mask
+dropped when it is all ones, the model's own ``prepare_inputs_for_generation``
+and a ``DynamicCache``, ``logits_to_keep=1``, float32 logits of the last position,
+the first EOS kept and ``pad_token_id`` after it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from shardgen.config import SamplingParams
+from shardgen.generation.sampling import chosen_logprobs, select_tokens
+
+Forward = Callable[..., Any]
+
+
+#: Why a sequence ended: an EOS id was generated, a stop string appeared in the decoded
+#: text, or ``max_new_tokens`` was reached.
+FINISH_REASONS = ("eos", "stop", "length")
+
+StopCheck = Callable[[list[int]], bool]
+"""Given the generated ids so far, True when a stop string has just appeared (the tokenizer
+lives with the caller: this module never decodes text)."""
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One request inside the decoder: its prompt, its settings and what it produced so far."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    pad_id: int
+    generator: torch.Generator | None = None
+    tag: Any = None  # the engine's handle for the request
+    stop_check: StopCheck | None = None  # stop strings, matched on decoded text
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, logprob: float | None) -> None:
+        assert not self.finished, "token appended to a finished sequence"
+        self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if token in self.eos_ids:
+            self.finish_reason = "eos"
+        elif self.stop_check is not None and self.stop_check(self.tokens):
+            self.finish_reason = "stop"  # the token completing the stop string is kept
+        elif len(self.tokens) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+
+
+class Batch:
+    """Sequences decoding together: a left-padded ``[B, T]`` batch with one KV cache.
+
+    Finished rows stay in the batch and are fed ``pad_id`` (as HF does), so a
+    row's numerics never depend on when its neighbours finish.
+    """
+
+    def __init__(self, hf_model: Any, forward: Forward, seqs: list[SeqState], device: torch.device) -> None:
+        assert seqs, "empty batch"
+        self.hf_model = hf_model
+        self.forward = forward
+        self.seqs = seqs
+        self.device = device
+        self.steps = 0
+        params = inspect.signature(hf_model.forward).parameters
+        self._takes_positions = "position_ids" in params
+        self._takes_logits_to_keep = "logits_to_keep" in params
+        # transformers 5.24 renamed the cache argument (past_key_values -> cache).
+        prep = inspect.signature(hf_model.prepare_inputs_for_generation).parameters
+        self._cache_kw = "cache" if "cache" in prep else "past_key_values"
+
+        width = max(len(s.prompt_ids) for s in seqs)
+        ids = torch.full((len(seqs), width), 0, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            n = len(s.prompt_ids)
+            ids[i, width - n :] = torch.tensor(s.prompt_ids, dtype=torch.long)
+            ids[i, : width - n] = s.pad_id
+            mask[i, width - n :] = 1
+        self.input_ids = ids.to(device)  # [B, T]: prompt, then one column per step
+        self.prompt_width = width
+        mask = mask.to(device)
+        self.position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, T]
+        # HF drops an all-ones mask (no padding), which selects a different attention path.
+        self.attention_mask: torch.Tensor | None = None if bool((mask == 1).all()) else mask
+        self.cache = DynamicCache(config=hf_model.config.get_text_config(decoder=True))
+
+    @property
+    def live(self) -> int:
+        return sum(1 for s in self.seqs if not s.finished)
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    # ------------------------------------------------------------------ continuous refill
+    def free_slots(self) -> int:
+        """Rows a refill may fill: finished rows, plus growth up to ``max_rows``."""
+        return sum(1 for s in self.seqs if s.finished)
+
+    def can_refill(self) -> bool:
+        """Refill needs caches it can re-align: plain ``DynamicLayer``s (no sliding windows)."""
+        layers = getattr(self.cache, "layers", None)
+        return (
+            self.steps > 0
+            and bool(layers)
+            and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+        )
+
+    def refill(self, seqs: list[SeqState], max_rows: int) -> None:
+        """Prefill ``seqs`` (ONE forward) and merge them into finished rows, growing to ``max_rows``.
+
+        The new rows join the batch's KV cache left-padded to a common length, so the
+        next ``step()`` decodes old and new rows together. Columns padded in every row
+        are dropped, so the cache never grows beyond the longest live history.
+        """
+        assert self.can_refill() and seqs
+        slots = [i for i, s in enumerate(self.seqs) if s.finished]
+        assert len(seqs) <= len(slots) + max_rows - len(self.seqs), "refill beyond free slots"
+        mini = Batch(self.hf_model, self.forward, seqs, self.device)
+        mini.prefill()
+        self._merge(mini, slots[: len(seqs)])
+
+    def _merge(self, mini: Batch, slots: list[int]) -> None:
+        width = max(self.input_ids.shape[1], mini.input_ids.shape[1])
+        a_mask = self._full_mask()
+        b_mask = mini._full_mask()
+
+        def left(t: torch.Tensor, dim: int) -> torch.Tensor:  # left-pad along dim to the common width
+            extra = width - t.shape[dim] if dim != -2 else (width - 1) - t.shape[dim]
+            if extra == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        rows_b = len(mini.seqs)
+        take_new = torch.arange(rows_b)
+        replace = torch.tensor(slots[:rows_b], dtype=torch.long)
+        grow = rows_b - len(slots)
+
+        def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            a = a.clone()
+            n = len(replace)
+            if n:
+                a[replace.to(a.device)] = b[take_new[:n].to(b.device)]
+            return torch.cat([a, b[n:]], dim=0) if grow > 0 else a
+
+        self.input_ids = combine(left(self.input_ids, 1), left(mini.input_ids, 1))
+        self.position_ids = combine(left(self.position_ids, 1), left(mini.position_ids, 1))
+        mask = combine(left(a_mask, 1), left(b_mask, 1))
+        for la, lb in zip(self.cache.layers, mini.cache.layers, strict=True):
+            la.keys = combine(left(la.keys, -2), left(lb.keys, -2))
+            la.values = combine(left(la.values, -2), left(lb.values, -2))
+        for i, seq in zip(slots, mini.seqs, strict=False):
+            self.seqs[i] = seq
+        self.seqs.extend(mini.seqs[len(slots) :])
+        # Drop the leading columns that are padding in every row (finished rows' history included).
+        first = int((mask.cumsum(-1) == 0).sum(-1).min())
+        if first > 0:
+            self.input_ids = self.input_ids[:, first:]
+            self.position_ids = self.position_ids[:, first:]
+            mask = mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[..., first:, :]
+                layer.values = layer.values[..., first:, :]
+        self.attention_mask = mask
+
+    def _full_mask(self) -> torch.Tensor:
+        """The 2D mask over ``input_ids`` columns (materialized when HF would pass None)."""
+        if self.attention_mask is not None:
+            return self.attention_mask
+        return torch.ones(self.input_ids.shape, dtype=torch.long, device=self.device)
+
+    def _model_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
+        kw["attention_mask"] = self.attention_mask
+        if self._takes_positions:
+            kw["position_ids"] = self.position_ids
+        if self._takes_logits_to_keep:
+            kw["logits_to_keep"] = 1
+        return kw
+
+    def prefill(self) -> None:
+        """Run the prompt through the model and choose each row's first token. One forward."""
+        assert self.steps == 0, "prefill runs once"
+        inputs = self.hf_model.prepare_inputs_for_generation(
+            self.input_ids, is_first_iteration=True, **self._model_kwargs()
+        )
+        self._consume(self.forward(**inputs, return_dict=True))
+
+    def step(self) -> None:
+        """Feed the last tokens and choose the next ones. One forward."""
+        assert 0 < self.steps and not self.done, "step needs a prefilled, unfinished batch"
+        inputs = self.hf_model.prepare_inputs_for_generation(
+            self.input_ids, next_sequence_length=1, **self._model_kwargs()
+        )
+        self._consume(self.forward(**inputs, return_dict=True))
+
+    def _consume(self, outputs: Any) -> None:
+        # Same as HF: float32 copy of the last position's logits.
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
+        returned = getattr(outputs, self._cache_kw, None)
+        if returned is not None:
+            self.cache = returned
+        del outputs
+        tokens = select_tokens(
+            logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
+        )
+        want_lp = any(s.params.logprobs for s in self.seqs)
+        lps = chosen_logprobs(logits, tokens, [s.params for s in self.seqs]).tolist() if want_lp else None
+        column = tokens.tolist()
+        for i, s in enumerate(self.seqs):
+            if s.finished:
+                column[i] = s.pad_id  # finished rows are padded, exactly like HF
+                continue
+            s.append(column[i], lps[i] if (lps is not None and s.params.logprobs) else None)
+        new = torch.tensor(column, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        self.input_ids = torch.cat([self.input_ids, new], dim=-1)
+        self.position_ids = torch.cat([self.position_ids, self.position_ids[:, -1:] + 1], dim=-1)
+        if self.attention_mask is not None:
+            ones = self.attention_mask.new_ones((self.attention_mask.shape[0], 1))
+            self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)
+        self.steps += 1
+
+
+def resolve_special_ids(
+    params: SamplingParams, generation_config: Any, tokenizer: Any = None
+) -> tuple[frozenset[int], int]:
+    """EOS ids and pad id for a request: explicit values, else the model's, as HF resolves them."""
+    eos = params.eos_token_id
+    if eos is None:
+        eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    pad = params.pad_token_id
+    if pad is None:
+        pad = getattr(generation_config, "pad_token_id", None)
+    if pad is None and eos_list:
+        pad = eos_list[0]  # HF: pad falls back to the first EOS id
+    if pad is None and tokenizer is not None:
+        pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = 0  # no EOS and no pad anywhere: rows never finish early, the pad is only padding
+    return frozenset(eos_list), int(pad)

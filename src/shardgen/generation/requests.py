@@ -1,0 +1,209 @@
+"""Requests and results: turning a user's prompt and options into a decoder ``SeqState``.
+
+Validation happens here, in the caller's thread, so a bad request raises
+``ValueError`` for that call only and never reaches the driver; so does filling
+the fields the user left unset from the model's ``generation_config``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardgen.config import SamplingParams, context_length
+from shardgen.generation.decode import SeqState, StopCheck, resolve_special_ids
+from shardgen.generation.sampling import make_generator
+
+
+@dataclass
+class Completion:
+    """What one request produced."""
+
+    token_ids: list[int]
+    """Generated ids, the first EOS included, no padding."""
+    finish_reason: str
+    """``eos`` (an EOS id was generated), ``stop`` (a stop string appeared; the token completing it
+    is the last one) or ``length`` (``max_new_tokens`` reached)."""
+    prompt_token_ids: list[int]
+    text: str | None = None
+    """The generated text (special tokens skipped), when the engine has a tokenizer."""
+    logprobs: list[float] | None = None
+    """log p of each generated token under ``softmax(logits / temperature)`` (``raw_logprobs``:
+    untempered), when asked for."""
+    seed: int | None = None
+    """The sampling seed used (sampled requests)."""
+    rank: int = 0
+    """The rank whose driver decoded it."""
+
+
+@dataclass(eq=False)  # identity semantics: requests live in sets
+class Request:
+    """A validated request travelling from the user thread to the driver."""
+
+    seq: SeqState
+    future: Future = field(default_factory=Future)
+
+
+def build_request(
+    prompt_ids: Seq[int] | torch.Tensor,
+    params: SamplingParams,
+    *,
+    model_config: Any,
+    generation_config: Any,
+    tokenizer: Any = None,
+) -> Request:
+    """Validate one request and make its ``SeqState``. Raises ``ValueError`` with the numbers.
+
+    The one validation point: unset fields take the model's ``generation_config``, then the
+    library defaults (``SamplingParams.resolved``), and the result is checked.
+    """
+    params = params.resolved(generation_config)
+    params.validate()
+    ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+    if not ids:
+        raise ValueError("empty prompt: a request needs at least one prompt token")
+    vocab = getattr(model_config, "vocab_size", None)
+    if isinstance(vocab, int) and any(t < 0 or t >= vocab for t in ids):
+        bad = next(t for t in ids if t < 0 or t >= vocab)
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+    n_ctx = context_length(model_config)
+    if n_ctx is not None and len(ids) + params.max_new_tokens > n_ctx:
+        raise ValueError(
+            f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's "
+            f"context of {n_ctx} tokens"
+        )
+    eos, pad = resolve_special_ids(params, generation_config, tokenizer)
+    seed = params.seed
+    gen = None
+    if params.do_sample:
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**63)
+            params = params.replace(seed=seed)
+        gen = make_generator(seed)
+    stop_check = None
+    if params.stop:
+        if tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: Engine(model, tokenizer=...)")
+        stop_check = stop_string_check(tokenizer, list(params.stop))
+    seq = SeqState(
+        prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check
+    )
+    req = Request(seq=seq)
+    seq.tag = req
+    return req
+
+
+def stop_string_check(tokenizer: Any, stops: list[str]) -> StopCheck:
+    """A check that is True once the decoded text of the generated ids contains a stop string.
+
+    Called after every appended token, so the first token whose text completes a stop string
+    ends the request. Only the tail is decoded: a stop string of L bytes spans at most L tokens
+    (every token decodes to at least one byte), plus one for a character split across tokens.
+    """
+    window = max(len(s.encode()) for s in stops) + 1
+
+    def check(tokens: list[int]) -> bool:
+        text = tokenizer.decode(tokens[-window:], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    return check
+
+
+def build_requests(
+    prompts: list[list[int]],
+    params: SamplingParams | None,
+    overrides: dict[str, Any],
+    *,
+    model_config: Any,
+    generation_config: Any,
+    tokenizer: Any = None,
+) -> list[Request]:
+    """One request per prompt from ``params`` (None: defaults) with ``overrides`` on top.
+
+    ``overrides["seed"]`` may be a list, one seed per prompt. Raises ``ValueError``.
+    """
+    if params is not None and not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    overrides = dict(overrides)
+    seeds = overrides.pop("seed", params.seed if params is not None else None)
+    if isinstance(seeds, (list, tuple)):
+        if len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+    else:
+        seeds = [seeds] * len(prompts)
+    base = (params if params is not None else SamplingParams()).replace(**overrides)
+    return [
+        build_request(
+            p,
+            base.replace(seed=s),
+            model_config=model_config,
+            generation_config=generation_config,
+            tokenizer=tokenizer,
+        )
+        for p, s in zip(prompts, seeds, strict=True)
+    ]
+
+
+def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
+    """A prompt (text, ids or a tensor of ids) as a list of ids. Raises ``ValueError``."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: Engine(model, tokenizer=...)")
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, torch.Tensor):
+        return [int(t) for t in prompt.reshape(-1).tolist()]
+    return [int(t) for t in prompt]
+
+
+def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's real ids from an HF-style left-padded ``[B, T]`` batch. Raises ``ValueError``."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    return [ids[m.bool()] for ids, m in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
+
+
+def padded_output(input_ids: torch.Tensor, reqs: list[Request], done: list[Completion]) -> torch.Tensor:
+    """HF ``generate()``'s output: the input columns, then each generation padded with its pad id."""
+    width = max(len(c.token_ids) for c in done)
+    out = torch.empty((input_ids.shape[0], input_ids.shape[1] + width), dtype=torch.long)
+    out[:, : input_ids.shape[1]] = input_ids.cpu()
+    for i, (r, c) in enumerate(zip(reqs, done, strict=True)):
+        out[i, input_ids.shape[1] :] = r.seq.pad_id
+        out[i, input_ids.shape[1] : input_ids.shape[1] + len(c.token_ids)] = torch.tensor(c.token_ids)
+    return out.to(input_ids.device)
+
+
+def completion_of(seq: SeqState, tokenizer: Any, rank: int) -> Completion:
+    text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else None
+    return Completion(
+        token_ids=list(seq.tokens),
+        finish_reason=seq.finish_reason or "length",
+        prompt_token_ids=list(seq.prompt_ids),
+        text=text,
+        logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+        seed=seq.params.seed if seq.params.do_sample else None,
+        rank=rank,
+    )
+
+
+def resolve_future(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a future once; a race with another thread's resolution is not an error."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)

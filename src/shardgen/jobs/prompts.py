@@ -1,0 +1,183 @@
+"""Prompts files: read one, check every line, and turn each into a validated ``SamplingParams``.
+
+A prompts file is JSONL (one object a line: ``id``, ``prompt`` and optional generation fields
+named like the ``SamplingParams`` fields) or plain text (one prompt a line; the ids are the line
+numbers). Each line becomes a :class:`PromptRecord` whose ``params`` is the request's final
+``SamplingParams`` (job flags, then the line's own fields), built and validated here once, by
+``SamplingParams.replace`` and ``SamplingParams.validate``; the rest of the job passes that
+object on unchanged. A bad line raises ``JobError(BAD_PROMPTS)`` naming ``file:line``.
+Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from shardgen.config import JobConfig, SamplingParams
+from shardgen.errors import ExitCode, JobError
+from shardgen.jobs.journal import id_key
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+ID_FIELDS = ("id", "prompt")
+
+
+@dataclass
+class PromptRecord:
+    """One validated prompt line."""
+
+    id: str | int
+    prompt: str
+    params: SamplingParams
+    """The request's settings: job flags, then the line's own fields (validated)."""
+    line: int
+
+
+def read_prompts(
+    path: str, cfg: JobConfig | None = None, base: SamplingParams | None = None
+) -> list[PromptRecord]:
+    """Read and validate the whole prompts file; raise ``JobError`` naming ``file:line``.
+
+    ``cfg`` gives the job's ``temperature`` and ``seed`` (default: greedy, seed 0), ``base`` the
+    job's sampling flags (default: ``SamplingParams()``). Blank lines are skipped. A file is JSONL
+    when its name ends in .jsonl/.ndjson/.json or its first non-blank line starts with ``{``;
+    otherwise each line is one prompt.
+    """
+    temperature, seed = (cfg.temperature, cfg.seed) if cfg is not None else (None, 0)
+    base = base if base is not None else SamplingParams()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise JobError(ExitCode.NO_PROMPTS, f"prompts file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError(ExitCode.NO_PROMPTS, f"cannot read prompts file {path}: {e}") from None
+    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    if not numbered:
+        raise JobError(ExitCode.NO_PROMPTS, f"prompts file is empty: {path}")
+    is_jsonl = path.endswith(JSONL_SUFFIXES) or numbered[0][1].lstrip().startswith("{")
+    seen: dict[str, int] = {}
+    out = []
+    for n, line in numbered:
+        where = f"{path}:{n}"
+        rid, prompt, options = _parse_line(line, n, where, seen) if is_jsonl else (n, line, {})
+        try:
+            params = request_params(base, options, rid, temperature=temperature, seed=seed)
+        except ValueError as e:
+            raise JobError(ExitCode.BAD_PROMPTS, f"{where}: {e}") from None
+        out.append(PromptRecord(id=rid, prompt=prompt, params=params, line=n))
+    return out
+
+
+def _parse_line(line: str, n: int, where: str, seen: dict[str, int]) -> tuple[str | int, str, dict]:
+    """(id, prompt, generation fields) of one JSONL line, its JSON types checked."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: expected a JSON object, got {_json_type(obj)}")
+    hints = typing.get_type_hints(SamplingParams)
+    allowed = set(ID_FIELDS) | set(hints)
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise JobError(
+            ExitCode.BAD_PROMPTS,
+            f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
+            f"(allowed: {', '.join(sorted(allowed))})",
+        )
+    if "prompt" not in obj:
+        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: missing 'prompt'")
+    if not isinstance(obj["prompt"], str):
+        raise JobError(
+            ExitCode.BAD_PROMPTS, f"{where}: 'prompt' must be a string, got {_json_type(obj['prompt'])}"
+        )
+    rid = obj.get("id", n)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise JobError(
+            ExitCode.BAD_PROMPTS, f"{where}: 'id' must be a string or an integer, got {_json_type(rid)}"
+        )
+    key = id_key(rid)
+    if key in seen:
+        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: duplicate id {rid!r} (first on line {seen[key]})")
+    seen[key] = n
+    options = {k: v for k, v in obj.items() if k not in ID_FIELDS}
+    for name, value in options.items():  # JSON types only; the values are SamplingParams' to judge
+        if not _type_ok(value, hints[name]):
+            raise JobError(
+                ExitCode.BAD_PROMPTS,
+                f"{where}: field {name!r} must be {_type_name(hints[name])}, got {_json_type(value)}",
+            )
+    return rid, obj["prompt"], options
+
+
+def request_params(
+    base: SamplingParams,
+    options: dict[str, Any],
+    rid: str | int,
+    *,
+    temperature: float | None = None,
+    seed: int = 0,
+) -> SamplingParams:
+    """A request's SamplingParams: the job's (``base``, ``temperature``, ``seed``), then ``options``.
+
+    As with ``--temperature``, a ``temperature`` > 0 means sampling and 0 greedy, unless the line
+    sets ``do_sample`` itself; with neither, the model's ``generation_config`` decides. A request
+    that may sample and has no ``seed`` gets :func:`derive_seed` (unused if it turns out greedy).
+    Raises ``ValueError`` (from ``SamplingParams.replace``/``validate``).
+    """
+    opts = dict(options)
+    temperature = opts.pop("temperature", temperature)
+    do_sample = opts.pop("do_sample", None if temperature is None else temperature > 0)
+    if temperature is not None and temperature <= 0 and not do_sample:
+        temperature = None  # greedy: no temperature applies (sampling at 0 fails validation)
+    params = base.replace(**opts, do_sample=do_sample, temperature=temperature)
+    if params.do_sample is not False and params.seed is None:
+        params = params.replace(seed=derive_seed(seed, rid))
+    params.validate()
+    return params
+
+
+def derive_seed(base_seed: int, rid: str | int) -> int:
+    """A request's sampling seed from the job seed and its id (63 bits; the same on every rank)."""
+    digest = hashlib.blake2b(f"{base_seed}\0{id_key(rid)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Does a JSON value fit a (simple) annotation: int, float, bool, str, X | None, list[int]?"""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", type(None): "null"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
