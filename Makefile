@@ -26,7 +26,7 @@ lint: $(STAMP)
 # Two workers, one test file each at a time: the multi-rank tests wait on sockets and timers
 # as much as they compute, and a file keeps its spawned worlds on one worker.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not bigworld"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not bigworld and not long"
 
 demo: $(STAMP)
 	$(BIN)/shardgen demo
@@ -37,7 +37,7 @@ N ?= 1000
 SEED0 ?= 0
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz.py --n $(N) --seed0 $(SEED0) --json fuzz-summary.json
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m bigworld tests/test_faults.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "bigworld or long" tests/test_faults.py tests/test_journal_faults.py
 	$(BIN)/python tests/two_agents.py 10
 
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.

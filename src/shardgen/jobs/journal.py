@@ -65,6 +65,10 @@ class Journal:
         self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
+        # Removed under us, the file would take results nobody can read back: fail now, while
+        # the other journals hold everything but this rank's lost lines (--resume redoes them).
+        if os.fstat(self._f.fileno()).st_nlink == 0:
+            raise OSError(f"journal {self.path} was removed while the job ran")
 
     def close(self) -> None:
         self._f.close()
@@ -113,10 +117,15 @@ def include_out_file(out: str, resume: bool) -> bool:
 def atomic_write_text(path: str, lines: Iterator[str] | Sequence[str]) -> None:
     """Write ``path`` via ``path.tmp``, fsync and ``os.replace``: readers see the old file or the new one."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for line in lines:
-            f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. ENOSPC: leave the old file (or none) and no half-written temp
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     _fsync_dir(path)
