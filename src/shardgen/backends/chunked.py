@@ -185,22 +185,31 @@ def plain_type(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
-def vocab_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the input embeddings and the LM head when they can be chunked: a plain
-    ``nn.Embedding`` (no ``max_norm``) and a bias-free plain ``nn.Linear``. Not collective."""
-    out: list[tuple[str, nn.Module]] = []
+def io_embeddings(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """``(name, module, chunkable)`` of the input embeddings and the LM head, of any class (a
+    module both returns: once). ``chunkable``: a plain ``nn.Embedding`` (no ``max_norm``) /
+    bias-free plain ``nn.Linear``, which :func:`embedding_forward` / :func:`linear_forward`
+    compute exactly; any other (a scaled-embedding subclass, a head with a bias) is gathered
+    whole. Not collective."""
+    out: list[tuple[str, nn.Module, bool]] = []
     names = {id(m): n for n, m in model.named_modules()}
     for getter, kind in (("get_input_embeddings", nn.Embedding), ("get_output_embeddings", nn.Linear)):
         try:
             m = getattr(model, getter)()
         except (AttributeError, NotImplementedError):
             m = None
-        if m is None or id(m) not in names or plain_type(m) is not kind:
+        if m is None or id(m) not in names or any(m is o for _, o, _ in out):
             continue
-        if getattr(m, "max_norm", None) is not None or getattr(m, "bias", None) is not None:
-            continue
-        out.append((names[id(m)], m))
+        ok = plain_type(m) is kind
+        ok = ok and getattr(m, "max_norm", None) is None and getattr(m, "bias", None) is None
+        out.append((names[id(m)], m, ok))
     return out
+
+
+def vocab_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the input embeddings and the LM head when they can be chunked
+    (:func:`io_embeddings`). Not collective."""
+    return [(name, m) for name, m, ok in io_embeddings(model) if ok]
 
 
 class ChunkedModules:

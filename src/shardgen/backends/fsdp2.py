@@ -2,9 +2,10 @@
 on shardgen's own group.
 
 Units (:func:`shard_model`): one per decoder layer, one for the input embeddings and one
-for the LM head (one unit for both when they share a tied weight: it stays one
-parameter), and the root, which then holds only the small rest (final norm). So nothing
-big stays gathered between forwards (FSDP2 keeps the root unit gathered).
+for the LM head, whatever their class (one unit for both when they share a tied weight: it
+stays one parameter; :func:`vocab_units`), and the root, which then holds only the small
+rest (final norm). So nothing big stays gathered between forwards (FSDP2 keeps the root
+unit gathered).
 
 Collective contract: ``create`` shards on ``param_group`` (every rank, same order).
 Each forward all-gathers every FSDP unit in module call order (root first, then each
@@ -30,6 +31,7 @@ from shardgen.backends.chunked import (
     chunk_budget,
     chunked_modules,
     hook_ids,
+    io_embeddings,
     vocab_modules,
 )
 from shardgen.backends.replica import Replica
@@ -73,14 +75,34 @@ def shard_model(model: nn.Module, mesh: Any) -> None:
     inside = {id(m) for layer in layers for m in layer.modules()}
     for layer in layers:
         fully_shard(layer, mesh=mesh)
-    vocab = [m for _, m in vocab_modules(model) if id(m) not in inside]
-    if len(vocab) == 2 and vocab[0].weight is vocab[1].weight:
-        fully_shard(vocab, mesh=mesh)  # tied: one unit, one parameter
-    else:
-        for m in vocab:
-            fully_shard(m, mesh=mesh)
+    for unit in vocab_units(model, inside):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     model._shardgen_sharded = True
+
+
+def vocab_units(model: nn.Module, inside: set[int]) -> list[list[nn.Module]]:
+    """The FSDP units of the input embeddings and the LM head, of any class (chunked or not,
+    ``chunked.io_embeddings``), outside the decoder layers (``inside``: ids of their modules).
+
+    Each is a unit of its own, but modules sharing a parameter (tied embeddings) are one unit,
+    so the weight stays one parameter: FSDP2 refuses a parameter shared between two units.
+    A unit whose parameter another module outside it shares (or one module nested in the
+    other) stays in the root. Not collective."""
+    mods = [m for _, m, _ in io_embeddings(model) if id(m) not in inside and m is not model]
+    if len(mods) == 2 and (mods[0] in mods[1].modules() or mods[1] in mods[0].modules()):
+        return []  # one inside the other: both stay in the root
+    own = {id(m): {id(p) for p in m.parameters()} for m in mods}
+    units: list[list[nn.Module]] = []
+    for m in mods:
+        tied = next((u for u in units if any(own[id(m)] & own[id(o)] for o in u)), None)
+        if tied is not None:
+            tied.append(m)  # one unit, one parameter
+        else:
+            units.append([m])
+    ours = {id(s) for m in mods for s in m.modules()}
+    rest = {id(p) for s in model.modules() if id(s) not in ours for p in s.parameters(recurse=False)}
+    return [u for u in units if not any(own[id(m)] & rest for m in u)]
 
 
 def layer_bytes(model: nn.Module) -> int:
@@ -91,8 +113,11 @@ def layer_bytes(model: nn.Module) -> int:
 
 def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> ChunkedModules | None:
     """The chunked embeddings / head of a model :func:`shard_model` sharded (None when there are
-    none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`. Not collective."""
+    none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`. A module is
+    chunked only if every module of its unit is: a head tied to a scaled embedding is gathered
+    whole with it (the embedding's forward unshards their unit). Not collective."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
     budget = chunk_budget(chunk_bytes, layer_bytes(model))
@@ -101,10 +126,15 @@ def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> 
     world = dist.get_world_size(param_group)
     weights: dict[str, tuple[nn.Module, FlatWeight]] = {}
     handles: list[Any] = []
+    chunkable = {id(m) for _, m in vocab_modules(model)}
     for name, m in vocab_modules(model):
         w = m.weight
-        if not isinstance(w, DTensor) or w.placements != (Shard(0),) or w.ndim != 2:
+        if not isinstance(m, FSDPModule) or not isinstance(w, DTensor):
+            continue  # in the root unit (vocab_units)
+        if w.placements != (Shard(0),) or w.ndim != 2:
             continue
+        if any(id(o) not in chunkable for o in m._get_fsdp_state()._modules):
+            continue  # tied to a module gathered whole (a scaled embedding): the unit is gathered whole
         rows = -(-w.shape[0] // world)  # torch.chunk along dim 0, as FSDP2 shards
         local = lambda m=m: m.weight.to_local().reshape(-1)
         weights[name] = (
