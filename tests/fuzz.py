@@ -148,9 +148,11 @@ def fuzz(n: int, seed0: int = 0, log: Any = print) -> dict[str, Any]:
             counts["faults" if s["fault"] else "fault_free"] += 1
             if kind != "ok":
                 failures.append({"seed": s["seed"], "result": result[:4000]})
+            counts[f"gather={s['gather']}"] += 1
             desc = f"fault={s['fault']['kind']}@rank{s['fault']['victim']}" if s["fault"] else "no fault"
-            log(f"seed {s['seed']}: world {s['world']}, {desc}: {kind}" + (f" ({took:.1f}s)" if took else ""))
-    except KeyboardInterrupt:  # Ctrl-C: report the schedules run so far
+            took_s = f" ({took:.1f}s)" if took else ""
+            log(f"seed {s['seed']}: world {s['world']}, gather {s['gather']}, {desc}: {kind}{took_s}")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (see main): report the schedules run so far
         interrupted = True
     finally:
         worlds.close()
@@ -165,6 +167,7 @@ def fuzz(n: int, seed0: int = 0, log: Any = print) -> dict[str, Any]:
         "wrong_tokens": counts["wrong"],
         "misattributed": counts["misattributed"],
         "other_errors": counts["error"],
+        "by_gather": {k.split("=", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("gather=")},
         "max_fault_to_exit_s": round(max(detect), 2) if detect else None,
         "wall_s": round(time.monotonic() - t_start, 1),
         "failures": failures,
@@ -178,6 +181,10 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the summary here")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Stopped by SIGINT or SIGTERM, still write the summary: a run started in the background has
+    # SIGINT ignored (so it is restored here), and a job system's stop is a SIGTERM.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     summary = fuzz(args.n, args.seed0, log=lambda m: print(m, flush=True))
     text = json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=1)
     print(text)

@@ -1,8 +1,8 @@
 """Random schedules for the fuzzer (``make fuzz``, tests/test_fuzz.py), reproducible from a seed.
 
-A schedule is what every rank's user thread does with one engine: generate calls
-(batch shapes, lengths, EOS steps), sleeps, the user's own collectives on the default
-group (barrier, all_reduce) and ``paused()`` blocks with a training step, then
+A schedule is what every rank's user thread does with one engine (its gather mode drawn per
+schedule): generate calls (batch shapes, lengths, EOS steps), sleeps, the user's own collectives
+on the default group (barrier, all_reduce) and ``paused()`` blocks with a training step, then
 ``close()`` after a random delay (so ranks close in a random order). Collectives are
 made by every rank the same number of times in the same order, as real programs do;
 the calls between them differ per rank. In a share of schedules one rank suffers a
@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 FAULTS = ("sigkill", "sigstop", "raise")
+GATHERS = ("per-layer", "once", "auto")  # EngineConfig.gather, one per schedule
 
 
 def make_schedule(seed: int, fault_share: float = 0.25, world: int | None = None) -> dict[str, Any]:
@@ -68,7 +69,10 @@ def make_schedule(seed: int, fault_share: float = 0.25, world: int | None = None
                 # keep the order: a later collective goes after the earlier ones
             ops = _ordered(ops, syncs)
         ranks.append({"ops": ops, "close_delay": round(rng.random() * 0.6, 2)})
-    return {"seed": seed, "world": world, "fault": fault, "ranks": ranks, "stall_timeout": 4.0}
+    # From an RNG of its own, so that adding the draw left every older seed's schedule as it was.
+    gather = random.Random(f"gather:{seed}").choice(GATHERS)
+    return {"seed": seed, "world": world, "fault": fault, "ranks": ranks, "stall_timeout": 4.0,
+            "gather": gather}  # fmt: skip
 
 
 def _ordered(ops: list[dict[str, Any]], syncs: list[str]) -> list[dict[str, Any]]:
@@ -96,6 +100,7 @@ def run_schedule(sched: dict[str, Any], rank: int, event: Any = None) -> dict[st
     eng = shardgen.Engine(
         tiny_model("llama", seed=model_seed),
         backend="fsdp2",
+        gather=sched["gather"],
         stall_timeout=sched["stall_timeout"],
         init_timeout=30.0,
         max_batch_size=1 + sched["seed"] % 4,
