@@ -109,6 +109,64 @@ def scenario_load_and_generate(
     )
 
 
+def _process_state() -> dict:
+    """What a load must leave as it found it: the default dtype and device, the tensor
+    constructors and ``nn.Module`` methods ``zero.Init`` patches, ``F.linear``, DeepSpeed's
+    ``zero.Init`` nesting."""
+    import sys
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    state = {"default dtype": torch.get_default_dtype(), "default device": torch.get_default_device()}
+    for name in ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn"):
+        state[f"torch.{name}"] = getattr(torch, name)
+    state["Tensor.__new__"] = torch.Tensor.__new__
+    state["Module.apply"] = nn.Module.apply
+    state["Module.__init_subclass__"] = nn.Module.__init_subclass__
+    state["F.linear"] = F.linear
+    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if pp is not None:
+        state["zero_init_context"] = pp.zero_init_context
+        state["top_level_context"] = pp.top_level_context
+    return state
+
+
+def scenario_dtype_sequence(path: str, backend: str, dtypes: list[str], fp16_supported: bool | None = None):
+    """``Engine.from_pretrained(path, dtype=d)`` for each ``d`` in turn, in this process: per load,
+    ``(d, parameter dtypes, shard dtypes, process-wide state the load changed)``.
+
+    ``fp16_supported``: what DeepSpeed's accelerator answers to ``is_fp16_supported()`` meanwhile
+    (a CPU without AVX512-FP16 / AMX-FP16 answers False); None leaves its real answer.
+    """
+    acc = None
+    if fp16_supported is not None:
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        acc.is_fp16_supported = lambda: fp16_supported  # instance attribute: deleted below
+    out = []
+    try:
+        for dtype in dtypes:
+            before = _process_state()
+            with shardgen.Engine.from_pretrained(path, backend=backend, dtype=dtype) as engine:
+                params = list(engine.model.parameters())
+                dtypes_seen = sorted({str(p.dtype) for p in params})
+                shards = sorted(
+                    {
+                        str(p.ds_tensor.dtype if hasattr(p, "ds_tensor") else p.to_local().dtype)
+                        for p in params
+                    }
+                )
+            after = _process_state()
+            changed = sorted(k for k in before if k not in after or after[k] != before[k])
+            out.append((dtype, dtypes_seen, shards, changed))
+    finally:
+        if acc is not None:
+            del acc.is_fp16_supported
+    return out
+
+
 def scenario_write(path: str, **kw) -> None:
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
         write_checkpoint(path, **kw)

@@ -12,7 +12,12 @@ import os
 
 import pytest
 import torch
-from loading_scenarios import scenario_hf_zero3, scenario_load_and_generate, write_checkpoint
+from loading_scenarios import (
+    scenario_dtype_sequence,
+    scenario_hf_zero3,
+    scenario_load_and_generate,
+    write_checkpoint,
+)
 from world import World
 
 from shardgen.loading import pretrained as loading
@@ -180,6 +185,31 @@ def test_sharded_loading_memory_and_outputs(ckpts, lworld, backend):
             assert min(res["chunks"].values()) >= 4, res["chunks"]
     if backend == "deepspeed":  # issue 10's seed path: HfDeepSpeedConfig + from_pretrained
         assert world.run(scenario_hf_zero3, ckpts["untied-index"], True, timeout=120) == [True] * N
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "backend, fp16_supported",
+    [
+        ("fsdp2", None),
+        ("deepspeed", None),
+        pytest.param("deepspeed", False, id="deepspeed-accelerator-without-fp16"),
+    ],
+)
+def test_every_load_in_a_process_gets_the_dtype_asked_for(ckpts, lworld, backend, fp16_supported):
+    """Several models loaded one after the other in the same ranks, in every order of dtypes: each
+    in the dtype asked for (parameters and shards), and nothing process-wide left changed (the
+    default dtype, the constructors zero.Init patches, ...). Without fp16 on the accelerator (a
+    CPU without AVX512-FP16), DeepSpeed 0.19.8's zero.Init turned every explicit dtype into bf16."""
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    order = ["bfloat16", "float32", "bfloat16", "float16", "float32"]
+    runs = lworld.run(
+        scenario_dtype_sequence, ckpts["tied-single"], backend, order, fp16_supported, timeout=120
+    )
+    want = [(d, [f"torch.{d}"], [f"torch.{d}"], []) for d in order]
+    for r, res in enumerate(runs):
+        assert [tuple(x) for x in res] == want, (r, res)
 
 
 # ----------------------------------------------------------------------------- gather="auto" inputs

@@ -24,7 +24,8 @@ The result is a model partitioned on ``param_group`` with no DeepSpeed engine; t
 deepspeed backend adopts it (installs the hooks, lockstep coordinator) without moving
 anything. Collectives: none (step 2 removed the only ones); every rank of
 ``param_group`` calls :func:`load_deepspeed` from the engine constructor, same model.
-DeepSpeed 0.19.8: ``Init._zero_init_param`` is the overridden method.
+DeepSpeed 0.19.8: ``Init._zero_init_param`` is the overridden method; the base class is
+``internals.init_class`` (``zero.Init`` taking the dtype it is given on every accelerator).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ log = get_logger()
 
 
 def _load_init_class(deepspeed: Any) -> type:
-    class _LoadInit(deepspeed.zero.Init):
+    from shardgen.backends.deepspeed.internals import init_class
+
+    class _LoadInit(init_class(deepspeed)):
         """``zero.Init`` without the per-parameter broadcast (the checkpoint overwrites every value)."""
 
         def _zero_init_param(self, param: nn.Parameter) -> None:

@@ -73,6 +73,34 @@ def enum_str(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
+# ----------------------------------------------------------------------------- zero.Init
+def init_class(deepspeed) -> type:
+    """``deepspeed.zero.Init``, building in the ``dtype`` it is given whatever the accelerator.
+
+    0.19.8's ``InsertPostInitMethodToModuleSubClasses._set_dtype`` (partition_parameters.py)
+    takes an explicit dtype as ``dtype or torch.float16 if accelerator.is_fp16_supported() else
+    torch.bfloat16 if ...``, which parses as ``(dtype or fp16) if fp16 else bf16``: where the
+    accelerator has no fp16 (DeepSpeed's CPU accelerator on a CPU without AVX512-FP16 /
+    AMX-FP16) every dtype, float32 included, becomes bfloat16, and the context's tensor
+    constructors cast every parameter to it. Here an explicit dtype is the dtype; without one,
+    DeepSpeed decides as before (the config's bf16 / fp16 sections). Not collective.
+    """
+
+    class Init(deepspeed.zero.Init):
+        def __init__(self, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, dtype=dtype, **kwargs)
+            if dtype is not None and self.dtype != dtype:  # _set_dtype renamed by an upgrade?
+                raise RuntimeError(f"zero.Init chose {self.dtype} where shardgen asked for {dtype}")
+
+        def _set_dtype(self, ds_config: Any, dtype: torch.dtype | None) -> None:
+            if dtype is None:
+                super()._set_dtype(ds_config, dtype)
+            else:
+                self.dtype = dtype
+
+    return Init
+
+
 # ----------------------------------------------------------------------------- trace check switch
 def install_trace_check_switch() -> None:
     """Wrap the coordinator's cross-rank trace check so shardgen's forwards can skip it.

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardgen.backends.deepspeed.internals import enum_str
+from shardgen.backends.deepspeed.internals import enum_str, init_class
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -136,7 +136,7 @@ def partition(model: torch.nn.Module, param_group: Any, device: torch.device, ds
             if buf is not None:
                 sub._buffers[key] = buf.to(device)
 
-    deepspeed.zero.Init(module=model, data_parallel_group=param_group, config_dict_or_path=cfg, dtype=dtype)
+    init_class(deepspeed)(module=model, data_parallel_group=param_group, config_dict_or_path=cfg, dtype=dtype)
     offload_cfg = zc.offload_param
     offload = DeepSpeedZeRoOffload(
         model,
