@@ -53,22 +53,45 @@ def check_model(path: str) -> None:
     """Raise ``JobError(BAD_MODEL)`` unless ``path`` is a readable HF model folder (or a cached model id)."""
     if os.path.isdir(path):
         cfg_file = os.path.join(path, "config.json")
+        where = f"cannot read model at {path}"
+        if not os.path.exists(cfg_file):
+            raise JobError(ExitCode.BAD_MODEL, f"{where}: no config.json in it (not a HF model folder)")
         try:
             with open(cfg_file, encoding="utf-8") as f:
                 json.load(f)
-        except (OSError, ValueError) as e:
-            raise JobError(ExitCode.BAD_MODEL, f"cannot read model at {path}: {cfg_file}: {e}") from None
+        except OSError as e:
+            raise JobError(ExitCode.BAD_MODEL, f"{where}: {cfg_file}: {e.strerror}") from None
+        except ValueError as e:
+            raise JobError(ExitCode.BAD_MODEL, f"{where}: {cfg_file} is not valid JSON ({e})") from None
         return
-    if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
-        raise JobError(ExitCode.BAD_MODEL, f"cannot read model at {path}: not a model folder")
+    if os.path.exists(path):
+        raise JobError(ExitCode.BAD_MODEL, f"cannot read model at {path}: a file, not a model folder")
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise JobError(ExitCode.BAD_MODEL, f"model path {path} does not exist")
     try:  # a hub id: accept it only from the local cache (never download here)
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means "cannot read"
         raise JobError(
-            ExitCode.BAD_MODEL, f"cannot read model {path!r}: no such folder ({type(e).__name__})"
+            ExitCode.BAD_MODEL,
+            f"model {path!r} does not exist: no such folder, nor a model in the local Hugging Face "
+            f"cache ({type(e).__name__})",
         ) from None
+
+
+def model_vocab_size(path: str) -> int | None:
+    """The vocabulary size in the config of the model folder ``path`` (None: no folder, no
+    readable config, or no ``vocab_size`` in it; ``check_model`` says what is wrong)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for c in (cfg, cfg.get("text_config") or {}) if isinstance(cfg, dict) else ():
+        if isinstance(c, dict) and isinstance(c.get("vocab_size"), int):
+            return c["vocab_size"]
+    return None
 
 
 # ---------------------------------------------------------------------------------- merge
@@ -334,9 +357,7 @@ def _serve(
         done.clear()
         if away and inflight:
             away = False
-            log.warning(
-                "rank %d: main thread steps away for %.1fs (its driver keeps serving)", rank, cfg.away_s
-            )
+            log.info("rank %d: main thread steps away for %.1fs (its driver keeps serving)", rank, cfg.away_s)
             time.sleep(cfg.away_s)
         if not inflight:
             if claimer.exhausted or not claims:
