@@ -588,3 +588,16 @@ def test_model_path_messages(tmp_path):
     assert "no config.json" in folder and "Errno" not in folder, folder
     (tmp_path / "config.json").write_text("{")
     assert "not valid JSON" in said(str(tmp_path))
+
+
+def test_a_claim_leaves_the_others_their_share():
+    """20 prompts, 2 ranks, 16 free slots each: 10 and 5 first, not 16 and 4; every prompt once."""
+    store = DictStore()
+    c0, c1 = (jobs.Claimer(store, "k", 20, ranks=2) for _ in range(2))
+    got = [len(c0.claim(16)), len(c1.claim(16)), len(c0.claim(16)), len(c1.claim(16))]
+    assert got == [10, 5, 3, 1], got
+    while not (c0.exhausted and c1.exhausted):
+        got += [len(c0.claim(16)), len(c1.claim(16))]
+    assert sum(got) == 20
+    assert len(jobs.Claimer(DictStore(), "k", 20, ranks=1).claim(16)) == 16  # alone: all it asks for
+    assert len(jobs.Claimer(DictStore(), "k", 2000, ranks=4).claim(16)) == 16  # plenty left: no cap

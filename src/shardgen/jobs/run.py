@@ -122,17 +122,29 @@ def merge_results(records: Sequence[PromptRecord], out: str, *, include_out: boo
 class Claimer:
     """Hands out the indices ``0 .. n-1`` to whichever rank asks first, each exactly once.
 
-    ``claim(k)`` is ONE atomic ``store.add(key, k)``: the new counter value ``v`` gives this
-    caller the indices ``v-k .. v-1`` (cut at ``n``). Not collective; any rank, any time.
+    ``claim(k)`` is ONE atomic ``store.add(key, k')`` (after a read of the counter): the new
+    counter value ``v`` gives this caller the indices ``v-k' .. v-1`` (cut at ``n``). ``k'`` is
+    ``k`` capped at ``ceil(unclaimed / ranks)``, so that what is left is shared among the
+    ``ranks`` claiming ranks: on a small job the first rank to claim does not take a whole batch
+    while the others get the rest (20 prompts, 2 ranks, batch 16: 10 and 5, then smaller claims,
+    not 16 and 4). Not collective; any rank, any time.
     """
 
-    def __init__(self, store: Any, key: str, n: int) -> None:
-        self.store, self.key, self.n = store, key, n
+    def __init__(self, store: Any, key: str, n: int, ranks: int = 1) -> None:
+        self.store, self.key, self.n, self.ranks = store, key, n, max(1, ranks)
         self.exhausted = n == 0
+
+    def share(self) -> int:
+        """The most one claim takes now: ``ceil(unclaimed / ranks)``, at least 1."""
+        if self.ranks == 1:
+            return self.n
+        unclaimed = self.n - int(self.store.add(self.key, 0))
+        return max(1, math.ceil(unclaimed / self.ranks))
 
     def claim(self, k: int) -> range:
         if self.exhausted or k <= 0:
             return range(0)
+        k = min(k, self.share())
         hi = int(self.store.add(self.key, k))
         if hi >= self.n:
             self.exhausted = True
@@ -268,6 +280,7 @@ def run_job(
     progress = Progress(
         store, prefix, total=len(records), initial=resumed, enabled=rank == 0 and not cfg.quiet
     )
+    claimers = len(set(range(world)) - set(cfg.no_claim_ranks))
     t0 = time.perf_counter()
     try:
         report = _serve(
@@ -275,7 +288,7 @@ def run_job(
             engine,
             records,
             pending,
-            Claimer(store, f"{prefix}/next", len(pending)),
+            Claimer(store, f"{prefix}/next", len(pending), ranks=claimers),
             journal,
             store,
             prefix,
