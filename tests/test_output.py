@@ -60,15 +60,15 @@ def test_set_level_this_process_and_the_ranks_it_launches(monkeypatch):
 def test_the_library_logger_is_named_and_a_users_level_wins():
     """``logging.getLogger("shardgen").setLevel(...)`` before importing shardgen is kept."""
     code = (
-        "import logging; logging.getLogger('shardgen').setLevel(logging.INFO)\n"
+        "import logging; logging.getLogger('shardgen').setLevel(logging.DEBUG)\n"
         "from shardgen.log import get_logger\n"
         "assert get_logger() is logging.getLogger('shardgen')\n"
-        "get_logger().info('said at info'); get_logger().debug('not said')\n"
+        "get_logger().debug('said at debug')\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDGEN_LOG", "RANK"))}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
-    assert done.stderr == "[shardgen rank 0] INFO said at info\n", done.stderr
+    assert done.stderr == "[shardgen rank 0] DEBUG said at debug\n", done.stderr
 
 
 def _shown(fn) -> list[str]:
@@ -110,5 +110,5 @@ def test_no_global_filter_at_import():
         "import warnings, shardgen, shardgen.cli.command, shardgen.backends.chunked\n"
         "assert not [f for f in warnings.filters if 'all_gather' in str(f[1])], warnings.filters\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
