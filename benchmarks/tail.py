@@ -2,6 +2,7 @@
 
     python benchmarks/tail.py                          # 400 skewed toy prompts, 4 ranks
     python benchmarks/tail.py --prompts 400 --nproc 4 --rounds 2 --json tail.json
+    python benchmarks/tail.py --prompts 20 --nproc 2 --workloads plain --orders longest
 
 Runs ``shardgen run --nproc N`` on the toy model's skewed prompts with ``--claim-order input``
 and ``--claim-order longest``, rounds interleaved, and reports each run's ``busy_spread``
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--workloads", nargs="+", default=["plain", "bounded"])
+    p.add_argument("--orders", nargs="+", default=["input", "longest"], choices=["input", "longest"])
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more shardgen run flags")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -62,9 +64,9 @@ def main() -> None:
             path = os.path.join(tmp, f"{workload}.jsonl")
             with open(path, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(x) + "\n" for x in lines)
-            results[workload] = {"input": [], "longest": []}
+            results[workload] = {order: [] for order in args.orders}
             for _ in range(args.rounds):
-                for order in ("input", "longest"):
+                for order in args.orders:
                     r = run_job(tmp, path, args.nproc, order, args.extra)
                     results[workload][order].append(r)
                     busy = [round(b, 1) for b in r["busy_s"]]

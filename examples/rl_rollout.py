@@ -11,7 +11,10 @@ sharpens it. Every step:
 1. ``engine.rollout(prompts, n=...)`` (NOT collective): rank r has its own, uneven, share of
    the prompts (rank 0 the most; any count works, zero included), n samples each;
 2. reward per sample: the fraction of the expected numbers it got right, in order (1.0 when
-   exact); advantage = reward - the mean reward of the same prompt's n samples (GRPO-style);
+   exact); advantage = reward - the mean reward of the same prompt's n samples (GRPO-style).
+   A prompt whose n samples all score alike has zero advantages and teaches nothing: at the
+   temperatures the toy model was trained for it answers every prompt right (all 1.0), hence
+   the hot default; each step prints the share of such "flat" prompts;
 3. inside ``with engine.paused():`` (collective), a policy-gradient step on the SAME sharded
    model: -advantage * log p(response token) under ``softmax(logits / T)``, masked by
    ``response_mask``; the next rollout uses the new weights.
@@ -94,9 +97,11 @@ def main() -> None:
             )
             prompts = [p for p in mine for _ in range(args.samples)]
             r = torch.tensor([toy.answer_reward(p, t) for p, t in zip(prompts, b.texts or [], strict=True)])
-            adv = (r.view(-1, args.samples) - r.view(-1, args.samples).mean(-1, keepdim=True)).view(-1)
+            groups = r.view(-1, args.samples)
+            adv = (groups - groups.mean(-1, keepdim=True)).view(-1)
+            flat = (groups.max(-1).values == groups.min(-1).values).sum().item()  # zero advantages
             tokens = torch.tensor([b.response_mask.sum().item()], dtype=torch.float64)
-            stats = torch.tensor([r.sum().item(), float(len(r))], dtype=torch.float64)
+            stats = torch.tensor([r.sum().item(), float(len(r)), flat, groups.shape[0]], dtype=torch.float64)
             with engine.paused():  # collective: every rank, once per step
                 dist.all_reduce(tokens)  # normalize by ALL ranks' tokens: one loss scale everywhere
                 dist.all_reduce(stats)
@@ -114,9 +119,10 @@ def main() -> None:
             history.append(stats[0].item() / stats[1].item())
             if rank == 0:
                 recent = history[-5:]
+                samples, flat, n_groups = (int(x) for x in stats[1:].tolist())
                 print(
                     f"step {step:3d}  reward {history[-1]:.3f}  (last 5: {sum(recent) / len(recent):.3f})  "
-                    f"samples {int(stats[1].item())}  {time.perf_counter() - t0:.1f}s",
+                    f"samples {samples}  flat prompts {flat}/{n_groups}  {time.perf_counter() - t0:.1f}s",
                     flush=True,
                 )
     if rank == 0:

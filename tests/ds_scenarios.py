@@ -21,6 +21,8 @@ _RECS: list[list[tuple]] = []  # active recordings (nested, any thread)
 _REC_LOCK = threading.Lock()
 _GROUP_LABELS: dict[int, str] = {}
 _OPS = (
+    "all_gather_single",  # the chunked gathers' (torch 2.13); all_gather_into_tensor calls it, but
+    # through distributed_c10d's own name, so a DeepSpeed gather is still recorded once
     "all_gather_into_tensor",
     "_all_gather_base",
     "all_gather",

@@ -55,7 +55,7 @@ def test_summary_takes_the_slowest_rank_and_divides_by_the_floor():
 def test_bench_two_ranks_three_methods(tmp_path: Path):
     pytest.importorskip("matplotlib")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "shardgen", "bench", "--world-sizes", "2", "--prompts", "4",
+    cmd = [sys.executable, "-m", "shardgen", "bench", "--world-sizes", "2", "--prompts-per-rank", "4",
            "--batch-size", "2", "--methods", "hf_synced", "sg_fsdp2", "local",
            "--json", "b.json", "--timeline", "b.png"]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

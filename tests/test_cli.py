@@ -8,8 +8,10 @@ die with their parent (``PR_SET_PDEATHSIG``), which the kill tests check.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -132,11 +134,33 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(workdir: Path) -> list[dict]:
+def reference_job(workdir: Path) -> Job:
     """An uninterrupted 2-rank run of prompts.jsonl."""
-    run(["run", "--prompts", "prompts.jsonl", "--out", "ref.jsonl", "--nproc", "2", "--json-summary",
-         "ref-summary.json", "--quiet"], workdir)  # fmt: skip
+    return run(["run", "--prompts", "prompts.jsonl", "--out", "ref.jsonl", "--nproc", "2", "--json-summary",
+                "ref-summary.json", "--quiet"], workdir)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(reference_job: Job, workdir: Path) -> list[dict]:
     return read_results(workdir / "ref.jsonl")
+
+
+def only_progress_bar(stderr: str, desc: str = "shardgen run") -> bool:
+    """True when stderr holds nothing but tqdm's redraws of the progress bar ``desc``."""
+    return all(not x.strip() or x.startswith(f"{desc}:") for x in re.split(r"[\r\n]", stderr))
+
+
+def assert_summary_only(job: Job) -> None:
+    """What a job prints: the progress bar (stderr) and the summary table (stdout), nothing else:
+    no log lines, no third-party warnings, no per-rank output."""
+    assert only_progress_bar(job.stderr), job.output()
+    assert job.stdout.startswith("prompts ") and "results " in job.stdout, job.output()
+    for noise in ("[shardgen rank", "Warning", "built successfully", "Loading weights"):
+        assert noise not in job.stdout + job.stderr, (noise, job.output())
+
+
+def test_quiet_prints_nothing(reference_job: Job) -> None:
+    assert reference_job.stdout == "" and reference_job.stderr == "", reference_job.output()
 
 
 def test_two_rank_job_answers_the_toy_task(workdir: Path, reference: list[dict]) -> None:
@@ -200,6 +224,19 @@ def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dic
     # which replica serves how many depends on timing (a replica that loads late may find none left)
     assert sum(r["prompts"] for r in reps) == len(reference)
     assert "prompts per replica" in job.stdout and "2 x 2 ranks" in job.stdout, job.output()
+    assert_summary_only(job)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_job_prints_the_bar_and_the_summary_only(workdir: Path) -> None:
+    """DeepSpeed's gathers call torch's deprecated all_gather_into_tensor, and its comm layer
+    prints a line per rank as shardgen starts it: neither shows."""
+    lines = (workdir / "prompts.jsonl").read_text().splitlines()[:8]
+    (workdir / "small.jsonl").write_text("".join(x + "\n" for x in lines))
+    args = ["run", "--prompts", "small.jsonl", "--out", "ds.jsonl", "--nproc", "2", "--backend", "deepspeed"]
+    job = run(args, workdir, timeout=240)
+    assert len(read_results(workdir / "ds.jsonl")) == 8
+    assert_summary_only(job)
 
 
 def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) -> None:
@@ -236,7 +273,7 @@ BAD_CASES = {
     "non-string-prompt": (GOOD + '{"id": 2, "prompt": ["x"]}\n', [], 4, ["p.jsonl:2:", "must be a string"]),
     "duplicate-ids": (GOOD + GOOD, [], 4, ["p.jsonl:2:", "duplicate id 1"]),
     "unknown-fields": (GOOD + '{"id": 2, "prompt": "x", "tempo": 1}\n', [], 4, ["p.jsonl:2:", "'tempo'"]),
-    "bad-model": (GOOD, ["--model", "no/such/model/dir"], 5, ["cannot read model"]),
+    "bad-model": (GOOD, ["--model", "no/such/model/dir"], 5, ["model path no/such/model/dir does not exist"]),
     "bad-flag-value": (GOOD, ["--batch-size", "0"], 2, ["--batch-size must be >= 1"]),
     "unwritable-summary": (GOOD, ["--json-summary", "no/such/dir/s.json"], 2, ["not a writable folder"]),
     # validated in the launcher, before torch's launcher starts any rank
@@ -280,5 +317,13 @@ def test_bad_input(bad_runs, case: str) -> None:
 def test_demo_checks_its_answers_and_does_not_hang(tmp_path: Path) -> None:
     job = run(["demo", "--keep", str(tmp_path / "demo")], tmp_path, timeout=150)
     assert "answers correct" in job.stdout and "rank 3 served 0 prompts" in job.stdout, job.output()
+    # the bar, the demo's own lines and the job's summary, nothing else (no warnings, no logs)
+    assert only_progress_bar(job.stderr), job.output()
+    for line in job.stdout.splitlines():
+        assert line.startswith(("shardgen demo: ", "  ")) or line.split() == [] or line.split()[0] in (
+            "prompts", "generated", "wall", "tokens/s", "ticks", "shadow-forward", "busy", "ranks",
+            "results", "rank", "0", "1", "2", "3",
+        ), (line, job.output())  # fmt: skip
+    assert "[shardgen rank" not in job.stdout + job.stderr and "Warning" not in job.stderr, job.output()
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["ranks"][3]["prompts"] == 0 and summary["ranks"][3]["shadow_forwards"] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models import batch, tiny_model
 
@@ -90,3 +91,19 @@ def test_greedy_model_defaults_match_hf():
     with shardgen.Engine(model, backend="local") as eng:
         assert torch.equal(eng.generate_ids(ids, mask), want)
         assert eng.generate_ids(ids, mask, max_new_tokens=2).shape[1] <= ids.shape[1] + 2
+
+
+def test_special_ids_outside_the_vocabulary_are_refused():
+    """An EOS id the model cannot produce would never end the request: it would silently run to
+    max_new_tokens. Refused when the request is built (the API's ValueError), with the numbers."""
+    model = tiny_model("llama", seed=41)
+    vocab = model.config.vocab_size
+    for bad, said in (
+        ({"eos_token_id": vocab + 5}, f"{vocab + 5} is outside the model's vocabulary [0, {vocab})"),
+        ({"eos_token_id": [1, -1]}, "eos_token_id -1 is outside"),
+        ({"pad_token_id": vocab}, f"pad_token_id {vocab} is outside"),
+    ):
+        with pytest.raises(ValueError) as info:
+            _params(model, **bad)
+        assert said in str(info.value), (bad, str(info.value))
+    assert _params(model, eos_token_id=vocab - 1, pad_token_id=0).eos_token_id == vocab - 1

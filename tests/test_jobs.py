@@ -334,8 +334,11 @@ def test_every_flag_comes_from_a_field_with_its_default_and_docstring():
     assert actions["top_p"].default == SamplingParams().top_p
     assert actions["prompts"].required and actions["resume"].default is False
     assert actions["no_claim_ranks"].help == "==SUPPRESS=="  # demo/test knob, hidden
-    for code in ExitCode:
-        assert f"  {int(code)}  " in run.epilog
+    for command, codes in cli.EXIT_CODES.items():  # each command's table: its own codes only
+        epilog = parser._subparsers._group_actions[0].choices[command].epilog  # type: ignore[union-attr]
+        for code in ExitCode:
+            assert (f"  {int(code)}  " in epilog) == (code in codes), (command, code, epilog)
+    assert set(cli.EXIT_CODES["run"]) == set(ExitCode) - {ExitCode.WRONG_ANSWERS, ExitCode.TIMEOUT}
 
 
 def test_child_argv_round_trips():
@@ -433,3 +436,168 @@ def test_readme_lists_every_exit_code():
         if line.startswith("| ") and line[2].isdigit()
     }
     assert rows == {int(c) for c in ExitCode}
+
+
+# ---------------------------------------------------------------- a newcomer's first hour (issue 20)
+
+
+def _help(command: str) -> str:
+    sub = cli.make_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    return sub.format_help()
+
+
+def test_help_shows_choices_defaults_and_plain_words():
+    text = _help("run")
+    for shown in (
+        "--backend {fsdp2,deepspeed,local}",
+        "--gather {per-layer,once,auto}",
+        "--dtype {auto,float32,bfloat16,float16,float64}",
+        "--claim-order {longest,input}",
+        "--log-level {debug,info,warning,error,critical}",
+    ):
+        assert shown in text, shown
+    assert "None" not in text and "Unset: the model's, else 64" in " ".join(text.split())
+    options = text.split("\njob:\n", 1)[1]
+    seed = " ".join(options.split("--seed SEED", 1)[1].split("--shard-size", 1)[0].split())
+    assert seed.endswith("(default: 0)"), seed  # a falsy default is a default too
+    assert "settings:" not in text and "JobConfig" not in text  # sections named for the user
+    assert "\njob:\n" in text and "\nengine (" in text and "\nsampling (" in text
+    for command in ("run", "demo", "bench"):  # HF's eos_token_id=None (a method of bench) aside
+        assert "None" not in _help(command).replace("eos_token_id=None", ""), command
+
+
+def test_bench_help_is_its_own():
+    text = _help("bench")
+    flat = " ".join(text.split("options:", 1)[1].split())
+    assert "--prompts-per-rank PROMPTS_PER_RANK" in text and "--prompts PROMPTS" not in text
+    for wrong in ("journals", "--resume", "demo only", "prompts file"):  # run's exit codes
+        assert wrong not in text, wrong
+    methods = flat.split("--methods METHOD [METHOD ...]", 1)[1].split("--prompts-per-rank", 1)[0]
+    assert "(default: all)" in methods and "hf_synced" not in methods  # the default once, as a word
+    from shardgen.bench.methods import DESCRIPTIONS, METHODS
+
+    assert set(DESCRIPTIONS) == set(METHODS)
+    for name in METHODS:  # each method described under "methods:"
+        assert f"  {name}  " in text.split("methods:", 1)[1] and DESCRIPTIONS[name].split()[0] in text
+    assert " ".join(_help("demo").split()).count("exit codes:") == 1 and "journals" not in _help("demo")
+
+
+def _usage_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == ExitCode.USAGE
+    return capsys.readouterr().err
+
+
+def test_unknown_flag_is_reported_by_the_subcommand_with_a_suggestion(capsys):
+    err = _usage_error(["run", "--prompts", "p", "--out", "o", "--temprature", "0.5"], capsys)
+    assert err.startswith("usage: shardgen run ") and "{run,demo,bench}" not in err, err
+    said = "shardgen run: error: unrecognized arguments: --temprature 0.5 (did you mean --temperature?)"
+    assert said in err, err
+    err = _usage_error(["run", "--prompts", "p", "--out", "o", "--batchsize", "2", "--tempo", "1"], capsys)
+    assert "--batchsize (did you mean --batch-size?)" in err, err
+    assert "--tempo (did you mean --temperature?)" in err, err
+    err = _usage_error(["bench", "--world-szes", "2"], capsys)
+    assert err.startswith("usage: shardgen bench ") and "did you mean --world-sizes?" in err, err
+    err = _usage_error(["demo", "--noproc", "2"], capsys)
+    assert "shardgen demo: error:" in err and "did you mean --nproc?" in err, err
+    err = _usage_error(["run", "--prompts", "p", "--out", "o", "--backend", "fsdp"], capsys)
+    assert "invalid choice: 'fsdp'" in err and "'fsdp2'" in err, err
+
+
+def test_log_level_flags():
+    parse = cli.make_parser().parse_args
+    assert cli._log_level(parse(["run", "--prompts", "p", "--out", "o"])) is None  # the default
+    assert cli._log_level(parse(["run", "--prompts", "p", "--out", "o", "--quiet"])) == "error"
+    loud = ["--quiet", "--log-level", "info"]  # an explicit level wins over --quiet's
+    assert cli._log_level(parse(["run", "--prompts", "p", "--out", "o", *loud])) == "info"
+    assert cli._log_level(parse(["demo", "--quiet"])) == "error"
+    assert cli._log_level(parse(["bench", "--log-level", "debug"])) == "debug"
+    from shardgen import config, log
+
+    assert config.LOG_LEVELS == log.LEVELS
+
+
+def test_unknown_field_gets_a_suggestion(tmp_path):
+    err = read_error(jsonl(tmp_path, {"id": 1, "prompt": "a", "temprature": 0.5}))
+    assert err.code == ExitCode.BAD_PROMPTS
+    assert "'temprature' (did you mean temperature?)" in str(err), str(err)
+
+
+def test_every_problem_of_a_line_at_once(tmp_path):
+    line = {"id": 2.5, "prompt": 5, "temprature": 1, "max_new_tokens": "x", "top_p": 1.5, "top_k": -1}
+    err = read_error(jsonl(tmp_path, line), vocab_size=72)
+    for said in (
+        "p.jsonl:1:",
+        "'temprature' (did you mean temperature?)",
+        "'prompt' must be a string, got number",
+        "'id' must be a string or an integer",
+        "field 'max_new_tokens' must be an integer",
+        "top_p must be in (0, 1], got 1.5",
+        "top_k must be an integer >= 0, got -1",
+    ):
+        assert said in str(err), (said, str(err))
+    err = read_error(jsonl(tmp_path, {"id": 1, "prompt": "a"}, {"id": 1, "eos_token_id": 999}), vocab_size=72)
+    for said in ("p.jsonl:2:", "missing 'prompt'", "duplicate id 1", "eos_token_id 999 is outside"):
+        assert said in str(err), (said, str(err))
+
+
+def test_special_ids_are_checked_against_the_vocabulary(tmp_path):
+    path = jsonl(
+        tmp_path, {"id": 1, "prompt": "a", "eos_token_id": 71}, {"id": 2, "prompt": "b", "eos_token_id": 999}
+    )
+    assert prompts.read_prompts(path)[1].params.eos_token_id == 999  # no model known: nothing to check
+    err = read_error(path, vocab_size=72)
+    assert err.code == ExitCode.BAD_PROMPTS
+    said = "p.jsonl:2: eos_token_id 999 is outside the model's vocabulary [0, 72)"
+    assert str(err).endswith(said), str(err)
+    path = jsonl(tmp_path, {"prompt": "a", "eos_token_id": [3, 72], "pad_token_id": -1})
+    said = str(read_error(path, vocab_size=72))
+    assert "eos_token_id 72 is outside" in said and "pad_token_id -1 is outside" in said, said
+
+
+def test_the_cli_checks_special_ids_against_the_model_before_any_rank(tmp_path, capsys):
+    path = jsonl(tmp_path, {"id": 1, "prompt": "count from 1 to 3 :", "eos_token_id": 999})
+    rc = cli.main(["run", "--prompts", path, "--out", str(tmp_path / "o.jsonl"), "--nproc", "2"])
+    err = capsys.readouterr().err
+    assert rc == ExitCode.BAD_PROMPTS and "vocabulary [0, 72)" in err, err  # the toy model's 72 tokens
+    assert not list(tmp_path.glob("o.jsonl*"))
+
+
+def test_sampling_params_name_every_problem():
+    with pytest.raises(ValueError) as info:
+        SamplingParams(max_new_tokens=0, top_p=0.0, top_k=-2).validate()
+    said = str(info.value)
+    assert "max_new_tokens" in said and "top_p" in said and "top_k" in said, said
+    assert SamplingParams(eos_token_id=[1, 80], pad_token_id=3).token_id_problems(72) == [
+        "eos_token_id 80 is outside the model's vocabulary [0, 72)"
+    ]
+    assert SamplingParams(eos_token_id=80).token_id_problems(None) == []
+
+
+def test_model_path_messages(tmp_path):
+    def said(path: str) -> str:
+        with pytest.raises(JobError) as info:
+            jobs.check_model(path)
+        assert info.value.code == ExitCode.BAD_MODEL
+        return str(info.value)
+
+    assert said(str(tmp_path / "nope")) == f"model path {tmp_path / 'nope'} does not exist"
+    assert said("./nope").endswith("does not exist")
+    folder = said(str(tmp_path))
+    assert "no config.json" in folder and "Errno" not in folder, folder
+    (tmp_path / "config.json").write_text("{")
+    assert "not valid JSON" in said(str(tmp_path))
+
+
+def test_a_claim_leaves_the_others_their_share():
+    """20 prompts, 2 ranks, 16 free slots each: 10 and 5 first, not 16 and 4; every prompt once."""
+    store = DictStore()
+    c0, c1 = (jobs.Claimer(store, "k", 20, ranks=2) for _ in range(2))
+    got = [len(c0.claim(16)), len(c1.claim(16)), len(c0.claim(16)), len(c1.claim(16))]
+    assert got == [10, 5, 3, 1], got
+    while not (c0.exhausted and c1.exhausted):
+        got += [len(c0.claim(16)), len(c1.claim(16))]
+    assert sum(got) == 20
+    assert len(jobs.Claimer(DictStore(), "k", 20, ranks=1).claim(16)) == 16  # alone: all it asks for
+    assert len(jobs.Claimer(DictStore(), "k", 2000, ranks=4).claim(16)) == 16  # plenty left: no cap

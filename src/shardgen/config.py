@@ -21,6 +21,12 @@ LIBRARY_DEFAULTS: dict[str, Any] = {
 """The values of the model-defaulted ``SamplingParams`` fields when neither the user nor the
 model's ``generation_config`` sets them."""
 
+BACKEND_NAMES = ("fsdp2", "deepspeed", "local")
+GATHER_POLICIES = ("per-layer", "once", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+CLAIM_ORDERS = ("longest", "input")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
 
 @dataclass(kw_only=True)
 class SamplingParams:
@@ -70,22 +76,48 @@ class SamplingParams:
         return dataclasses.replace(self, **fill) if fill else self
 
     def validate(self) -> None:
-        """Raise ``ValueError`` (with the numbers) on a setting no request can run with.
+        """Raise ``ValueError`` (with the numbers) on a setting no request can run with; the
+        message names every such setting (``problems()``)."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """What makes this request impossible to run, one message per setting (with the numbers).
 
         Unset fields are checked at their library default (the model's come from HF's own checks).
         """
         p = self.resolved()
+        out = []
         if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
+            out.append(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
         if not (0.0 < float(p.top_p) <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {p.top_p!r}")
+            out.append(f"top_p must be in (0, 1], got {p.top_p!r}")
         if p.do_sample and not float(p.temperature) > 0.0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {p.temperature!r}")
+            out.append(f"temperature must be > 0 when sampling, got {p.temperature!r}")
         if not isinstance(p.top_k, int) or p.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+            out.append(f"top_k must be an integer >= 0, got {p.top_k!r}")
         if p.stop is not None:
             if isinstance(p.stop, str) or not all(isinstance(s, str) and s for s in p.stop):
-                raise ValueError(f"stop must be a list of non-empty strings, got {p.stop!r}")
+                out.append(f"stop must be a list of non-empty strings, got {p.stop!r}")
+        return out
+
+    def token_id_problems(self, vocab_size: int | None) -> list[str]:
+        """The EOS and pad ids this request sets that a model of ``vocab_size`` tokens cannot
+        produce (an EOS id out of range would never end the request: it would run to
+        ``max_new_tokens``). None: nothing to check against."""
+        if not isinstance(vocab_size, int) or vocab_size <= 0:
+            return []
+        eos = self.eos_token_id
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad_ids = [] if self.pad_token_id is None else [self.pad_token_id]
+        out = []
+        for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", pad_ids)):
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+            if bad:
+                said = ", ".join(map(repr, bad))
+                out.append(f"{name} {said} is outside the model's vocabulary [0, {vocab_size})")
+        return out
 
     def replace(self, **changes: Any) -> SamplingParams:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -120,9 +152,9 @@ def _bare_generation_config() -> Any:
 class EngineConfig:
     """How the engine runs on every rank. Ranks must agree on every field marked (agreed)."""
 
-    backend: str = "fsdp2"
+    backend: str = field(default="fsdp2", metadata={"choices": BACKEND_NAMES})
     """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
-    gather: str = "per-layer"
+    gather: str = field(default="per-layer", metadata={"choices": GATHER_POLICIES})
     """(agreed) ``per-layer`` (gather each unit on every forward), ``once`` (gather the whole model
     when work starts, decode without parameter traffic) or ``auto`` (``once`` if it fits
     ``memory_budget_gb``)."""
@@ -166,7 +198,7 @@ class EngineConfig:
     copy: a chunk then costs at most a layer); 0: whole (one gather)."""
 
     def validate(self) -> None:
-        if self.gather not in ("per-layer", "once", "auto"):
+        if self.gather not in GATHER_POLICIES:
             raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
         if self.gil_switch_interval is not None and not self.gil_switch_interval > 0:
             raise ValueError(
@@ -214,8 +246,8 @@ class JobConfig:
     to it while the job runs."""
     model: str | None = None
     """Hugging Face model folder; default: the toy model shipped with shardgen."""
-    dtype: str = "auto"
-    """Weights dtype: auto (the checkpoint's), float32, bfloat16, float16."""
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})
+    """Weights dtype: auto (the checkpoint's) or the one named."""
     nproc: int | None = None
     """Spawn this many local ranks with torch's launcher. Without it: one rank, or this process
     as one rank when launched by torchrun (RANK is set)."""
@@ -234,11 +266,14 @@ class JobConfig:
     """Ranks per replica: world/K replicas of K consecutive ranks, each sharding the model K ways
     with its own engine, all claiming from the one prompts file (K must divide the world).
     Default: one engine over all ranks."""
-    claim_order: str = "longest"
+    claim_order: str = field(default="longest", metadata={"choices": CLAIM_ORDERS})
     """Order in which ranks claim prompts: longest (largest max_new_tokens, then longest prompt,
     first, so that no rank starts a long request last) or input."""
     quiet: bool = False
-    """No progress bar and no summary table."""
+    """No progress bar, no summary table, no log lines but errors (unless --log-level says otherwise)."""
+    log_level: str | None = field(default=None, metadata={"choices": LOG_LEVELS})
+    """Log lines shown (rank 0; the other ranks show warnings and errors): unset is warning (error
+    with --quiet), or SHARDGEN_LOG_LEVEL when set."""
     json_summary: str | None = None
     """Also write the summary as JSON to this file."""
     timeline: str | None = None
@@ -272,10 +307,12 @@ class JobConfig:
             # the launcher's check; a rank checks its world (torchrun) in jobs.run_job
             k, n = self.shard_size, self.nproc
             raise ValueError(f"--shard-size {k} must divide the world of {n} ranks (--nproc {n})")
-        if self.claim_order not in ("longest", "input"):
+        if self.claim_order not in CLAIM_ORDERS:
             raise ValueError(f"--claim-order must be longest or input, got {self.claim_order!r}")
-        if self.dtype != "auto" and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.log_level is not None and self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
 
 def context_length(config: Any) -> int | None:

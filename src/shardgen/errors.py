@@ -37,7 +37,8 @@ class EngineClosedError(RuntimeError):
 
 
 class ExitCode(enum.IntEnum):
-    """Exit codes of ``shardgen run`` / ``shardgen demo`` (also in ``--help`` and the README)."""
+    """Exit codes of ``shardgen run`` / ``demo`` / ``bench`` (each command's in its ``--help``; all
+    in the README)."""
 
     OK = 0
     FAILED = 1
@@ -49,13 +50,14 @@ class ExitCode(enum.IntEnum):
     """prompts file missing, unreadable or empty"""
     BAD_PROMPTS = 4
     """prompts file invalid: malformed JSON, missing or non-string prompt, duplicate or bad id,
-    unknown or invalid field (the message names file:line)"""
+    unknown or invalid field, an EOS or pad id outside the model's vocabulary (the message names
+    file:line and every problem of that line)"""
     BAD_MODEL = 5
     """model path missing or unreadable"""
     WRONG_ANSWERS = 6
     """``shardgen demo`` only: some answer is wrong or missing"""
     TIMEOUT = 7
-    """``shardgen demo`` only: the job did not finish within ``--timeout``"""
+    """``shardgen demo`` and ``shardgen bench``: the job did not finish within ``--timeout``"""
 
 
 class JobError(Exception):

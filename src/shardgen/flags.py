@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import re
 import textwrap
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 #: Extra spellings of a field's flag (the first is the one messages use).
@@ -58,25 +60,53 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default
 
 
-def add_fields(parser: argparse.ArgumentParser, cls: type, names: Fields = None) -> None:
-    """One ``--flag`` per field of ``cls`` (in ``names``): type, default and help from the field."""
+def help_text(doc: str) -> str:
+    """A field's docstring as CLI help: no reST markup, ``unset`` where the API says None."""
+    text = doc.replace("``", "").removeprefix("(agreed) ").replace("%", "%%")
+    text = re.sub(r"\bNone\b", "unset", text)
+    return re.sub(r"(^|\. )unset", r"\1Unset", text)
+
+
+def _shown(value: Any) -> str:
+    """A default as the user would type it: lists space-separated."""
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def add_fields(
+    parser: argparse.ArgumentParser, cls: type, names: Fields = None, title: str | None = None
+) -> None:
+    """One ``--flag`` per field of ``cls`` (in ``names``): type, default and help from the field.
+
+    ``title``: the help section the flags go under (None: the parser's own ``options``). A field's
+    ``metadata["choices"]`` become the flag's choices (shown in ``--help``, checked by argparse);
+    ``metadata["hidden"]`` hides the flag from ``--help``.
+    """
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    group = parser.add_argument_group(f"{cls.__name__} settings")
+    group = parser.add_argument_group(title) if title else parser
     for f in _selected(cls, names):
         tp = hints[f.name]
         if typing.get_origin(tp) in (typing.Union, types.UnionType):  # X | None -> X
             (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
         default = _default(f)
-        text = docs.get(f.name, "").replace("``", "").removeprefix("(agreed) ").replace("%", "%%")
-        if default not in (dataclasses.MISSING, None, False, []):
-            text += f" (default: {default})"
+        choices = f.metadata.get("choices")
+        text = help_text(docs.get(f.name, ""))
+        if choices is not None and isinstance(default, list) and default == list(choices):
+            text += " (default: all)"
+        elif default not in (dataclasses.MISSING, None, []) and default is not False:
+            text += f" (default: {_shown(default)})"
         kw: dict[str, Any] = {"dest": f.name, "help": argparse.SUPPRESS if f.metadata.get("hidden") else text}
+        metavar = flags_of(f.name)[0][2:].upper().replace("-", "_")
         if tp is bool:  # --flag, and --no-flag where the default is True
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif typing.get_origin(tp) is list:
-            kw.update(type=typing.get_args(tp)[0], nargs="+", metavar=f.name.upper())
+            (item,) = typing.get_args(tp)
+            kw.update(type=item, nargs="+", metavar=metavar.removesuffix("S"))
         else:
-            kw.update(type=tp, metavar=flags_of(f.name)[0][2:].upper().replace("-", "_"))
+            kw.update(type=tp, metavar=metavar)
+        if choices is not None:
+            kw["choices"] = tuple(choices)
+            if typing.get_origin(tp) is not list:
+                kw.pop("metavar")  # argparse shows {a,b,c}
         if default is dataclasses.MISSING:
             kw["required"] = True
         else:
@@ -112,3 +142,36 @@ def flag_names(message: str, fields: tuple[tuple[type, Fields], ...]) -> str:
         for f in _selected(cls, names):
             message = re.sub(rf"(?<![-\w]){f.name}\b", flags_of(f.name)[0], message)
     return message
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the name in ``known`` nearest to ``word``, or ``""``."""
+    match = difflib.get_close_matches(word, sorted(set(known)), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: it rejects the arguments it does not know itself, with its own usage
+    and the nearest flag it has (argparse leaves them to the top-level parser, whose usage names
+    only the subcommands, and suggests nothing)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unknown_message(extras))
+        return ns, extras
+
+    def unknown_message(self, extras: list[str]) -> str:
+        known = [
+            s
+            for a in self._actions
+            if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+            for s in a.option_strings
+            if s.startswith("--")
+        ]
+        flags = [x.split("=", 1)[0] for x in extras if x.startswith("-")]
+        hints = {flag: hint for flag in flags if (hint := did_you_mean(flag, known))}
+        said = f"unrecognized arguments: {' '.join(extras)}"
+        if len(hints) == 1 and len(flags) == 1:
+            return said + next(iter(hints.values()))
+        return said + "".join(f"; {flag}{hint}" for flag, hint in hints.items())

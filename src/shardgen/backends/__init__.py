@@ -7,8 +7,7 @@ from typing import Any
 import torch
 
 from shardgen.backends.base import Backend
-
-BACKENDS = ("fsdp2", "deepspeed", "local")
+from shardgen.config import BACKEND_NAMES as BACKENDS
 
 
 def check_backend_name(name: str) -> None:

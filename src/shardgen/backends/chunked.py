@@ -9,7 +9,7 @@ over the vocabulary runs here instead, from its shard:
   ``[r * P, r * P + P)`` (FSDP2: ``P = ceil(V / N)`` rows of ``H``, ``torch.chunk`` along
   dim 0; DeepSpeed ZeRO-3: ``P = ceil(V * H / N)`` elements), the last ranks padded.
 * Chunk ``c`` is elements ``[c * E, c * E + E)`` of every rank's partition (the last chunk
-  what is left), gathered with one ``all_gather_into_tensor`` of equal pieces on the
+  what is left), gathered with one ``all_gather_single`` of equal pieces on the
   weight's parameter group; ``E`` is a whole number of rows sized so that a chunk's
   ``N * E`` elements hold at most ``chunk_bytes`` (default: half the largest decoder layer,
   as gloo gathers into a temporary and copies out, so a chunk briefly costs twice its
@@ -44,6 +44,13 @@ from torch import nn
 from shardgen.log import get_logger
 
 log = get_logger()
+
+
+def _all_gather_single() -> Any:
+    """``dist.all_gather_single`` (torch >= 2.13, which deprecates ``all_gather_into_tensor`` with
+    a warning), else ``all_gather_into_tensor``: looked up at each call, as a wrapper installed on
+    ``torch.distributed`` later (the collective recorders of the tests) must see it."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def chunk_rows(rows_per_rank: int, cols: int, itemsize: int, world: int, chunk_bytes: int) -> int:
@@ -101,7 +108,7 @@ class FlatWeight:
             if n:
                 send[:n].copy_(local.narrow(0, lo, n))
         out = torch.empty(self.world * size, dtype=self.dtype, device=device)
-        dist.all_gather_into_tensor(out, send, group=self.group)
+        _all_gather_single()(out, send, group=self.group)
         return out
 
     def assemble(self, c: int, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -279,7 +286,7 @@ def chunked_modules(
     if not weights:
         return None
     chunked = ChunkedModules(weights, hooks)
-    log.info("shardgen: gathering %s in row chunks of <= %.2f MB", chunked.describe(), budget / 2**20)
+    log.info("gathering %s in row chunks of <= %.2f MB", chunked.describe(), budget / 2**20)
     return chunked
 
 

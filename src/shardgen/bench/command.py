@@ -2,6 +2,7 @@
 
     shardgen bench                                   # world sizes 2 and 4, every method
     shardgen bench --world-sizes 2 --methods hf_synced sg_fsdp2 local --json b.json --timeline b.png
+    shardgen bench --world-sizes 2 --prompts-per-rank 4 --batch-size 2      # a quick one
 
 One model (the shipped toy model), one workload (its skewed prompts), one run: for each world
 size, ``launch`` spawns the ranks (gloo on CPU, the launcher ``shardgen run --nproc`` uses) and
@@ -25,20 +26,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardgen.bench.methods import METHODS
+from shardgen.config import LOG_LEVELS
 from shardgen.errors import ExitCode, JobError
 
 
 @dataclass(kw_only=True)
 class BenchConfig:
-    """``shardgen bench``: every method on one model and one workload, world sizes side by side."""
+    """Every generation method on one model (the shipped toy model) and one workload (its skewed
+    prompts), world sizes side by side: a table of useful tokens/s, wall time, forwards, wasted
+    forwards, parameter memory per rank and each method's time as a multiple of the local floor."""
 
     world_sizes: list[int] = field(default_factory=lambda: [2, 4])
     """World sizes to run, one after another (gloo ranks on this machine)."""
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """Methods to compare (default: all): hf_synced, hf_eos_none, ds_hf, ds_gather_hf, sg_fsdp2,
-    sg_fsdp2_once, sg_ds, sg_ds_once, local."""
-    prompts: int = 32
-    """Skewed toy prompts per rank."""
+    methods: list[str] = field(default_factory=lambda: list(METHODS), metadata={"choices": METHODS})
+    """Methods to compare, in this order (each described below)."""
+    prompts_per_rank: int = 32
+    """Skewed toy prompts each rank generates for (the same split for every method)."""
     batch_size: int = 8
     """Requests per batch (HF calls) or in flight (shardgen) on each rank."""
     max_new_tokens: int = 26
@@ -50,6 +53,9 @@ class BenchConfig:
     needs matplotlib: pip install 'shardgen[plot]')."""
     timeout: float = 900.0
     """Give up on a world size after this many seconds."""
+    log_level: str | None = field(default=None, metadata={"choices": LOG_LEVELS})
+    """Log lines shown (rank 0; the other ranks show warnings and errors): unset is warning, or
+    SHARDGEN_LOG_LEVEL when set."""
     rank_out: str | None = field(default=None, metadata={"hidden": True})
     """Where rank 0 writes its world's outcomes (set by the launcher side)."""
 
@@ -59,7 +65,7 @@ class BenchConfig:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
         if any(w < 1 for w in self.world_sizes):
             raise ValueError(f"world sizes must be >= 1, got {self.world_sizes}")
-        for name in ("prompts", "batch_size", "max_new_tokens"):
+        for name in ("prompts_per_rank", "batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -119,7 +125,7 @@ def run_rank(cfg: BenchConfig) -> int:
     comm.init()
     _quiet()
     rank, world = dist.get_rank(), dist.get_world_size()
-    work = make_workload(cfg.prompts, cfg.batch_size, cfg.max_new_tokens, rank, world)
+    work = make_workload(cfg.prompts_per_rank, cfg.batch_size, cfg.max_new_tokens, rank, world)
     outcomes = []
     for name in cfg.methods:
         out = run_method(name, work)

@@ -40,6 +40,20 @@ SG_METHODS = {  # name: (backend, gather)
     "local": ("local", "per-layer"),
 }
 METHODS = (*HF_METHODS, *SG_METHODS)
+DESCRIPTIONS = {  # shown by shardgen bench --help
+    "hf_synced": "HF generate(synced_gpus=True) on an FSDP2-sharded model, in batches; ranks with "
+    "fewer batches make padding calls",
+    "hf_eos_none": "the same with eos_token_id=None (every batch runs to --max-new-tokens), answers cut "
+    "at the first EOS afterwards",
+    "ds_hf": "DeepSpeed ZeRO-3 (deepspeed.initialize) + HF generate(synced_gpus=True)",
+    "ds_gather_hf": "ZeRO-3, the whole model gathered around each HF generate() call (as TRL's "
+    "unwrap_model_for_generation does)",
+    "sg_fsdp2": "shardgen, fsdp2 backend, gathers per layer",
+    "sg_fsdp2_once": "shardgen, fsdp2 backend, the whole model gathered once",
+    "sg_ds": "shardgen, deepspeed backend, gathers per layer",
+    "sg_ds_once": "shardgen, deepspeed backend, the whole model gathered once",
+    "local": "shardgen, local backend: an unsharded replica per rank (the floor)",
+}
 DEEPSPEED_METHODS = ("ds_hf", "ds_gather_hf", "sg_ds", "sg_ds_once")
 
 

@@ -13,10 +13,10 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from shardgen.config import EngineConfig, JobConfig, SamplingParams
+from shardgen.config import LOG_LEVELS, EngineConfig, JobConfig, SamplingParams
 from shardgen.errors import ExitCode, JobError
 from shardgen.jobs.journal import journal_paths, read_jsonl
 
@@ -38,7 +38,10 @@ class DemoConfig:
     keep: str | None = None
     """Folder that keeps the demo's prompts, results and summary (default: a temporary one, removed)."""
     quiet: bool = False
-    """No progress bar and no summary table."""
+    """Print nothing but errors: no progress bar, no summary, no log lines."""
+    log_level: str | None = field(default=None, metadata={"choices": LOG_LEVELS})
+    """Log lines shown (rank 0; the other ranks show warnings and errors): unset is warning (error
+    with --quiet), or SHARDGEN_LOG_LEVEL when set."""
 
 
 def cmd_demo(cfg: DemoConfig) -> int:
@@ -66,12 +69,14 @@ def cmd_demo(cfg: DemoConfig) -> int:
             model=toy_model_path(),
             nproc=cfg.nproc,
             quiet=cfg.quiet,
+            log_level=cfg.log_level,
             json_summary=summary_path,
             no_claim_ranks=[idle],
             away_rank=away,
             away_s=cfg.away_s,
         )
-        print(
+        say = (lambda *_, **__: None) if cfg.quiet else print
+        say(
             f"shardgen demo: {cfg.nproc} ranks (gloo, CPU), {cfg.prompts} skewed toy prompts; rank {idle} "
             f"claims none, rank {away} steps away for {cfg.away_s:g}s",
             flush=True,
@@ -90,14 +95,20 @@ def cmd_demo(cfg: DemoConfig) -> int:
             raise JobError(ExitCode.TIMEOUT, f"the job did not finish within {cfg.timeout:g}s (a hang?)")
         if rc != ExitCode.OK:
             raise JobError(ExitCode.FAILED, "the job failed (see the messages above)")
-        return _check_demo(prompts, list(read_jsonl(out)), summary_path, wall, idle, check_answer)
+        return _check_demo(prompts, list(read_jsonl(out)), summary_path, wall, idle, check_answer, say)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
 def _check_demo(
-    prompts: list[dict], results: list[dict], summary_path: str, wall: float, idle: int, check_answer: Any
+    prompts: list[dict],
+    results: list[dict],
+    summary_path: str,
+    wall: float,
+    idle: int,
+    check_answer: Any,
+    say: Any = print,
 ) -> int:
     ids = [r.get("id") for r in results]
     if ids != [p["id"] for p in prompts]:
@@ -109,12 +120,12 @@ def _check_demo(
     ]
     shown = sorted(results, key=lambda r: r.get("generated_tokens", 0))
     for r in shown[:2] + shown[-2:]:
-        print(f"  {r['prompt']!r:32} -> {r['text']!r} (rank {r['rank']})")
+        say(f"  {r['prompt']!r:32} -> {r['text']!r} (rank {r['rank']})")
     with open(summary_path, encoding="utf-8") as f:
         summary = json.load(f)
     served = [r["prompts"] for r in summary["ranks"]]
     idle_prompts = served[idle]
-    print(
+    say(
         f"shardgen demo: {len(results) - len(wrong)}/{len(results)} answers correct; prompts served per "
         f"rank {served} (rank {idle} served {idle_prompts} prompts); {wall:.1f}s in all, nothing hung",
         flush=True,

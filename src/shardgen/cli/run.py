@@ -15,7 +15,7 @@ from shardgen.errors import ExitCode, JobError
 from shardgen.flags import build, flag_names, to_argv
 from shardgen.jobs.journal import journal_paths
 from shardgen.jobs.prompts import PromptRecord, read_prompts
-from shardgen.jobs.run import check_model
+from shardgen.jobs.run import check_model, model_vocab_size
 from shardgen.launch import die_with_parent, is_rank, launch
 
 # The settings `shardgen run` exposes, per dataclass (None: every field). SamplingParams'
@@ -47,7 +47,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
             pyplot()
         except ImportError as e:
             raise JobError(ExitCode.USAGE, str(e)) from None
-    records = read_prompts(job.prompts, job, base)
+    # The model's vocabulary first, when its config is readable, so a line's out-of-range EOS id is
+    # named with the line's other problems; an unreadable model is said after the prompts file.
+    records = read_prompts(job.prompts, job, base, vocab_size=model_vocab_size(job.model_path))
     check_model(job.model_path)
     for path in (job.out, job.json_summary, job.timeline):
         folder = os.path.dirname(os.path.abspath(path)) if path else None

@@ -35,9 +35,13 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, in
     """Initialize the default process group from the torchrun environment; return (rank, world).
 
     Collective (every rank, once). Uses nccl when CUDA is available, else gloo; with no
-    launcher environment it starts a single-rank world. ``LOCAL_RANK`` picks the GPU.
+    launcher environment it starts a single-rank world. ``LOCAL_RANK`` picks the GPU. On ranks
+    other than 0 it turns transformers' progress bars off (``from_pretrained``'s "Loading
+    weights" bar would print once per rank; ``transformers.utils.logging.enable_progress_bar()``
+    turns them back on).
     """
     if dist.is_initialized():
+        _progress_bars_on_rank0(dist.get_rank())
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -47,7 +51,16 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, in
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _progress_bars_on_rank0(dist.get_rank())
     return dist.get_rank(), dist.get_world_size()
+
+
+def _progress_bars_on_rank0(rank: int) -> None:
+    if rank != 0:
+        with contextlib.suppress(ImportError):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
 
 
 def rank_and_world(backend: str) -> tuple[int, int]:

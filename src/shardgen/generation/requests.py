@@ -72,6 +72,9 @@ def build_request(
     if isinstance(vocab, int) and any(t < 0 or t >= vocab for t in ids):
         bad = next(t for t in ids if t < 0 or t >= vocab)
         raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+    wrong_ids = params.token_id_problems(vocab)  # an EOS id the model never produces never ends it
+    if wrong_ids:
+        raise ValueError("; ".join(wrong_ids))
     n_ctx = context_length(model_config)
     if n_ctx is not None and len(ids) + params.max_new_tokens > n_ctx:
         raise ValueError(

@@ -4,8 +4,9 @@ A prompts file is JSONL (one object a line: ``id``, ``prompt`` and optional gene
 named like the ``SamplingParams`` fields) or plain text (one prompt a line; the ids are the line
 numbers). Each line becomes a :class:`PromptRecord` whose ``params`` is the request's final
 ``SamplingParams`` (job flags, then the line's own fields), built and validated here once, by
-``SamplingParams.replace`` and ``SamplingParams.validate``; the rest of the job passes that
-object on unchanged. A bad line raises ``JobError(BAD_PROMPTS)`` naming ``file:line``.
+``SamplingParams.replace`` and ``SamplingParams.problems``; the rest of the job passes that
+object on unchanged. A bad line raises ``JobError(BAD_PROMPTS)`` naming ``file:line`` and every
+problem of that line (an unknown field with the nearest known one).
 Plain Python, no torch.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from shardgen.config import JobConfig, SamplingParams
 from shardgen.errors import ExitCode, JobError
+from shardgen.flags import did_you_mean
 from shardgen.jobs.journal import id_key
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -38,14 +40,20 @@ class PromptRecord:
 
 
 def read_prompts(
-    path: str, cfg: JobConfig | None = None, base: SamplingParams | None = None
+    path: str,
+    cfg: JobConfig | None = None,
+    base: SamplingParams | None = None,
+    *,
+    vocab_size: int | None = None,
 ) -> list[PromptRecord]:
     """Read and validate the whole prompts file; raise ``JobError`` naming ``file:line``.
 
     ``cfg`` gives the job's ``temperature`` and ``seed`` (default: greedy, seed 0), ``base`` the
-    job's sampling flags (default: ``SamplingParams()``). Blank lines are skipped. A file is JSONL
-    when its name ends in .jsonl/.ndjson/.json or its first non-blank line starts with ``{``;
-    otherwise each line is one prompt.
+    job's sampling flags (default: ``SamplingParams()``), ``vocab_size`` the model's vocabulary
+    (when known, a line's ``eos_token_id`` / ``pad_token_id`` must lie in it). Blank lines are
+    skipped. A file is JSONL when its name ends in .jsonl/.ndjson/.json or its first non-blank
+    line starts with ``{``; otherwise each line is one prompt. The error of a bad line names
+    every problem of that line.
     """
     temperature, seed = (cfg.temperature, cfg.seed) if cfg is not None else (None, 0)
     base = base if base is not None else SamplingParams()
@@ -63,56 +71,70 @@ def read_prompts(
     seen: dict[str, int] = {}
     out = []
     for n, line in numbered:
-        where = f"{path}:{n}"
-        rid, prompt, options = _parse_line(line, n, where, seen) if is_jsonl else (n, line, {})
-        try:
-            params = request_params(base, options, rid, temperature=temperature, seed=seed)
-        except ValueError as e:
-            raise JobError(ExitCode.BAD_PROMPTS, f"{where}: {e}") from None
+        if is_jsonl:
+            rid, prompt, options, problems = _parse_line(line, n, seen)
+        else:
+            rid, prompt, options, problems = n, line, {}, []
+        params = None
+        if rid is not None:
+            try:
+                params = request_params(
+                    base, options, rid, temperature=temperature, seed=seed, vocab_size=vocab_size
+                )
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            raise JobError(ExitCode.BAD_PROMPTS, f"{path}:{n}: {'; '.join(problems)}")
+        assert params is not None and prompt is not None
         out.append(PromptRecord(id=rid, prompt=prompt, params=params, line=n))
     return out
 
 
-def _parse_line(line: str, n: int, where: str, seen: dict[str, int]) -> tuple[str | int, str, dict]:
-    """(id, prompt, generation fields) of one JSONL line, its JSON types checked."""
+def _parse_line(
+    line: str, n: int, seen: dict[str, int]
+) -> tuple[str | int | None, str | None, dict, list[str]]:
+    """(id, prompt, generation fields, problems) of one JSONL line, its JSON types checked.
+
+    Every problem of the line is listed; the fields with a problem are left out of the options.
+    The id is None when the line has no object to read one from.
+    """
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+        return None, None, {}, [f"malformed JSON: {e.msg} (column {e.colno})"]
     if not isinstance(obj, dict):
-        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: expected a JSON object, got {_json_type(obj)}")
+        return None, None, {}, [f"expected a JSON object, got {_json_type(obj)}"]
+    problems = []
     hints = typing.get_type_hints(SamplingParams)
     allowed = set(ID_FIELDS) | set(hints)
     unknown = sorted(set(obj) - allowed)
     if unknown:
-        raise JobError(
-            ExitCode.BAD_PROMPTS,
-            f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
-            f"(allowed: {', '.join(sorted(allowed))})",
-        )
+        named = ", ".join(f"{k!r}{did_you_mean(k, allowed)}" for k in unknown)
+        problems.append(f"unknown field(s) {named} (allowed: {', '.join(sorted(allowed))})")
     if "prompt" not in obj:
-        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: missing 'prompt'")
-    if not isinstance(obj["prompt"], str):
-        raise JobError(
-            ExitCode.BAD_PROMPTS, f"{where}: 'prompt' must be a string, got {_json_type(obj['prompt'])}"
-        )
+        problems.append("missing 'prompt'")
+    elif not isinstance(obj["prompt"], str):
+        problems.append(f"'prompt' must be a string, got {_json_type(obj['prompt'])}")
     rid = obj.get("id", n)
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-        raise JobError(
-            ExitCode.BAD_PROMPTS, f"{where}: 'id' must be a string or an integer, got {_json_type(rid)}"
-        )
-    key = id_key(rid)
-    if key in seen:
-        raise JobError(ExitCode.BAD_PROMPTS, f"{where}: duplicate id {rid!r} (first on line {seen[key]})")
-    seen[key] = n
-    options = {k: v for k, v in obj.items() if k not in ID_FIELDS}
-    for name, value in options.items():  # JSON types only; the values are SamplingParams' to judge
-        if not _type_ok(value, hints[name]):
-            raise JobError(
-                ExitCode.BAD_PROMPTS,
-                f"{where}: field {name!r} must be {_type_name(hints[name])}, got {_json_type(value)}",
-            )
-    return rid, obj["prompt"], options
+        problems.append(f"'id' must be a string or an integer, got {_json_type(rid)}")
+        rid = n
+    else:
+        key = id_key(rid)
+        if key in seen:
+            problems.append(f"duplicate id {rid!r} (first on line {seen[key]})")
+        else:
+            seen[key] = n
+    options = {}
+    for name, value in obj.items():  # JSON types only; the values are SamplingParams' to judge
+        if name in ID_FIELDS or name not in hints:
+            continue
+        if _type_ok(value, hints[name]):
+            options[name] = value
+        else:
+            problems.append(f"field {name!r} must be {_type_name(hints[name])}, got {_json_type(value)}")
+    prompt = obj.get("prompt") if isinstance(obj.get("prompt"), str) else None
+    return rid, prompt, options, problems
 
 
 def request_params(
@@ -122,13 +144,15 @@ def request_params(
     *,
     temperature: float | None = None,
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """A request's SamplingParams: the job's (``base``, ``temperature``, ``seed``), then ``options``.
 
     As with ``--temperature``, a ``temperature`` > 0 means sampling and 0 greedy, unless the line
     sets ``do_sample`` itself; with neither, the model's ``generation_config`` decides. A request
     that may sample and has no ``seed`` gets :func:`derive_seed` (unused if it turns out greedy).
-    Raises ``ValueError`` (from ``SamplingParams.replace``/``validate``).
+    Raises ``ValueError`` naming every invalid setting (``SamplingParams.problems``, and the EOS
+    and pad ids against ``vocab_size`` when given).
     """
     opts = dict(options)
     temperature = opts.pop("temperature", temperature)
@@ -138,7 +162,9 @@ def request_params(
     params = base.replace(**opts, do_sample=do_sample, temperature=temperature)
     if params.do_sample is not False and params.seed is None:
         params = params.replace(seed=derive_seed(seed, rid))
-    params.validate()
+    problems = params.problems() + params.token_id_problems(vocab_size)
+    if problems:
+        raise ValueError("; ".join(problems))
     return params
 
 

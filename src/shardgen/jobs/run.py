@@ -53,22 +53,45 @@ def check_model(path: str) -> None:
     """Raise ``JobError(BAD_MODEL)`` unless ``path`` is a readable HF model folder (or a cached model id)."""
     if os.path.isdir(path):
         cfg_file = os.path.join(path, "config.json")
+        where = f"cannot read model at {path}"
+        if not os.path.exists(cfg_file):
+            raise JobError(ExitCode.BAD_MODEL, f"{where}: no config.json in it (not a HF model folder)")
         try:
             with open(cfg_file, encoding="utf-8") as f:
                 json.load(f)
-        except (OSError, ValueError) as e:
-            raise JobError(ExitCode.BAD_MODEL, f"cannot read model at {path}: {cfg_file}: {e}") from None
+        except OSError as e:
+            raise JobError(ExitCode.BAD_MODEL, f"{where}: {cfg_file}: {e.strerror}") from None
+        except ValueError as e:
+            raise JobError(ExitCode.BAD_MODEL, f"{where}: {cfg_file} is not valid JSON ({e})") from None
         return
-    if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
-        raise JobError(ExitCode.BAD_MODEL, f"cannot read model at {path}: not a model folder")
+    if os.path.exists(path):
+        raise JobError(ExitCode.BAD_MODEL, f"cannot read model at {path}: a file, not a model folder")
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise JobError(ExitCode.BAD_MODEL, f"model path {path} does not exist")
     try:  # a hub id: accept it only from the local cache (never download here)
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means "cannot read"
         raise JobError(
-            ExitCode.BAD_MODEL, f"cannot read model {path!r}: no such folder ({type(e).__name__})"
+            ExitCode.BAD_MODEL,
+            f"model {path!r} does not exist: no such folder, nor a model in the local Hugging Face "
+            f"cache ({type(e).__name__})",
         ) from None
+
+
+def model_vocab_size(path: str) -> int | None:
+    """The vocabulary size in the config of the model folder ``path`` (None: no folder, no
+    readable config, or no ``vocab_size`` in it; ``check_model`` says what is wrong)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for c in (cfg, cfg.get("text_config") or {}) if isinstance(cfg, dict) else ():
+        if isinstance(c, dict) and isinstance(c.get("vocab_size"), int):
+            return c["vocab_size"]
+    return None
 
 
 # ---------------------------------------------------------------------------------- merge
@@ -99,17 +122,29 @@ def merge_results(records: Sequence[PromptRecord], out: str, *, include_out: boo
 class Claimer:
     """Hands out the indices ``0 .. n-1`` to whichever rank asks first, each exactly once.
 
-    ``claim(k)`` is ONE atomic ``store.add(key, k)``: the new counter value ``v`` gives this
-    caller the indices ``v-k .. v-1`` (cut at ``n``). Not collective; any rank, any time.
+    ``claim(k)`` is ONE atomic ``store.add(key, k')`` (after a read of the counter): the new
+    counter value ``v`` gives this caller the indices ``v-k' .. v-1`` (cut at ``n``). ``k'`` is
+    ``k`` capped at ``ceil(unclaimed / ranks)``, so that what is left is shared among the
+    ``ranks`` claiming ranks: on a small job the first rank to claim does not take a whole batch
+    while the others get the rest (20 prompts, 2 ranks, batch 16: 10 and 5, then smaller claims,
+    not 16 and 4). Not collective; any rank, any time.
     """
 
-    def __init__(self, store: Any, key: str, n: int) -> None:
-        self.store, self.key, self.n = store, key, n
+    def __init__(self, store: Any, key: str, n: int, ranks: int = 1) -> None:
+        self.store, self.key, self.n, self.ranks = store, key, n, max(1, ranks)
         self.exhausted = n == 0
+
+    def share(self) -> int:
+        """The most one claim takes now: ``ceil(unclaimed / ranks)``, at least 1."""
+        if self.ranks == 1:
+            return self.n
+        unclaimed = self.n - int(self.store.add(self.key, 0))
+        return max(1, math.ceil(unclaimed / self.ranks))
 
     def claim(self, k: int) -> range:
         if self.exhausted or k <= 0:
             return range(0)
+        k = min(k, self.share())
         hi = int(self.store.add(self.key, k))
         if hi >= self.n:
             self.exhausted = True
@@ -245,6 +280,7 @@ def run_job(
     progress = Progress(
         store, prefix, total=len(records), initial=resumed, enabled=rank == 0 and not cfg.quiet
     )
+    claimers = len(set(range(world)) - set(cfg.no_claim_ranks))
     t0 = time.perf_counter()
     try:
         report = _serve(
@@ -252,7 +288,7 @@ def run_job(
             engine,
             records,
             pending,
-            Claimer(store, f"{prefix}/next", len(pending)),
+            Claimer(store, f"{prefix}/next", len(pending), ranks=claimers),
             journal,
             store,
             prefix,
@@ -334,9 +370,7 @@ def _serve(
         done.clear()
         if away and inflight:
             away = False
-            log.warning(
-                "rank %d: main thread steps away for %.1fs (its driver keeps serving)", rank, cfg.away_s
-            )
+            log.info("rank %d: main thread steps away for %.1fs (its driver keeps serving)", rank, cfg.away_s)
             time.sleep(cfg.away_s)
         if not inflight:
             if claimer.exhausted or not claims:

@@ -50,12 +50,15 @@ either (see ``loading/deepspeed.py``). ``materialize`` is called by every rank f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardgen.loading.checkpoint import Checkpoint, checkpoint_names, is_safetensors_checkpoint
@@ -162,7 +165,8 @@ def materialize(
         out = load_full(model, src, device=device)
     else:
         raise ValueError(f"cannot load into backend {backend!r}")
-    log.info("loaded %s as %s shards in %.2fs", src.path, backend, time.perf_counter() - t0)
+    how = "unsharded (backend local)" if backend == "local" else f"as {backend} shards"
+    log.info("loaded %s %s in %.2fs", src.path, how, time.perf_counter() - t0)
     return out
 
 
@@ -225,7 +229,8 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
 
         log.warning("%s has no safetensors files: every rank loads the full model before sharding", path)
         target = resolve_dtype(dtype, AutoConfig.from_pretrained(path))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=target).eval()
+        with _progress_bar_on_rank0():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=target).eval()
     # A folder without tokenizer files has no tokenizer: skip the failing lookup (seconds).
     has_files = not os.path.isdir(path) or any(
         os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES
@@ -236,6 +241,22 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
         except (OSError, ValueError):
             tokenizer = None
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _progress_bar_on_rank0() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") inside the block on rank 0 only."""
+    from transformers.utils import logging as hf_logging
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    hide = rank != 0 and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 _TOKENIZER_FILES = (

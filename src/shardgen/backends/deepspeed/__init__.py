@@ -85,10 +85,12 @@ class DeepSpeedBackend(Backend):
             skip = {id(m) for m in self.chunked.modules} if self.chunked is not None else set()
             units = [u for u in self.units() if id(u) not in skip]
             self.plan = BucketPlan(self.module, units, self.offload, bucket_bytes, prefetch)
+            n = len(self.plan)
             log.info(
-                "shardgen: %d modules gathered in %d buckets of <= %.1f MB",
+                "%d modules gathered in %d bucket%s of <= %.1f MB",
                 len(self.units()),
-                len(self.plan),
+                n,
+                "" if n == 1 else "s",
                 bucket_bytes / 2**20,
             )
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import os
+import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardgen.log import get_logger
+from shardgen.log import get_logger, quiet_deprecated_gathers
 
 log = get_logger()
 
@@ -29,6 +32,7 @@ INSTALL_HINT = "the deepspeed backend needs DeepSpeed: pip install 'shardgen[dee
 CHECKED_VERSION = "0.19.8"
 
 _tls = threading.local()
+_DS_BUILT = re.compile(r"DeepSpeed \S+ built successfully\s*$")
 _patch_lock = threading.Lock()
 
 
@@ -37,7 +41,7 @@ def import_deepspeed(device: torch.device):
     """``import deepspeed`` (lazily, with an install hint); on a CPU device select its CPU accelerator."""
     if device.type == "cpu" and "DS_ACCELERATOR" not in os.environ:
         os.environ["DS_ACCELERATOR"] = "cpu"
-        log.info("shardgen: device is cpu, set DS_ACCELERATOR=cpu for DeepSpeed")
+        log.info("DeepSpeed on its CPU accelerator: the device is cpu, so shardgen set DS_ACCELERATOR=cpu")
     try:
         import deepspeed
     except ImportError as e:
@@ -52,7 +56,17 @@ def ensure_ds_comm(deepspeed) -> None:
     if not dist.is_initialized():
         raise RuntimeError("the deepspeed backend needs torch.distributed initialized (shardgen.init())")
     if not ds_comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+        # DeepSpeed prints "DeepSpeed <op> built successfully" on every rank here (a bare print of
+        # its comm-op loader): dropped; anything else printed meanwhile goes out as it came.
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            deepspeed.init_distributed(
+                dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False
+            )
+        rest = [x for x in said.getvalue().splitlines(True) if not _DS_BUILT.match(x)]
+        if rest:
+            sys.stdout.write("".join(rest))
+            sys.stdout.flush()
 
 
 def ensure_local_rank(device: torch.device) -> None:
@@ -126,11 +140,13 @@ def install_trace_check_switch() -> None:
 
 @contextlib.contextmanager
 def lockstep_forward() -> Iterator[None]:
-    """Around every forward shardgen runs: no grad, and the trace check switched off (this thread)."""
+    """Around every forward shardgen runs (and ``gather_all``): no grad, the trace check switched
+    off, and torch's deprecation warning for the ``all_gather_into_tensor`` that DeepSpeed's
+    gathers call not shown (this thread)."""
     prev = getattr(_tls, "lockstep", False)
     _tls.lockstep = True
     try:
-        with torch.no_grad():
+        with torch.no_grad(), quiet_deprecated_gathers():
             yield
     finally:
         _tls.lockstep = prev
