@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig, OPTConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    OPTConfig,
+    Qwen2Config,
+)
 
 VOCAB = 96
 
@@ -20,6 +28,8 @@ def tiny_config(arch: str, **over):
         cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
     elif arch == "opt":
         cfg = OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **decoder, **common)
+    elif arch == "mistral":  # a sliding window shorter than the test prompts: sliding cache layers
+        cfg = MistralConfig(intermediate_size=64, sliding_window=8, **gqa, **common)
     elif arch == "mixtral":
         cfg = MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **gqa, **common)
     else:
