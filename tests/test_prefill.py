@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from models import batch, hf_generate, tiny_model
-from rollout_scenarios import check_layout, id_prompts
+from rollout_scenarios import check_layout, id_prompts, rows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import shardgen
@@ -23,15 +23,6 @@ from shardgen.rollout import concat
 
 EOS = list(range(2, 10))  # many EOS ids: a random tiny model stops at different steps
 KW = dict(seed=3, max_new_tokens=10, eos_token_id=EOS, temperature=0.9)
-
-
-def rows(b) -> list[tuple]:
-    """Each row's content, bit for bit: ids, masks, logprobs, seed, finish reason."""
-    return [
-        (b.input_ids[i].tolist(), b.attention_mask[i].tolist(), b.response_mask[i].tolist(),
-         b.logprobs[i].tolist(), b.seeds[i], b.finish_reasons[i])
-        for i in range(len(b))
-    ]  # fmt: skip
 
 
 def _rollouts(model, share: bool, cases, **engine_kw) -> tuple[list, dict]:

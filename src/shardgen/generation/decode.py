@@ -10,17 +10,18 @@ and a ``DynamicCache``, ``logits_to_keep=1``, float32 logits of the last positio
 the first EOS kept and ``pad_token_id`` after it.
 
 Shared prefill: rows with the same prompt (the ``n`` samples of a rollout) compute it once. The
-prefill forward runs on the distinct prompts only; its KV cache and last logits are then forked
-into every row (``Cache.reorder_cache``: an ``index_select``, so each row owns a copy and a
-sample's decode never touches its siblings'). Chunked prefill: under a token budget the prompt
-columns go through the model in chunks, one forward each, the cache growing between them
-(as HF ``generate(prefill_chunk_size=...)`` does).
+prefill forward runs on the distinct prompts only; its KV cache is then forked into every row
+(``Cache.reorder_cache``: an ``index_select``, so each row owns a copy and a sample's decode never
+touches its siblings'), and the LM head runs on every row, as without sharing. Chunked prefill:
+under a token budget the prompt columns go through the model in chunks, one forward each, the
+cache growing between them (as HF ``generate(prefill_chunk_size=...)`` does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,15 +272,15 @@ class Batch:
         if self._takes_positions:
             kw["position_ids"] = pos[:, :c1]
         if self._takes_logits_to_keep:
-            # One distinct prompt: its LM head would run on one row (a GEMV, whose last bits differ
-            # from the GEMM the unshared rows run); two positions keep it a GEMM.
-            kw["logits_to_keep"] = 2 if self.fork is not None and ids.shape[0] == 1 and c1 - c0 > 1 else 1
+            kw["logits_to_keep"] = 1
         inputs = self.hf_model.prepare_inputs_for_generation(
             ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None, is_first_iteration=c0 == 0, **kw
         )
-        outputs = self.forward(**inputs, return_dict=True)
         tokens = (c1 - c0) * ids.shape[0] if mask is None else int(mask[:, c0:c1].sum())
-        if self._chunk < len(self._chunks):
+        last = self._chunk == len(self._chunks)
+        with self._head_on_every_row(last):
+            outputs = self.forward(**inputs, return_dict=True)
+        if not last:
             returned = getattr(outputs, self._cache_kw, None)
             if returned is not None:
                 self.cache = returned
@@ -287,6 +288,36 @@ class Batch:
         self._consume(outputs, fork=self.fork)
         self._pre = self._pre_mask = None  # type: ignore[assignment]
         return tokens
+
+    @contextlib.contextmanager
+    def _head_on_every_row(self, last: bool) -> Iterator[None]:
+        """The last forward of a shared prefill: the LM head's input is forked to every row, so the
+        head (one position per row: cheap) runs the same GEMM, on the same rows, as without
+        sharing. Its logits computed on the distinct rows only could differ in the last bit (one
+        row alone is a GEMV). Where the model computes them elsewhere (the gathered replica of
+        ``gather='once'``), the logits are forked after the forward instead."""
+        head = self.hf_model.get_output_embeddings() if last and self.fork is not None else None
+        if head is None:
+            yield
+            return
+        fork = self.fork
+
+        def widen(_module: Any, args: tuple) -> tuple | None:
+            if not args:
+                return None
+            x = args[0]  # [U, 1, H], a slice of the [U, T, H] hidden states
+            # With the strides of the unshared input (a slice of [B, T, H]): GEMM kernels may pick
+            # their path by them (the sharded heads' chunked GEMMs do). The buffer's other columns
+            # are never written (on CPU their pages are never even committed).
+            shape, strides = (fork.shape[0], *x.shape[1:]), x.stride()
+            wide = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
+            return (wide.copy_(x.index_select(0, fork)), *args[1:])
+
+        handle = head.register_forward_pre_hook(widen)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def step(self) -> None:
         """Feed the last tokens and choose the next ones. One forward."""
@@ -303,8 +334,9 @@ class Batch:
         if returned is not None:
             self.cache = returned
         del outputs
-        if fork is not None:  # shared prefill: every row takes a copy of its prompt's cache and logits
-            logits = logits.index_select(0, fork)
+        if fork is not None:  # shared prefill: every row takes a copy of its prompt's cache (and logits)
+            if logits.shape[0] != fork.shape[0]:
+                logits = logits.index_select(0, fork)
             self.cache.reorder_cache(fork)
         tokens = select_tokens(
             logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
