@@ -8,13 +8,16 @@ The policy is shardgen's shipped toy model (``shardgen.toy``: "count from 7 to 1
 (``--temperature 2.5``), where it only gets about 60% of its samples right: the RL loop
 sharpens it. Every step:
 
-1. ``engine.rollout(prompts, n=...)`` (NOT collective): rank r has its own, uneven, share of
-   the prompts (rank 0 the most; any count works, zero included), n samples each;
-2. reward per sample: the fraction of the expected numbers it got right, in order (1.0 when
-   exact); advantage = reward - the mean reward of the same prompt's n samples (GRPO-style).
-   A prompt whose n samples all score alike has zero advantages and teaches nothing: at the
-   temperatures the toy model was trained for it answers every prompt right (all 1.0), hence
-   the hot default; each step prints the share of such "flat" prompts;
+1. ``engine.rollout_iter(prompts, n=...)`` (NOT collective): rank r has its own, uneven, share
+   of the prompts (rank 0 the most; any count works, zero included), n samples each, streamed
+   one prompt's group at a time as each is done (its prompt prefilled once for the n samples);
+2. reward per sample, computed as each group arrives: the fraction of the expected numbers it
+   got right, in order (1.0 when exact); advantage = reward - the mean reward of the same
+   prompt's n samples (GRPO-style); ``shardgen.rollout.concat`` joins the groups into the
+   batch ``engine.rollout()`` would have returned. A prompt whose n samples all score alike
+   has zero advantages and teaches nothing: at the temperatures the toy model was trained for
+   it answers every prompt right (all 1.0), hence the hot default; each step prints the share
+   of such "flat" prompts;
 3. inside ``with engine.paused():`` (collective), a policy-gradient step on the SAME sharded
    model: -advantage * log p(response token) under ``softmax(logits / T)``, masked by
    ``response_mask``; the next rollout uses the new weights.
@@ -92,16 +95,20 @@ def main() -> None:
     with engine:
         for step in range(args.steps):
             t0 = time.perf_counter()
-            b = engine.rollout(
+            # Each prompt's group of n samples as soon as it is done: scored while the rest decode.
+            groups, scores = {}, {}
+            for i, g in engine.rollout_iter(
                 mine, n=args.samples, temperature=args.temperature, max_new_tokens=12, seed=step
-            )
-            prompts = [p for p in mine for _ in range(args.samples)]
-            r = torch.tensor([toy.answer_reward(p, t) for p, t in zip(prompts, b.texts or [], strict=True)])
-            groups = r.view(-1, args.samples)
-            adv = (groups - groups.mean(-1, keepdim=True)).view(-1)
-            flat = (groups.max(-1).values == groups.min(-1).values).sum().item()  # zero advantages
+            ):
+                groups[i], scores[i] = g, [toy.answer_reward(mine[i], t) for t in g.texts or []]
+            b = shardgen.rollout.concat([groups[i] for i in range(len(mine))])  # = engine.rollout(...)
+            r = torch.tensor([x for i in range(len(mine)) for x in scores[i]])
+            per_prompt = r.view(-1, args.samples)
+            adv = (per_prompt - per_prompt.mean(-1, keepdim=True)).view(-1)
+            # prompts whose samples all scored alike: zero advantages
+            flat = (per_prompt.max(-1).values == per_prompt.min(-1).values).sum().item()
             tokens = torch.tensor([b.response_mask.sum().item()], dtype=torch.float64)
-            stats = torch.tensor([r.sum().item(), float(len(r)), flat, groups.shape[0]], dtype=torch.float64)
+            stats = torch.tensor([r.sum().item(), float(len(r)), flat, len(per_prompt)], dtype=torch.float64)
             with engine.paused():  # collective: every rank, once per step
                 dist.all_reduce(tokens)  # normalize by ALL ranks' tokens: one loss scale everywhere
                 dist.all_reduce(stats)

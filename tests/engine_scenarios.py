@@ -174,6 +174,8 @@ def mismatched(setting: str):
         kw["backend"] = "local"
     if setting == "model" and rank() == 1:
         model_kw["num_hidden_layers"] = 3
+    if setting == "max_prefill_tokens" and rank() == 1:
+        kw["max_prefill_tokens"] = 64
     model = tiny_model("llama", seed=17, **model_kw)
     if setting == "dtype" and rank() == 1:
         model = model.to(torch.bfloat16)

@@ -8,6 +8,7 @@ from transformers import (
     GemmaConfig,
     GPT2Config,
     LlamaConfig,
+    MistralConfig,
     MixtralConfig,
     OPTConfig,
     Qwen2Config,
@@ -30,6 +31,8 @@ def tiny_config(arch: str, **over):
         cfg = OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **decoder, **common)
     elif arch == "gemma":  # a scaled-embedding subclass of nn.Embedding, tied to the head by default
         cfg = GemmaConfig(intermediate_size=64, head_dim=8, **gqa, **common)
+    elif arch == "mistral":  # a sliding window shorter than the test prompts: sliding cache layers
+        cfg = MistralConfig(intermediate_size=64, sliding_window=8, **gqa, **common)
     elif arch == "mixtral":
         cfg = MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **gqa, **common)
     else:

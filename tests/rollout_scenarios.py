@@ -41,6 +41,15 @@ def check_layout(b, pad_id: int) -> None:
         assert torch.all(b.logprobs[i, g:] == 0) and torch.all(b.logprobs[i, :g] <= 0)
 
 
+def rows(b) -> list[tuple]:
+    """Each row's content, bit for bit: ids, masks, logprobs, seed, finish reason."""
+    return [
+        (b.input_ids[i].tolist(), b.attention_mask[i].tolist(), b.response_mask[i].tolist(),
+         b.logprobs[i].tolist(), b.seeds[i], b.finish_reasons[i])
+        for i in range(len(b))
+    ]  # fmt: skip
+
+
 def id_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     ids, mask = batch(lengths, seed=seed)
     return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
@@ -116,6 +125,29 @@ def logprobs_sharded(backend: str) -> dict:
         "empty": None if empty is None else len(empty),
         "empty_s": empty_s,
     }
+
+
+def share_on_off(backend: str, gather: str = "per-layer") -> dict:
+    """Rollouts at n = 1, 3 and 8 with ``share_prefill`` on, then off, on a model shardgen shards,
+    batches of 5 (groups split, waiting, refilled): rank 0 holds 3 prompts then 2, rank 1 one
+    prompt then none. -> {share: (rows of each rollout, prefill tokens)}."""
+    import shardgen
+
+    rank = dist.get_rank()
+    prompt_sets = [id_prompts([5, 9, 3], seed=1), id_prompts([6, 4], seed=2)] if rank == 0 else [
+        id_prompts([7], seed=3), []]  # fmt: skip
+    out = {}
+    for share in (True, False):
+        model = tiny_model("llama", seed=7)
+        kw = dict(backend=backend, gather=gather, share_prefill=share, max_batch_size=5)
+        with shardgen.Engine(model, **kw) as eng:
+            got = [
+                rows(eng.rollout(prompts, n=n, seed=4, max_new_tokens=8, eos_token_id=EOS, temperature=0.9))
+                for n in (1, 3, 8)
+                for prompts in prompt_sets
+            ]
+        out[share] = (got, eng.stats()["prefill_tokens"])
+    return out
 
 
 def _train_step(step_model, opt, ids, ds: bool) -> float:

@@ -43,3 +43,17 @@ def test_training_between_rollouts(rlworld, mode):
         assert res["losses"] == res["base"], f"rank {r}: {res['losses']} != {res['base']}"
         assert all(res["changed"]) and len(res["changed"]) == 2, f"rank {r}: {res['changed']}"
         assert all(res["restored"]), f"rank {r}: {res['restored']}"
+
+
+@pytest.mark.parametrize(
+    "backend, gather", [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once")]
+)
+def test_shared_prefill_on_and_off_give_identical_rows(rlworld, backend, gather):
+    """n = 1, 3, 8; ranks holding 3 and 1 prompts, then 2 and none; batches of 5 (refills). The
+    sharded heads compute in chunks whose GEMMs depend on their input's strides: caught here."""
+    out = rlworld.run(sc.share_on_off, backend, gather, timeout=300)
+    for r, res in enumerate(out):
+        (on, on_tokens), (off, off_tokens) = res[True], res[False]
+        assert on == off, f"rank {r}"
+        assert on_tokens < off_tokens, f"rank {r}: {on_tokens} prefill tokens shared, {off_tokens} not"
+    assert any(len(rows) == 24 for rows in out[0][True][0])  # rank 0: 3 prompts x 8 samples

@@ -196,6 +196,14 @@ class EngineConfig:
     embeddings and the LM head are gathered in row chunks of at most this many MB of full
     weights, never whole. None: half the largest decoder layer (gloo gathers through a temporary
     copy: a chunk then costs at most a layer); 0: whole (one gather)."""
+    share_prefill: bool = True
+    """Requests with the same prompt (the n samples of a rollout) in one batch prefill it once; its
+    KV cache and last logits are copied into each row. Off: every row computes its prompt (the
+    same batches). Per rank: one forward per tick either way."""
+    max_prefill_tokens: int | None = None
+    """(agreed) Most tokens (rows x prompt columns, padding included) one prefill forward computes:
+    a larger prefill runs in chunks, one per tick, so that a long prompt does not hold every
+    rank's tick for many decode steps. None: whole prompts."""
 
     def validate(self) -> None:
         if self.gather not in GATHER_POLICIES:
@@ -210,6 +218,8 @@ class EngineConfig:
             raise ValueError(f"chunk_mb must be >= 0, got {self.chunk_mb}")
         if self.burst_steps < 1:
             raise ValueError(f"burst_steps must be >= 1, got {self.burst_steps}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {self.max_prefill_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         for name in ("init_timeout", "stall_timeout"):
@@ -231,6 +241,7 @@ class EngineConfig:
             "debug_collectives": str(self.debug_collectives),
             "bucket_mb": str(self.bucket_mb),
             "chunk_mb": str(self.chunk_mb),
+            "max_prefill_tokens": str(self.max_prefill_tokens),
         }
 
 

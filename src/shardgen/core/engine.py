@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from shardgen.core.protocol import OPEN, PAUSE
 from shardgen.core.shared import EngineStats, Shared
 from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
+from shardgen.generation import rollout as rollout_api
 from shardgen.generation.requests import (
     Completion,
     build_requests,
@@ -54,9 +55,6 @@ from shardgen.generation.requests import (
 from shardgen.loading.pretrained import materialize, source_of
 from shardgen.log import get_logger
 from shardgen.timeouts import derive
-
-if TYPE_CHECKING:
-    from shardgen.generation.rollout import RolloutBatch
 
 log = get_logger()
 __all__ = ["Engine", "EngineStats"]
@@ -176,18 +174,8 @@ class Engine:
         )
         return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
 
-    def rollout(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams | None = None,
-        *,
-        n: int = 1,
-        **overrides: Any,
-    ) -> RolloutBatch:
-        """``n`` samples per prompt as trainer-ready padded tensors (``shardgen.rollout``). Not collective."""
-        from shardgen.generation.rollout import rollout
-
-        return rollout(self, prompts, params, n=n, **overrides)
+    # n samples per prompt as a RolloutBatch, or streamed by prompt (shardgen.rollout). Not collective.
+    rollout, rollout_iter = rollout_api.rollout, rollout_api.rollout_iter
 
     def timeline(self) -> list[Span]:
         """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``core/timeline.py``)."""

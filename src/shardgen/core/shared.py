@@ -17,9 +17,11 @@ class EngineStats:
 
     ticks: int = 0
     forward_ticks: int = 0  # ticks that decided FORWARD (every rank forwarded)
-    forwards: int = 0  # real forwards: prefills + decode steps
+    forwards: int = 0  # real forwards: prefill forwards + decode steps
     prefills: int = 0  # waves and refills
     refills: int = 0  # prefills that joined a running batch
+    prefill_forwards: int = 0  # forwards that prefilled (more than prefills under max_prefill_tokens)
+    prefill_tokens: int = 0  # prompt tokens computed (a prompt shared by n rows counts once)
     decode_steps: int = 0
     shadow_forwards: int = 0
     idle_ticks: int = 0

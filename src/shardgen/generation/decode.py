@@ -8,12 +8,20 @@ token-identical: left padding, ``position_ids`` from the mask's cumsum, the mask
 dropped when it is all ones, the model's own ``prepare_inputs_for_generation``
 and a ``DynamicCache``, ``logits_to_keep=1``, float32 logits of the last position,
 the first EOS kept and ``pad_token_id`` after it.
+
+Shared prefill: rows with the same prompt (the ``n`` samples of a rollout) compute it once. The
+prefill forward runs on the distinct prompts only; its KV cache is then forked into every row
+(``Cache.reorder_cache``: an ``index_select``, so each row owns a copy and a sample's decode never
+touches its siblings'), and the LM head runs on every row, as without sharing. Chunked prefill:
+under a token budget the prompt columns go through the model in chunks, one forward each, the
+cache growing between them (as HF ``generate(prefill_chunk_size=...)`` does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +83,18 @@ class Batch:
     row's numerics never depend on when its neighbours finish.
     """
 
-    def __init__(self, hf_model: Any, forward: Forward, seqs: list[SeqState], device: torch.device) -> None:
+    def __init__(
+        self,
+        hf_model: Any,
+        forward: Forward,
+        seqs: list[SeqState],
+        device: torch.device,
+        *,
+        share: bool = True,
+        max_tokens: int | None = None,
+    ) -> None:
+        """``share``: rows with the same prompt prefill it once (forked after). ``max_tokens``:
+        most tokens (rows x columns, padding included) one prefill forward computes; None: all."""
         assert seqs, "empty batch"
         self.hf_model = hf_model
         self.forward = forward
@@ -104,6 +123,36 @@ class Batch:
         # HF drops an all-ones mask (no padding), which selects a different attention path.
         self.attention_mask: torch.Tensor | None = None if bool((mask == 1).all()) else mask
         self.cache = DynamicCache(config=hf_model.config.get_text_config(decoder=True))
+        self._plan_prefill(share, max_tokens)
+
+    def _plan_prefill(self, share: bool, max_tokens: int | None) -> None:
+        """Which rows the prefill computes (one per distinct prompt when sharing) and its chunks."""
+        first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
+        rows: list[int] = []  # the first row of each distinct prompt
+        fork: list[int] = []
+        for i, s in enumerate(self.seqs):
+            if tuple(s.prompt_ids) not in first:
+                first[tuple(s.prompt_ids)] = len(rows)
+                rows.append(i)
+            fork.append(first[tuple(s.prompt_ids)])
+        self.fork: torch.Tensor | None = None  # row i takes the prefill of computed row fork[i]
+        if share and len(rows) < len(self.seqs):
+            self.fork = torch.tensor(fork, dtype=torch.long, device=self.device)
+        else:
+            rows = list(range(len(self.seqs)))
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._pre = (self.input_ids.index_select(0, idx), self.position_ids.index_select(0, idx))
+        self._pre_mask = None if self.attention_mask is None else self.attention_mask.index_select(0, idx)
+        width = self.prompt_width
+        per_row = width if max_tokens is None else max(1, max_tokens // len(rows))
+        k = -(-width // per_row)  # chunks, of near-equal widths (balanced ticks)
+        self._chunks = [(width * j // k, width * (j + 1) // k) for j in range(k)]
+        self._chunk = 0
+
+    @property
+    def prefilling(self) -> bool:
+        """The prefill has not produced the first tokens yet (``prefill_step()`` has chunks left)."""
+        return self.steps == 0
 
     @property
     def live(self) -> int:
@@ -127,19 +176,23 @@ class Batch:
             and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
         )
 
-    def refill(self, seqs: list[SeqState], max_rows: int) -> None:
-        """Prefill ``seqs`` (ONE forward) and merge them into finished rows, growing to ``max_rows``.
+    def refill(self, seqs: list[SeqState], max_rows: int, **options: Any) -> None:
+        """Prefill ``seqs`` (one forward per prefill chunk) and ``merge`` them in."""
+        mini = Batch(self.hf_model, self.forward, seqs, self.device, **options)
+        mini.prefill()
+        self.merge(mini, max_rows)
+
+    def merge(self, mini: Batch, max_rows: int) -> None:
+        """Merge the prefilled batch ``mini`` into finished rows, growing to ``max_rows``.
 
         The new rows join the batch's KV cache left-padded to a common length, so the
         next ``step()`` decodes old and new rows together. Columns padded in every row
         are dropped, so the cache never grows beyond the longest live history.
         """
-        assert self.can_refill() and seqs
+        assert self.can_refill() and not mini.prefilling
         slots = [i for i, s in enumerate(self.seqs) if s.finished]
-        assert len(seqs) <= len(slots) + max_rows - len(self.seqs), "refill beyond free slots"
-        mini = Batch(self.hf_model, self.forward, seqs, self.device)
-        mini.prefill()
-        self._merge(mini, slots[: len(seqs)])
+        assert len(mini.seqs) <= len(slots) + max_rows - len(self.seqs), "refill beyond free slots"
+        self._merge(mini, slots[: len(mini.seqs)])
 
     def _merge(self, mini: Batch, slots: list[int]) -> None:
         width = max(self.input_ids.shape[1], mini.input_ids.shape[1])
@@ -202,12 +255,69 @@ class Batch:
         return kw
 
     def prefill(self) -> None:
-        """Run the prompt through the model and choose each row's first token. One forward."""
-        assert self.steps == 0, "prefill runs once"
+        """Run the whole prompt through the model and choose each row's first token."""
+        while self.prefilling:
+            self.prefill_step()
+
+    def prefill_step(self) -> int:
+        """ONE forward of the prefill: the prompt, or its next chunk under the token budget; the
+        last one chooses each row's first token. Returns the prompt tokens it computed."""
+        assert self.prefilling, "prefill runs once"
+        c0, c1 = self._chunks[self._chunk]
+        self._chunk += 1
+        ids, pos = self._pre
+        mask = self._pre_mask
+        kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
+        kw["attention_mask"] = None if mask is None else mask[:, :c1]  # past and current columns
+        if self._takes_positions:
+            kw["position_ids"] = pos[:, :c1]
+        if self._takes_logits_to_keep:
+            kw["logits_to_keep"] = 1
         inputs = self.hf_model.prepare_inputs_for_generation(
-            self.input_ids, is_first_iteration=True, **self._model_kwargs()
+            ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None, is_first_iteration=c0 == 0, **kw
         )
-        self._consume(self.forward(**inputs, return_dict=True))
+        tokens = (c1 - c0) * ids.shape[0] if mask is None else int(mask[:, c0:c1].sum())
+        last = self._chunk == len(self._chunks)
+        with self._head_on_every_row(last):
+            outputs = self.forward(**inputs, return_dict=True)
+        if not last:
+            returned = getattr(outputs, self._cache_kw, None)
+            if returned is not None:
+                self.cache = returned
+            return tokens
+        self._consume(outputs, fork=self.fork)
+        self._pre = self._pre_mask = None  # type: ignore[assignment]
+        return tokens
+
+    @contextlib.contextmanager
+    def _head_on_every_row(self, last: bool) -> Iterator[None]:
+        """The last forward of a shared prefill: the LM head's input is forked to every row, so the
+        head (one position per row: cheap) runs the same GEMM, on the same rows, as without
+        sharing. Its logits computed on the distinct rows only could differ in the last bit (one
+        row alone is a GEMV). Where the model computes them elsewhere (the gathered replica of
+        ``gather='once'``), the logits are forked after the forward instead."""
+        head = self.hf_model.get_output_embeddings() if last and self.fork is not None else None
+        if head is None:
+            yield
+            return
+        fork = self.fork
+
+        def widen(_module: Any, args: tuple) -> tuple | None:
+            if not args:
+                return None
+            x = args[0]  # [U, 1, H], a slice of the [U, T, H] hidden states
+            # With the strides of the unshared input (a slice of [B, T, H]): GEMM kernels may pick
+            # their path by them (the sharded heads' chunked GEMMs do). The buffer's other columns
+            # are never written (on CPU their pages are never even committed).
+            shape, strides = (fork.shape[0], *x.shape[1:]), x.stride()
+            wide = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
+            return (wide.copy_(x.index_select(0, fork)), *args[1:])
+
+        handle = head.register_forward_pre_hook(widen)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def step(self) -> None:
         """Feed the last tokens and choose the next ones. One forward."""
@@ -217,13 +327,17 @@ class Batch:
         )
         self._consume(self.forward(**inputs, return_dict=True))
 
-    def _consume(self, outputs: Any) -> None:
+    def _consume(self, outputs: Any, fork: torch.Tensor | None = None) -> None:
         # Same as HF: float32 copy of the last position's logits.
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)  # [B, V]
         returned = getattr(outputs, self._cache_kw, None)
         if returned is not None:
             self.cache = returned
         del outputs
+        if fork is not None:  # shared prefill: every row takes a copy of its prompt's cache (and logits)
+            if logits.shape[0] != fork.shape[0]:
+                logits = logits.index_select(0, fork)
+            self.cache.reorder_cache(fork)
         tokens = select_tokens(
             logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
         )

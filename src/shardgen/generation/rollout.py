@@ -12,14 +12,21 @@ Seeds: sample ``j`` of prompt ``p`` whose seed is ``s`` decodes with ``sample_se
 the same prompt and seed give the same rows on any rank, in any batch (a prompt given as text
 and the same prompt given as token ids are different keys). A scalar ``seed`` is the seed of
 every prompt of the call (a step number, say); a list gives one per prompt; None draws one.
+
+The ``n`` rows of a prompt go to the engine as consecutive requests with the same prompt: they
+join a batch together and the prompt is prefilled once, its KV cache forked into the n rows
+(``EngineConfig.share_prefill``). ``rollout_iter`` streams the same rows, one prompt's group at a
+time, as each group is done: ``for i, group in engine.rollout_iter(prompts, n=4): ...``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import queue
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +67,8 @@ class RolloutBatch:
     """Samples per prompt."""
     texts: list[str] | None = None
     """Per row: the generated text, when the engine has a tokenizer."""
+    pad_id: int = 0
+    """The id in padded positions of ``input_ids``."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -114,33 +123,111 @@ def rollout(
     ``SamplingParams`` fields (``seed`` may be a list, one per prompt). Logprobs are always
     computed (the ``logprobs`` flag is forced on).
     """
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
-        raise ValueError("rollout() takes a list of prompts (strings or token-id lists), not one prompt")
-    seeds = overrides.pop("seed", None if params is None else params.seed)
-    base = (params if params is not None else ROLLOUT_DEFAULTS).replace(logprobs=True, **overrides)
-    base = base.resolved(getattr(engine.model, "generation_config", None))  # as every request will be
-    base.validate()
-    prompts = list(prompts)
-    if isinstance(seeds, (list, tuple)):
-        if len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-    else:
-        seeds = [seeds] * len(prompts)
-    if base.do_sample:
-        rng = random.SystemRandom()
-        seeds = [rng.randrange(2**63) if s is None else int(s) for s in seeds]
-        row_seeds: list[int | None] = [
-            sample_seed(s, j, p) for s, p in zip(seeds, prompts, strict=True) for j in range(n)
-        ]
-    else:
-        row_seeds = [None] * (len(prompts) * n)
-    rows = [p for p in prompts for _ in range(n)]
-    options = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "seed"}
-    done: list[Completion] = engine.generate(rows, seed=row_seeds, **options) if rows else []
-    _, pad = resolve_special_ids(base, getattr(engine.model, "generation_config", None), engine.tokenizer)
-    return pack(done, pad_id=pad, n=n, seeds=row_seeds, device=engine.device)
+    plan = _Plan(engine, prompts, params, n, overrides)
+    return plan.pack([f.result() for f in plan.futures], range(len(plan.futures)))
+
+
+def rollout_iter(
+    engine: Any,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    params: SamplingParams | None = None,
+    *,
+    n: int = 1,
+    **overrides: Any,
+) -> Iterator[tuple[int, RolloutBatch]]:
+    """``rollout()``, streamed: ``(i, group)`` for each prompt as soon as its ``n`` samples are
+    done, in the order groups finish; ``group`` is a ``RolloutBatch`` of prompt ``i``'s n rows,
+    padded on its own (its prompt, its longest response). Not collective.
+
+    The requests are submitted (and the arguments checked) by the call itself, before the first
+    group is asked for; the groups are the rows ``rollout()`` returns for the same arguments:
+    ``concat`` of them in prompt order is ``rollout()``'s batch. Leaving the loop early does
+    not cancel the rest: the engine still decodes them (their results are dropped).
+    """
+    plan = _Plan(engine, prompts, params, n, overrides)
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for k, f in enumerate(plan.futures):
+        f.add_done_callback(lambda _f, i=k // n: done.put(i))  # runs in the driver: only a put
+    return _groups(plan, done)
+
+
+def _groups(plan: _Plan, done: queue.SimpleQueue[int]) -> Iterator[tuple[int, RolloutBatch]]:
+    n, count = plan.n, [0] * plan.prompts
+    for _ in range(len(plan.futures)):
+        i = done.get()
+        count[i] += 1
+        if count[i] == n:
+            rows = range(i * n, i * n + n)
+            yield i, plan.pack([plan.futures[r].result() for r in rows], rows)
+
+
+def concat(groups: Sequence[RolloutBatch]) -> RolloutBatch:
+    """One batch of ``groups``' rows, in order, re-padded to their common widths: ``concat`` of
+    ``rollout_iter``'s groups in prompt order equals ``rollout()``'s batch, tensor for tensor."""
+    done, seeds = [], []
+    for g in groups:
+        p_width = g.prompt_width
+        for i in range(len(g)):
+            p, r = int(g.prompt_lengths[i]), int(g.response_lengths[i])
+            done.append(
+                Completion(
+                    token_ids=g.response_ids[i, :r].tolist(),
+                    finish_reason=g.finish_reasons[i],
+                    prompt_token_ids=g.input_ids[i, p_width - p : p_width].tolist(),
+                    text=None if g.texts is None else g.texts[i],
+                    logprobs=g.logprobs[i, :r].tolist(),
+                )
+            )
+        seeds += g.seeds
+    first = groups[0] if groups else None
+    device = first.input_ids.device if first is not None else "cpu"
+    pad = first.pad_id if first is not None else 0
+    return pack(done, pad_id=pad, n=first.n if first is not None else 1, seeds=seeds, device=device)
+
+
+class _Plan:
+    """The checked arguments of one rollout call, its rows (``n`` per prompt, seeded by
+    ``sample_seed``) submitted to the engine in one go: the rows of a prompt are consecutive
+    requests with the same prompt, which the engine batches together and prefills once."""
+
+    def __init__(
+        self, engine: Any, prompts: Any, params: SamplingParams | None, n: int, overrides: dict[str, Any]
+    ) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            raise ValueError("rollout() takes a list of prompts (strings or token-id lists), not one prompt")
+        overrides = dict(overrides)
+        seeds = overrides.pop("seed", None if params is None else params.seed)
+        base = (params if params is not None else ROLLOUT_DEFAULTS).replace(logprobs=True, **overrides)
+        gen_config = getattr(engine.model, "generation_config", None)
+        base = base.resolved(gen_config)  # as every request will be
+        base.validate()
+        prompts = list(prompts)
+        if isinstance(seeds, (list, tuple)):
+            if len(seeds) != len(prompts):
+                raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        else:
+            seeds = [seeds] * len(prompts)
+        if base.do_sample:
+            rng = random.SystemRandom()
+            seeds = [rng.randrange(2**63) if s is None else int(s) for s in seeds]
+            self.seeds: list[int | None] = [
+                sample_seed(s, j, p) for s, p in zip(seeds, prompts, strict=True) for j in range(n)
+            ]
+        else:
+            self.seeds = [None] * (len(prompts) * n)
+        rows = [p for p in prompts for _ in range(n)]
+        options = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "seed"}
+        self.futures: list[Future] = (
+            engine._submit_many(rows, None, {"seed": self.seeds, **options}) if rows else []
+        )
+        self.n, self.prompts, self.device = n, len(prompts), engine.device
+        _, self.pad = resolve_special_ids(base, gen_config, engine.tokenizer)
+
+    def pack(self, done: list[Completion], rows: range) -> RolloutBatch:
+        seeds = [self.seeds[r] for r in rows]
+        return pack(done, pad_id=self.pad, n=self.n, seeds=seeds, device=self.device)
 
 
 def pack(
@@ -182,5 +269,6 @@ def pack(
         seeds=list(seeds),
         n=n,
         texts=texts,
+        pad_id=pad_id,
     )
     return batch.to(device)

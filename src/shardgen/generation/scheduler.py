@@ -1,8 +1,10 @@
 """This rank's own work: requests waiting for a slot, and the batch decoding them.
 
 Driver thread only; no collectives. The driver asks it for ONE real forward per
-call (``step``): a new wave's prefill, a refill of finished slots, or a decode
-step; the protocol decides whether a forward happens at all.
+call (``step``): a new wave's prefill, a refill of finished slots (either, under
+``max_prefill_tokens``, one chunk of it), or a decode step; the protocol decides whether a
+forward happens at all. Requests with the same prompt join a batch together, so that the
+batch prefills their prompt once (``share_prefill``, decode.py).
 """
 
 from __future__ import annotations
@@ -52,32 +54,33 @@ class LocalWork:
         self.on_finished = on_finished
         self.pending: deque[Request] = deque()
         self.batch: Batch | None = None
+        self.prefilling: Batch | None = None  # a prefill under way (chunked), to join the batch
         self.phase = Work.IDLE
 
     @property
     def live(self) -> int:
-        return self.batch.live if self.batch is not None else 0
+        """Unfinished rows: the batch's and those of a prefill under way."""
+        pre = len(self.prefilling.seqs) if self.prefilling is not None else 0
+        return pre + (self.batch.live if self.batch is not None else 0)
 
     def step(self, admit: bool) -> bool:
         """One prefill, refill or decode forward of this rank's work; False when it has none.
 
         ``admit``: the agreed state allows taking new requests (not while everyone waits to pause).
+        A prefill over the ``max_prefill_tokens`` budget runs as chunks, one per call, before
+        anything else (its rows count as live meanwhile).
         """
         t0 = time.perf_counter()
-        cap = self.config.max_batch_size
         batch = self.batch
-        if batch is None and self.pending and admit:
-            take = self._take(cap)
+        if self.prefilling is not None:
+            self._prefill_forward()
+        elif batch is None and self.pending and admit:
             self.phase = Work.PREFILL
-            self.batch = Batch(self.model, self.backend.forward, [r.seq for r in take], self.device)
-            self.batch.prefill()
-            self.stats.prefills += 1
-        elif batch is not None and self.pending and admit and self._should_refill(batch):
-            take = self._take(self._free(batch))
+            self._start(self._take(self.config.max_batch_size))
+        elif batch is not None and self.pending and admit and (take := self._refill_take(batch)):
             self.phase = Work.REFILL
-            batch.refill([r.seq for r in take], max_rows=cap)
-            self.stats.prefills += 1
             self.stats.refills += 1
+            self._start(take)
         elif batch is not None:
             self.phase = Work.DECODE
             batch.step()
@@ -89,25 +92,69 @@ class LocalWork:
         self._collect()
         return True
 
-    def _take(self, n: int) -> list[Request]:
-        take = [self.pending.popleft() for _ in range(min(n, len(self.pending)))]
+    def _start(self, take: list[Request]) -> None:
+        cfg = self.config
+        seqs = [r.seq for r in take]
+        self.prefilling = Batch(
+            self.model, self.backend.forward, seqs, self.device,
+            share=cfg.share_prefill, max_tokens=cfg.max_prefill_tokens,
+        )  # fmt: skip
+        self.stats.prefills += 1
+        self._prefill_forward()
+
+    def _prefill_forward(self) -> None:
+        """The next forward of the prefill under way; once it is done its rows join the batch."""
+        mini = self.prefilling
+        assert mini is not None
+        self.stats.prefill_tokens += mini.prefill_step()
+        self.stats.prefill_forwards += 1
+        if mini.prefilling:
+            return
+        self.prefilling = None
+        if self.batch is None:
+            self.batch = mini  # a new wave
+        else:
+            self.batch.merge(mini, max_rows=self.config.max_batch_size)
+
+    def _take(self, room: int) -> list[Request]:
+        """Requests for ``room`` rows, first come first served, a group at a time: consecutive
+        requests with the same prompt (the ``n`` samples of a rollout) join a batch together, so
+        their prompt is prefilled once. A group that does not fit waits for free rows; one larger
+        than a whole batch is taken in parts. [] when the first group must wait."""
+        take: list[Request] = []
+        while self.pending and len(take) < room:
+            head = self.pending[0].seq.prompt_ids
+            size = 0
+            for r in self.pending:
+                if r.seq.prompt_ids != head:
+                    break
+                size += 1
+            if size > room - len(take):
+                if take or size <= self.config.max_batch_size:
+                    break
+                size = room  # a group larger than a batch: the part that fits
+            take += [self.pending.popleft() for _ in range(size)]
         self.stats.requests += len(take)
         return take
 
     def _free(self, batch: Batch) -> int:
         return batch.free_slots() + self.config.max_batch_size - len(batch.seqs)
 
-    def _should_refill(self, batch: Batch) -> bool:
-        """Refill finished slots now? Each refill costs the live rows one tick, so wait until
-        a quarter of the slots are free, or until every waiting request fits."""
+    def _refill_take(self, batch: Batch) -> list[Request]:
+        """Refill finished slots now? Each refill costs the live rows one tick (a chunk each, under
+        a budget), so wait until a quarter of the slots are free, or until every waiting request
+        fits. The requests taken; [] for not now."""
         if not self.config.refill or not batch.can_refill():
-            return False
+            return []
         free = self._free(batch)
-        return free > 0 and free >= min(len(self.pending), max(1, self.config.max_batch_size // 4))
+        if free > 0 and free >= min(len(self.pending), max(1, self.config.max_batch_size // 4)):
+            return self._take(free)
+        return []
 
     def _collect(self) -> None:
         batch = self.batch
-        assert batch is not None
+        if batch is None:
+            return
         for s in batch.seqs:
             if s.finished and not s.tag.future.done():
                 self.stats.generated_tokens += len(s.tokens)
