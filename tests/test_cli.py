@@ -67,7 +67,7 @@ class Job:
             pytest.fail(f"timed out after {timeout:g}s (process group killed)\n{self.output()}")
 
 
-def run(args: list[str], cwd: Path, timeout: float = 120, expect: int | None = 0) -> Job:
+def run(args: list[str], cwd: Path, timeout: float = 300, expect: int | None = 0) -> Job:
     job = Job(args, cwd)
     rc = job.wait(timeout)
     if expect is not None:
@@ -294,7 +294,7 @@ def bad_runs(tmp_path_factory) -> dict[str, tuple[Job, Path, int]]:
         if name == "stale-journals":
             (d / "o.jsonl.rank1.journal.jsonl").write_text('{"id": 1, "text": "x"}\n')
         jobs[name] = (Job(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *extra], d), d)
-    return {name: (job, d, job.wait(120)) for name, (job, d) in jobs.items()}
+    return {name: (job, d, job.wait(300)) for name, (job, d) in jobs.items()}
 
 
 @pytest.mark.parametrize("case", list(BAD_CASES))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,16 +90,31 @@ class SamplingParams:
         """
         p = self.resolved()
         out = []
-        if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
-            out.append(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
-        if not (0.0 < float(p.top_p) <= 1.0):
+
+        def number(name: str) -> float | None:  # NaN passes no comparison: "x > 0" would let it by
+            v = getattr(p, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                out.append(f"{name} must be a finite number, got {v!r}")
+                return None
+            return float(v)
+
+        def integer(name: str, low: int) -> None:
+            v = getattr(p, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                out.append(f"{name} must be an integer >= {low}, got {v!r}")
+
+        integer("max_new_tokens", 1)
+        top_p, temperature = number("top_p"), number("temperature")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
             out.append(f"top_p must be in (0, 1], got {p.top_p!r}")
-        if p.do_sample and not float(p.temperature) > 0.0:
+        if not isinstance(p.do_sample, bool):
+            out.append(f"do_sample must be true or false, got {p.do_sample!r}")
+        elif p.do_sample and temperature is not None and not temperature > 0.0:
             out.append(f"temperature must be > 0 when sampling, got {p.temperature!r}")
-        if not isinstance(p.top_k, int) or p.top_k < 0:
-            out.append(f"top_k must be an integer >= 0, got {p.top_k!r}")
+        integer("top_k", 0)
         if p.stop is not None:
-            if isinstance(p.stop, str) or not all(isinstance(s, str) and s for s in p.stop):
+            ok = isinstance(p.stop, list | tuple) and all(isinstance(x, str) and x for x in p.stop)
+            if not ok:
                 out.append(f"stop must be a list of non-empty strings, got {p.stop!r}")
         return out
 
@@ -208,23 +224,29 @@ class EngineConfig:
     def validate(self) -> None:
         if self.gather not in GATHER_POLICIES:
             raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
-        if self.gil_switch_interval is not None and not self.gil_switch_interval > 0:
+        if self.gil_switch_interval is not None and not 0 < self.gil_switch_interval < math.inf:
             raise ValueError(
                 f"gil_switch_interval must be > 0 seconds or None, got {self.gil_switch_interval}"
             )
-        if self.bucket_mb is not None and not self.bucket_mb >= 0:
-            raise ValueError(f"bucket_mb must be >= 0, got {self.bucket_mb}")
-        if self.chunk_mb is not None and not self.chunk_mb >= 0:
-            raise ValueError(f"chunk_mb must be >= 0, got {self.chunk_mb}")
-        if self.burst_steps < 1:
-            raise ValueError(f"burst_steps must be >= 1, got {self.burst_steps}")
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {self.max_prefill_tokens}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        for name in ("init_timeout", "stall_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.bucket_mb is not None and not 0 <= self.bucket_mb < math.inf:
+            raise ValueError(f"bucket_mb must be a finite number >= 0, got {self.bucket_mb}")
+        if self.chunk_mb is not None and not 0 <= self.chunk_mb < math.inf:
+            raise ValueError(f"chunk_mb must be a finite number >= 0, got {self.chunk_mb}")
+        for name in ("burst_steps", "max_batch_size", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if v is None and name == "max_prefill_tokens":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        for name in ("init_timeout", "stall_timeout"):  # finite: nothing waits without a bound
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be > 0 seconds and finite, got {getattr(self, name)}")
+        for name in ("idle_sleep_max", "memory_budget_gb"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (``EngineConfig`` fields) applied; ``ValueError`` on unknown names."""
@@ -310,8 +332,8 @@ class JobConfig:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.temperature is not None and not 0 <= self.temperature < math.inf:
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
         if self.shard_size is not None and self.nproc is not None and self.nproc % self.shard_size:
