@@ -50,7 +50,7 @@ def test_level_from_the_environment(monkeypatch):
 def test_set_level_this_process_and_the_ranks_it_launches(monkeypatch):
     logger = log.get_logger()
     monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
-    monkeypatch.delenv("SHARDGEN_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("SHARDGEN_LOG_LEVEL", "warning")  # recorded: undone after the test
     log.set_level("ERROR")
     assert logger.level == logging.ERROR and os.environ["SHARDGEN_LOG_LEVEL"] == "error"
     with pytest.raises(ValueError, match="log level must be one of debug, info"):
