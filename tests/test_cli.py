@@ -327,3 +327,8 @@ def test_demo_checks_its_answers_and_does_not_hang(tmp_path: Path) -> None:
     assert "[shardgen rank" not in job.stdout + job.stderr and "Warning" not in job.stderr, job.output()
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["ranks"][3]["prompts"] == 0 and summary["ranks"][3]["shadow_forwards"] > 0
+
+
+def test_demo_quiet_prints_nothing(tmp_path: Path) -> None:
+    job = run(["demo", "--quiet", "--nproc", "2", "--prompts", "16", "--away-s", "0"], tmp_path, timeout=150)
+    assert job.stdout == "" and job.stderr == "", job.output()

@@ -50,7 +50,7 @@ def test_level_from_the_environment(monkeypatch):
 def test_set_level_this_process_and_the_ranks_it_launches(monkeypatch):
     logger = log.get_logger()
     monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
-    monkeypatch.delenv("SHARDGEN_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("SHARDGEN_LOG_LEVEL", "warning")  # recorded: undone after the test
     log.set_level("ERROR")
     assert logger.level == logging.ERROR and os.environ["SHARDGEN_LOG_LEVEL"] == "error"
     with pytest.raises(ValueError, match="log level must be one of debug, info"):
@@ -112,3 +112,29 @@ def test_no_global_filter_at_import():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_an_unsharded_load_does_not_say_shards(monkeypatch):
+    import shardgen
+    from shardgen.toy import toy_model_path
+
+    logger = log.get_logger()
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    seen = _Lines()
+    logger.addHandler(seen)
+    try:
+        with shardgen.Engine.from_pretrained(toy_model_path(), backend="local") as engine:
+            assert engine.generate(["count from 1 to 3 :"], max_new_tokens=8)[0].text == "1 2 3"
+    finally:
+        logger.removeHandler(seen)
+    loaded = [x for x in seen.lines if x.startswith("loaded ")]
+    assert len(loaded) == 1 and "unsharded (backend local)" in loaded[0] and "shards" not in loaded[0], loaded

@@ -74,10 +74,12 @@ def cmd_bench(cfg: BenchConfig) -> int:
     """The launcher side (spawns each world) or, when ``RANK`` is set, one rank of a world."""
     from shardgen.launch import is_rank, launch
 
+    from shardgen.flags import flag_names
+
     try:
         cfg.validate()
     except ValueError as e:
-        raise JobError(ExitCode.USAGE, str(e)) from None
+        raise JobError(ExitCode.USAGE, flag_names(str(e), ((BenchConfig, None),))) from None
     if is_rank():
         return run_rank(cfg)
     if cfg.timeline:
