@@ -2,14 +2,16 @@
 
 The oracle is built here the way HF ``generate()`` builds it (``_get_logits_processor``):
 ``TemperatureLogitsWarper`` if temperature != 1, ``TopKLogitsWarper`` if top_k != 0,
-``TopPLogitsWarper`` if top_p < 1, in that order, ``min_tokens_to_keep=1``. shardgen's path is
-``sampling.warpers_for`` (what ``select_tokens`` applies) and ``select_tokens`` itself for draws.
+``TopPLogitsWarper`` if top_p < 1, in that order, ``min_tokens_to_keep=1``. shardgen's reference
+chain is ``sampling.warpers_for``; ``select_tokens`` applies the batched ``warp_scores``, checked
+bit for bit against HF's chain in the second half, and its draws against the row-by-row sampler.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -21,7 +23,8 @@ from transformers.generation.logits_process import (
 )
 
 from shardgen import SamplingParams
-from shardgen.generation.sampling import make_generator, select_tokens, warpers_for
+from shardgen.generation import sampling
+from shardgen.generation.sampling import chosen_logprobs, make_generator, select_tokens, warpers_for
 
 NEG = -float("inf")
 # Hand-built next-token logits [V=8]; token order deliberately not sorted by probability.
@@ -160,3 +163,323 @@ def test_unset_knobs_count_at_hf_defaults():
     theirs = hf_probs(logits, 1.0, 0, 0.66)
     assert allowed(ours) == allowed(theirs) == {0, 1, 3}
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The batched sampler (warp_scores, draw_tokens, select_tokens) against HF's warpers run row by
+# row and against the row-by-row sampler shardgen had (the oracle below, kept verbatim).
+# ---------------------------------------------------------------------------------------------
+
+PATHS = ["cpu-fast", "device"]  # numpy-sorted CPU path; the torch.sort path any device takes
+
+
+def hf_chain(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """HF generate()'s warpers for one request (the same rules as ``hf_probs``)."""
+    procs = LogitsProcessorList()
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k != 0:
+        procs.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return procs
+
+
+def reference_draw(scores: torch.Tensor, u: torch.Tensor) -> int:
+    """The row-by-row draw shardgen had: float64 CDF on the CPU, u * total, walk back over zeros."""
+    probs = torch.softmax(scores.double().cpu(), dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    x = u * cdf[-1]
+    idx = int(torch.searchsorted(cdf, x, right=True).clamp_(max=probs.numel() - 1))
+    while idx > 0 and probs[idx] == 0.0:
+        idx -= 1
+    return idx
+
+
+def reference_select_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list
+) -> torch.Tensor:
+    """The oracle: the row-by-row sampler shardgen had (HF's warpers on each row alone, then
+    ``reference_draw`` with one ``torch.rand`` float64 from the row's generator)."""
+    out = torch.argmax(logits, dim=-1)
+    for i, p in enumerate(params):
+        if not p.do_sample:
+            continue
+        r = p.resolved()
+        scores = hf_chain(float(r.temperature), int(r.top_k), float(r.top_p))(None, logits[i : i + 1])
+        out[i] = reference_draw(scores[0], torch.rand((), generator=generators[i], dtype=torch.float64))
+    return out
+
+
+def batched_warp(logits: torch.Tensor, knobs: list[tuple[float, int, float]], path: str) -> torch.Tensor:
+    return sampling._warp(logits, knobs, fast=path == "cpu-fast")
+
+
+def mixed_params(n: int, seed: int) -> list[SamplingParams]:
+    """n requests: greedy ones mixed in, different temperatures, top-k (some > vocab), top-p."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.2:
+            out.append(SamplingParams())
+            continue
+        out.append(
+            SamplingParams(
+                do_sample=True,
+                temperature=rng.choice([1.0, 0.7, 1.9, 0.3, None]),
+                top_k=rng.choice([0, 0, 1, 3, 20, 100_000, None]),
+                top_p=rng.choice([1.0, 0.95, 0.9, 0.5, 0.25, None]),
+                seed=rng.randrange(2**40),
+            ).resolved()
+        )
+    return out
+
+
+def generators_for(params: list[SamplingParams]) -> list:
+    return [make_generator(p.seed) if p.do_sample else None for p in params]
+
+
+def make_logits(rows: int, vocab: int, kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    if kind == "bf16":  # what a bf16 model gives: ties everywhere, so top-p cuts split tie groups
+        return x.to(torch.bfloat16).float()
+    if kind == "ints":
+        return torch.randint(0, 4, (rows, vocab), generator=g).float()
+    return x
+
+
+GRID = list(itertools.product(TEMPERATURES, TOP_KS, TOP_PS))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_batched_warp_is_hf_warpers_bit_for_bit(name, path):
+    """Every (temperature, top_k, top_p) of the grid as one row of a single batch: each row's
+    scores are exactly HF's chain on that row alone (ties, exact boundaries, top_k > vocab)."""
+    logits = DISTRIBUTIONS[name]
+    got = batched_warp(logits[None].repeat(len(GRID), 1), GRID, path)
+    for row, (t, k, p) in enumerate(GRID):
+        expected = hf_chain(t, k, p)(None, logits[None].clone())[0]
+        assert torch.equal(got[row], expected), f"{name} t={t} k={k} p={p}: {got[row]} != HF {expected}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["uniform", "ties"])
+def test_batched_warp_keeps_what_hf_keeps_at_exact_top_p_boundaries(name, path):
+    probs = torch.softmax(DISTRIBUTIONS[name].double(), -1)
+    cums = torch.sort(probs, descending=True).values.cumsum(0).tolist()
+    knobs = [
+        (1.0, 0, float(p))
+        for cum in cums[:-1]
+        for p in (cum, math.nextafter(cum, 0.0), math.nextafter(cum, 1.0))
+        if 0.0 < p < 1.0
+    ] + [(1.0, 0, 1e-9)]  # everything but the top token is below 1 - 1e-9: min_tokens_to_keep
+    logits = DISTRIBUTIONS[name][None].repeat(len(knobs), 1)
+    got = batched_warp(logits, knobs, path)
+    for row, (t, k, p) in enumerate(knobs):
+        expected = hf_chain(t, k, p)(None, logits[row : row + 1].clone())[0]
+        assert torch.equal(got[row], expected), f"{name} top_p={p!r}: {got[row]} != HF {expected}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", ["normal", "bf16", "ints"])
+@pytest.mark.parametrize("vocab", [1000, 32000])
+def test_batched_warp_is_hf_warpers_on_real_vocabularies(vocab, kind, path):
+    knobs = [(0.7, 0, 0.95), (1.0, 0, 0.9), (1.9, 50, 0.5), (0.3, 0, 0.25), (1.0, 5, 1.0), (1.3, 200, 0.99)]
+    logits = make_logits(len(knobs), vocab, kind, seed=vocab)
+    got = batched_warp(logits, knobs, path)
+    for row, (t, k, p) in enumerate(knobs):
+        expected = hf_chain(t, k, p)(None, logits[row : row + 1].clone())[0]
+        assert torch.equal(got[row], expected), f"{kind} V={vocab} t={t} k={k} p={p}"
+
+
+@pytest.mark.parametrize("kind", ["normal", "bf16", "ints"])
+@pytest.mark.parametrize("vocab", [8, 72, 4099])
+def test_same_tokens_as_the_row_by_row_sampler(vocab, kind):
+    """64 requests with mixed parameters (greedy ones among them), several steps: the batched
+    sampler gives exactly the tokens the row-by-row one gave for the same seeds."""
+    params = mixed_params(64, seed=vocab)
+    ours, theirs = generators_for(params), generators_for(params)
+    for step in range(4):
+        logits = make_logits(64, vocab, kind, seed=100 * vocab + step)
+        expected = reference_select_tokens(logits, params, theirs)
+        got = select_tokens(logits, params, ours, None)
+        assert torch.equal(got, expected), f"step {step}: rows {torch.nonzero(got != expected).flatten()}"
+
+
+@pytest.mark.parametrize("vocab", [72, 4099])
+def test_a_request_draws_the_same_tokens_alone_in_a_batch_and_anywhere(vocab, monkeypatch):
+    """One request (seed, parameters, logits per step) alone; as row 17 of 64 mixed requests; as
+    row 0 of 23 others with other neighbours ("another rank"); in CPU chunks of one row and of
+    the whole batch: the same tokens, and its warped scores are the same bits in every batch."""
+    me = SamplingParams(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, seed=1234).resolved()
+    batch_a = mixed_params(64, seed=1)
+    batch_a[17] = me
+    batch_b = [me] + mixed_params(22, seed=2)
+    runs = {"alone": ([me], 0), "row 17 of 64": (batch_a, 17), "row 0 of 23": (batch_b, 0)}
+    gens = {name: generators_for(params) for name, (params, _) in runs.items()}
+    chunks = {"one chunk": 1 << 30, "rows one by one": 1}
+    gens_chunked = {c: generators_for(batch_a) for c in chunks}
+    for step in range(6):
+        mine = make_logits(1, vocab, "normal", seed=step)[0]
+        tokens = {}
+        for name, (params, row) in runs.items():
+            logits = make_logits(len(params), vocab, "normal", seed=1000 + 7 * step + len(params))
+            logits[row] = mine
+            tokens[name] = int(select_tokens(logits, params, gens[name], None)[row])
+            for path in PATHS:
+                knobs = [sampling._knobs(p) for p in params if p.do_sample]
+                sampled = logits[[i for i, p in enumerate(params) if p.do_sample]]
+                at = sum(bool(p.do_sample) for p in params[:row])
+                warped = batched_warp(sampled, knobs, path)[at]
+                alone = batched_warp(mine[None], [sampling._knobs(me)], path)[0]
+                assert torch.equal(warped, alone), f"{name}, {path}: warped scores depend on the batch"
+        assert len(set(tokens.values())) == 1, f"step {step}: {tokens}"
+        logits = make_logits(64, vocab, "bf16", seed=step)
+        per_chunking = {}
+        for c, size in chunks.items():
+            monkeypatch.setattr(sampling, "CPU_CHUNK_ELEMENTS", size)
+            per_chunking[c] = select_tokens(logits, batch_a, gens_chunked[c], None)
+        assert torch.equal(*per_chunking.values()), f"step {step}: tokens depend on the CPU chunking"
+
+
+def test_batch_independence_holds_with_threads():
+    """The same rows alone and in a batch of 64 with 2 intra-op threads (rows are split across threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = mixed_params(64, seed=5)
+        logits = make_logits(64, 4099, "normal", seed=5)
+        together = select_tokens(logits, params, generators_for(params), None)
+        alone = [
+            int(select_tokens(logits[i : i + 1], [p], generators_for([p]), None))
+            for i, p in enumerate(params)
+        ]
+        assert together.tolist() == alone
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_greedy_top_k_1_and_temperature_extremes_in_one_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=g) * 2  # distinct scores: the argmax is unique
+    params = [
+        SamplingParams(temperature=0.3, top_k=5, top_p=0.5),  # greedy: the knobs are ignored
+        SamplingParams(do_sample=True, top_k=1, temperature=1.7, seed=1),  # top_k=1: the argmax
+        SamplingParams(do_sample=True, temperature=1e-4, seed=2),  # T -> 0: the argmax
+        SamplingParams(do_sample=True, temperature=1e4, top_k=1, seed=3),  # T -> inf, top_k=1: argmax
+        SamplingParams(do_sample=True, temperature=1e4, seed=4),  # T -> inf: nearly uniform
+        SamplingParams(do_sample=False),
+    ]
+    argmax = logits.argmax(-1)
+    gens = generators_for(params)
+    spread = set()
+    for _ in range(40):
+        out = select_tokens(logits, params, gens, None)
+        assert out[[0, 1, 2, 3, 5]].tolist() == argmax[[0, 1, 2, 3, 5]].tolist()
+        spread.add(int(out[4]))
+    assert len(spread) > 30, f"T = 1e4 drew only {len(spread)} distinct tokens of 500 in 40 draws"
+
+
+def test_each_sampled_row_takes_exactly_one_draw_from_its_generator():
+    params = mixed_params(16, seed=9)
+    gens = generators_for(params)
+    twins = generators_for(params)
+    select_tokens(make_logits(16, 72, "normal", seed=0), params, gens, None)
+    for p, g, twin in zip(params, gens, twins, strict=True):
+        if p.do_sample:
+            torch.rand((), generator=twin, dtype=torch.float64)
+            assert torch.equal(g.get_state(), twin.get_state())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_draw_never_lands_on_a_removed_token(path):
+    """u * total can round up to the total (u just below 1): the last token of positive
+    probability then, never a filtered one, as the row-by-row sampler did."""
+    scores = torch.tensor(
+        [
+            [0.0, 1.0, 2.0, NEG, NEG],  # trailing filtered tokens
+            [NEG, 1.0, NEG, 0.5, NEG],
+            [NEG, NEG, 3.0, NEG, NEG],  # one token left
+            [-800.0, 0.0, NEG, 1.0, -900.0],  # float64 probability 0 though not filtered
+        ]
+    )
+    top = math.nextafter(1.0, 0.0)
+    for u in (0.0, 0.5, top):
+        us = torch.full((len(scores),), u, dtype=torch.float64)
+        got = sampling.draw_tokens(scores, us)
+        expected = [reference_draw(row, torch.tensor(u, dtype=torch.float64)) for row in scores]
+        assert got.tolist() == expected, f"u={u!r}"
+        assert all(torch.softmax(scores.double(), -1)[i, t] > 0 for i, t in enumerate(got.tolist()))
+
+
+def test_the_cdf_is_float64_a_token_of_probability_1e_13_stays_reachable():
+    """In float32 the last token's slice of the CDF (1e-13 wide) rounds away; a u inside it must
+    still draw it, as the row-by-row float64 CDF did."""
+    scores = torch.tensor([[0.0, -30.0]])  # p = (1 - 9.4e-14, 9.4e-14)
+    for u in (0.5, 1.0 - 5e-14, 1.0 - 1e-15):
+        got = int(sampling.draw_tokens(scores, torch.tensor([u], dtype=torch.float64))[0])
+        assert (
+            got == reference_draw(scores[0], torch.tensor(u, dtype=torch.float64)) == (0 if u == 0.5 else 1)
+        )
+
+
+def test_logits_never_leave_their_device():
+    """The whole batched path on the meta device: any copy to the host or sync on a value
+    (.cpu(), .tolist(), .item(), bool(), numpy) raises there. The draws come from the CPU
+    generators (one each), then travel as one [S] tensor."""
+    logits = torch.empty(8, 151_936, device="meta")
+    params = [
+        SamplingParams(do_sample=True, temperature=0.7, top_p=0.95, seed=1),
+        SamplingParams(),
+        SamplingParams(do_sample=True, top_k=50, seed=2),
+        SamplingParams(do_sample=True, temperature=0.6, top_k=20, top_p=0.8, seed=3),
+        SamplingParams(do_sample=True, temperature=1.3, seed=4),
+        SamplingParams(do_sample=True, top_k=1, seed=5),
+        SamplingParams(do_sample=True, top_p=0.5, seed=6, logprobs=True),
+        SamplingParams(),
+    ]
+    gens = generators_for([p.resolved() for p in params])
+    tokens = select_tokens(logits, params, gens, None)
+    assert tokens.device.type == "meta" and tokens.shape == (8,) and tokens.dtype == torch.long
+    lps = chosen_logprobs(logits, tokens, params)
+    assert lps.device.type == "meta" and lps.shape == (8,)
+    all_sampled = [p for p in params if p.do_sample]
+    tokens = select_tokens(logits[:6], all_sampled, generators_for([p.resolved() for p in all_sampled]), None)
+    assert tokens.device.type == "meta"
+
+
+def test_chosen_logprobs_are_batched_per_row_temperature_or_raw():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    tokens = torch.tensor([3, 7, 0, 49])
+    params = [
+        SamplingParams(do_sample=True, temperature=0.5, seed=1),
+        SamplingParams(do_sample=True, temperature=0.5, raw_logprobs=True, seed=1),
+        SamplingParams(),
+        SamplingParams(do_sample=True, temperature=2.0, seed=1),
+    ]
+    got = chosen_logprobs(logits, tokens, params)
+    for i, t in enumerate([0.5, 1.0, 1.0, 2.0]):
+        alone = (
+            torch.log_softmax(logits[i] / t, dim=-1)[tokens[i]]
+            if t != 1.0
+            else torch.log_softmax(logits[i], -1)[tokens[i]]
+        )
+        assert torch.equal(got[i], alone), i
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_request_draws_the_same_tokens_alone_and_in_a_batch():
+    """The device path on CUDA: logits stay there, and a row alone and as row 17 of 64 mixed rows
+    gives the same tokens (cumsum's CUDA blocking depends on the row count: see sampling.py)."""
+    me = SamplingParams(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, seed=1234).resolved()
+    batch = mixed_params(64, seed=1)
+    batch[17] = me
+    alone_gens, batch_gens = generators_for([me]), generators_for(batch)
+    for step in range(20):
+        logits = make_logits(64, 32000, "normal", seed=step).cuda()
+        together = select_tokens(logits, batch, batch_gens, None)
+        alone = select_tokens(logits[17:18].clone(), [me], alone_gens, None)
+        assert together.device.type == "cuda" and int(together[17]) == int(alone[0]), f"step {step}"

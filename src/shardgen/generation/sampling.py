@@ -1,15 +1,21 @@
 """Token selection: greedy, temperature, top-k, top-p, with a generator per request.
 
-Each row of a batch is processed alone with its own parameters and its own
-``torch.Generator``, so a request's sampled tokens depend only on its logits and
-its seed, never on which rank served it or what else was in the batch. The warpers
-are Hugging Face's own (same semantics as ``generate()``); the draw is one uniform
-number per step mapped through the CDF, which is stable under the last-bit noise
-that batching can add to logits.
+All sampled rows of a batch are processed at once, on the logits' device, each with its own
+parameters; no reduction mixes rows. The warpers are Hugging Face's semantics (``warpers_for``
+builds HF's own chain; ``warp_scores`` gives the same scores, bit for bit on the CPU). The draw
+is one uniform number per row per step, from that row's own CPU ``torch.Generator``, mapped
+through the row's float64 CDF: a request's tokens depend only on its logits and its seed, never
+on which rank served it or what else was in the batch, and the draw is stable under the
+last-bit noise that batching can add to logits. On the CPU a row's result is bitwise the same
+alone or in any batch (tests/test_sampling.py). On CUDA, ``cumsum`` picks its thread layout
+from the number of rows (and a single row takes another kernel), so cumulative sums may differ
+in the last bit between batch shapes; that moves a token only when the row's uniform or top-p
+threshold lies within that rounding of a boundary, as last-bit noise in the logits would.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -19,6 +25,8 @@ from transformers.generation.logits_process import (
 )
 
 from shardgen.config import SamplingParams
+
+NEG_INF = float("-inf")
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -31,7 +39,9 @@ def make_generator(seed: int) -> torch.Generator:
 def warpers_for(params: SamplingParams) -> LogitsProcessorList:
     """HF's warpers in HF's order (temperature, top-k, top-p) for a sampled request.
 
-    Unset fields count at their library defaults (requests arrive resolved: ``build_request``).
+    The reference semantics: ``warp_scores`` applies the same chain to many rows at once and
+    gives the same scores. Unset fields count at their library defaults (requests arrive
+    resolved: ``build_request``).
     """
     params = params.resolved()
     procs = LogitsProcessorList()
@@ -46,33 +56,167 @@ def warpers_for(params: SamplingParams) -> LogitsProcessorList:
     return procs
 
 
+def draw_uniforms(generators: list[torch.Generator], device: torch.device | str = "cpu") -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, each from the row's own generator. -> [S] on ``device``.
+
+    One tiny CPU draw per generator (a function of the request's seed and step only), then a
+    single host-to-device copy of S numbers.
+    """
+    u = torch.empty(len(generators), dtype=torch.float64)
+    for cell, g in zip(u.unbind(), generators, strict=True):
+        cell.uniform_(generator=g)  # the value torch.rand((), generator=g, dtype=torch.float64) draws
+    return u.to(device)
+
+
+def warp_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """HF's warper chain (``warpers_for``) applied to every row at once with the row's own values.
+
+    logits: [S, V] (sampled rows); params: one sampled ``SamplingParams`` per row. -> [S, V]
+    scores, tokens filtered out at -inf: the same values, bit for bit, as running
+    ``warpers_for(p)`` on each row alone (CPU); no row's result depends on another row.
+    """
+    return _warp(logits, [_knobs(p) for p in params], fast=_fast(logits))
+
+
+Knobs = tuple[float, int, float]  # temperature, top_k, top_p
+
+
+def _knobs(p: SamplingParams) -> Knobs:
+    """A sampled request's temperature, top_k, top_p; unset ones at the library defaults."""
+    if p.temperature is None or p.top_k is None or p.top_p is None:
+        p = p.resolved()
+    return float(p.temperature), int(p.top_k), float(p.top_p)  # type: ignore[arg-type]
+
+
+def _fast(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
+
+
+def _warp(logits: torch.Tensor, knobs: list[Knobs], fast: bool) -> torch.Tensor:
+    """``warp_scores``. ``fast`` (CPU): sorted values from numpy and top-p by counting, HF's own
+    sort only for rows whose top-p cut splits a group of tied scores; else HF's algorithm on the
+    device (``torch.sort``, softmax, cumsum, scatter) for all rows at once."""
+    S, V = logits.shape
+    dev = logits.device
+    temps = [t for t, _, _ in knobs]
+    ks = [k if 0 < k < V else V for _, k, _ in knobs]  # k = V: no top-k (HF: k >= V keeps everything)
+    ps = [p for _, _, p in knobs]
+    scores = logits
+    if any(t != 1.0 for t in temps):  # x / 1.0 == x, so rows at T = 1 may share the division
+        scores = logits / torch.tensor(temps, dtype=logits.dtype, device=dev)[:, None]
+    top_k, top_p = any(k < V for k in ks), any(p < 1.0 for p in ps)
+    if not (top_k or top_p):
+        return scores
+    if fast:  # values only: the sorted row is unique, so any sort gives HF's; numpy's is ~20x faster
+        ordered = torch.from_numpy(np.sort(scores.detach().numpy(), axis=-1))
+    else:
+        ordered = torch.sort(scores, dim=-1).values
+    # Top-k (HF): remove the scores below the k-th largest, ordered[V - k]; ties with it stay. A row
+    # without top-k gets its smallest score (k = V): nothing is below it.
+    kth = ordered.gather(1, torch.tensor(ks, device=dev)[:, None].neg_().add_(V)) if top_k else None
+    below_kth = None if kth is None else torch.nextafter(kth, kth.new_tensor(NEG_INF))  # s >= kth: s > this
+    if not top_p:
+        return _keep_above(scores, below_kth, fast)
+    # Top-p (HF): in ascending order, remove the tokens whose cumulative probability is <= 1 - top_p
+    # (compared in the scores' dtype), never the last (largest) one. A row without top-p gets a
+    # threshold below every cumulative probability.
+    thr = torch.tensor([1.0 - p if p < 1.0 else -1.0 for p in ps], dtype=scores.dtype, device=dev)[:, None]
+    if top_k:
+        ordered = _keep_above(ordered, below_kth, fast)  # still sorted: a prefix went to -inf
+    if not fast:
+        masked = scores if kth is None else scores.masked_fill(scores < kth, NEG_INF)
+        return masked.masked_fill(_top_p_remove(masked, thr), NEG_INF)
+    # HF's cumulative probabilities exactly (softmax and cumsum of the same sorted, top-k filtered
+    # row), then only the count m of removed tokens: they are the m smallest. The cut is a
+    # threshold, unless it ends inside a group of tied scores: which of those go is the order of
+    # HF's sort, so such rows take HF's path.
+    cum = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+    m = torch.searchsorted(cum, thr, right=True).clamp_(max=V - 1)  # count of cum <= thr, [S, 1]
+    last = ordered.gather(1, (m - 1).clamp_(min=0)).masked_fill_(m == 0, NEG_INF)  # largest removed
+    split = (m < torch.searchsorted(ordered, last, right=True)) & (m > 0)  # part of its tie group stays
+    cut = last if below_kth is None else torch.maximum(last, below_kth)
+    out = _keep_above(scores, cut, fast)  # s > last (and s >= kth)
+    rows = split.flatten().nonzero().flatten().tolist()  # CPU only: no device sync here
+    if rows:
+        idx = torch.tensor(rows)
+        masked = scores[idx] if kth is None else scores[idx].masked_fill(scores[idx] < kth[idx], NEG_INF)
+        out[idx] = masked.masked_fill(_top_p_remove(masked, thr[idx]), NEG_INF)
+    return out
+
+
+def _keep_above(scores: torch.Tensor, cut: torch.Tensor, fast: bool) -> torch.Tensor:
+    """``scores`` where > the row's ``cut`` [S, 1], else -inf. ``fast`` (CPU) with long rows: one
+    ``threshold`` per row (same values; 2-8x faster there than ``where`` with a bool mask)."""
+    if not (fast and scores.shape[-1] >= 2048):
+        return torch.where(scores > cut, scores, NEG_INF)
+    out = scores.clone()
+    for row, c in zip(out, cut.flatten().tolist(), strict=True):  # CPU: the cuts are already here
+        torch.nn.functional.threshold(row, c, NEG_INF, inplace=True)
+    return out
+
+
+def _top_p_remove(scores: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+    """HF's ``TopPLogitsWarper`` mask for many rows in one call: thr [S, 1] = 1 - top_p per row."""
+    ordered, order = torch.sort(scores, descending=False)
+    remove = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= thr
+    remove[:, -1] = False  # min_tokens_to_keep=1
+    return remove.scatter(1, order, remove)
+
+
+def draw_tokens(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from processed scores [S, V] with the row's uniform u [S]. -> [S] long.
+
+    Per row: a float64 softmax and CDF in vocabulary order, then the first token whose CDF exceeds
+    ``u * total``. That token has positive probability: the CDF rises there, and ``u * total <
+    total`` for every u in [0, 1) and a total near 1 (rounding to nearest never reaches the total),
+    so the walk back over zero-probability tokens the row-by-row sampler had never ran.
+    """
+    probs = torch.softmax(scores.double(), dim=-1)  # float64 CDF: no drift at the tail
+    cdf = torch.cumsum(probs, dim=-1)
+    x = u.to(device=cdf.device, dtype=torch.float64)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, x, right=True).clamp_(max=scores.shape[-1] - 1).squeeze(-1)
+
+
 def sample_row(scores: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token id from processed scores ``[V]`` with one uniform from ``generator``."""
-    probs = torch.softmax(scores.double().cpu(), dim=-1)  # float64 CDF: no drift at the tail
-    cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    idx = int(torch.searchsorted(cdf, u, right=True).clamp_(max=probs.numel() - 1))
-    while idx > 0 and probs[idx] == 0.0:  # never land on a masked token through rounding
-        idx -= 1
-    return idx
+    return int(draw_tokens(scores[None], draw_uniforms([generator], scores.device))[0])
+
+
+# On the CPU, rows go through warp and draw in chunks of about this many logits: the intermediate
+# tensors stay in cache (each row's result is the same in any chunk).
+CPU_CHUNK_ELEMENTS = 1 << 18
 
 
 def select_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token per row. logits: [B, V] float32; input_ids: [B, T] (for HF processors). -> [B] long."""
-    out = torch.argmax(logits, dim=-1)  # greedy rows: exactly HF's argmax
-    for i, p in enumerate(params):
-        if not p.do_sample:  # None (unset) is greedy
-            continue
-        g = generators[i]
-        assert g is not None, "sampled request without a generator"
-        scores = warpers_for(p)(input_ids[i : i + 1], logits[i : i + 1])
-        out[i] = sample_row(scores[0], g)
-    return out
+    """Next token per row. logits: [B, V] float32 -> [B] long, on the logits' device.
+
+    Greedy rows take the argmax; the sampled rows are warped and drawn together (``warp_scores``,
+    ``draw_tokens``), each with one uniform from its own generator, drawn in row order. The logits
+    never leave their device. ``input_ids`` is accepted for the HF processor signature and unused.
+    """
+    rows = [i for i, p in enumerate(params) if p.do_sample]  # None (unset) is greedy
+    if not rows:
+        return torch.argmax(logits, dim=-1)  # greedy rows: exactly HF's argmax
+    gens = [generators[i] for i in rows]
+    assert all(g is not None for g in gens), "sampled request without a generator"
+    u = draw_uniforms(gens, logits.device)  # type: ignore[arg-type]
+    index = None if len(rows) == logits.shape[0] else torch.tensor(rows, device=logits.device)
+    sub = logits if index is None else logits.index_select(0, index)
+    knobs = [_knobs(params[i]) for i in rows]
+    S, V = sub.shape
+    fast = _fast(sub)
+    step = max(1, CPU_CHUNK_ELEMENTS // V) if sub.device.type == "cpu" else S
+    parts = [
+        draw_tokens(_warp(sub[a : a + step], knobs[a : a + step], fast), u[a : a + step])
+        for a in range(0, S, step)
+    ]
+    tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return tokens if index is None else torch.argmax(logits, dim=-1).index_copy_(0, index, tokens)
 
 
 def logprob_temperature(params: SamplingParams) -> float:
