@@ -214,12 +214,13 @@ class EngineConfig:
     copy: a chunk then costs at most a layer); 0: whole (one gather)."""
     share_prefill: bool = True
     """Requests with the same prompt (the n samples of a rollout) in one batch prefill it once; its
-    KV cache and last logits are copied into each row. Off: every row computes its prompt (the
-    same batches). Per rank: one forward per tick either way."""
+    KV cache is copied into each row and the LM head runs on every row. Off: every row computes
+    its prompt (the same batches, the same rows). Per rank: one forward per tick either way."""
     max_prefill_tokens: int | None = None
     """(agreed) Most tokens (rows x prompt columns, padding included) one prefill forward computes:
     a larger prefill runs in chunks, one per tick, so that a long prompt does not hold every
-    rank's tick for many decode steps. None: whole prompts."""
+    rank's tick for many decode steps (at least one column of every row per chunk). None: whole
+    prompts (docs/PERFORMANCE.md: 1024-2048 evens ticks at the same throughput on CPU)."""
 
     def validate(self) -> None:
         if self.gather not in GATHER_POLICIES:
