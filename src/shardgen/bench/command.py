@@ -72,9 +72,8 @@ class BenchConfig:
 
 def cmd_bench(cfg: BenchConfig) -> int:
     """The launcher side (spawns each world) or, when ``RANK`` is set, one rank of a world."""
-    from shardgen.launch import is_rank, launch
-
     from shardgen.flags import flag_names
+    from shardgen.launch import is_rank, launch
 
     try:
         cfg.validate()
