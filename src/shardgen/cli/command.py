@@ -36,8 +36,8 @@ EXIT_CODES: dict[str, dict[ExitCode, str | None]] = {
         ExitCode.OK: "every answer is right and nothing hung",
         ExitCode.FAILED: "the demo job failed while running (a rank crashed or raised)",
         ExitCode.USAGE: "bad command line (unknown flag, invalid value)",
-        ExitCode.WRONG_ANSWERS: None,
-        ExitCode.TIMEOUT: None,
+        ExitCode.WRONG_ANSWERS: "an answer is wrong or missing",
+        ExitCode.TIMEOUT: "the job did not finish within --timeout (a hang?)",
     },
     "bench": {
         ExitCode.OK: None,
