@@ -33,7 +33,7 @@ def make_backend(
     model the user sharded/partitioned there.
     """
     options = dict(options or {})
-    from shardgen.loading.memory import return_freed_weights_to_os
+    from shardgen.backends.allocator import return_freed_weights_to_os
 
     if name != "local" and torch.device(device).type == "cpu":
         return_freed_weights_to_os()  # per-layer gathers would otherwise stay resident
