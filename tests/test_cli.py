@@ -107,7 +107,7 @@ def assert_no_orphans(out: Path, timeout: float = 10.0) -> None:
     assert not left, f"ranks outlived their job: {left}"
 
 
-def wait_for_journals(job: Job, out: Path, lines: int, timeout: float = 90) -> None:
+def wait_for_journals(job: Job, out: Path, lines: int, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while journal_lines(out) < lines:
         if job.proc.poll() is not None or time.monotonic() > deadline:
@@ -315,7 +315,7 @@ def test_bad_input(bad_runs, case: str) -> None:
 
 
 def test_demo_checks_its_answers_and_does_not_hang(tmp_path: Path) -> None:
-    job = run(["demo", "--keep", str(tmp_path / "demo")], tmp_path, timeout=150)
+    job = run(["demo", "--keep", str(tmp_path / "demo")], tmp_path, timeout=300)
     assert "answers correct" in job.stdout and "rank 3 served 0 prompts" in job.stdout, job.output()
     # the bar, the demo's own lines and the job's summary, nothing else (no warnings, no logs)
     assert only_progress_bar(job.stderr), job.output()
@@ -330,5 +330,5 @@ def test_demo_checks_its_answers_and_does_not_hang(tmp_path: Path) -> None:
 
 
 def test_demo_quiet_prints_nothing(tmp_path: Path) -> None:
-    job = run(["demo", "--quiet", "--nproc", "2", "--prompts", "16", "--away-s", "0"], tmp_path, timeout=150)
+    job = run(["demo", "--quiet", "--nproc", "2", "--prompts", "16", "--away-s", "0"], tmp_path, timeout=300)
     assert job.stdout == "" and job.stderr == "", job.output()

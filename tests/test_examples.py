@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-RUN_TIMEOUT_S = 150.0
+RUN_TIMEOUT_S = 300.0  # hard bound; a 2-core machine under load needs ~150 s for some
 ZI_ARGS = ["--uneven", "--away-rank", "1", "--away-s", "3", "--loops", "2", "--gen-len", "8"]
 
 
