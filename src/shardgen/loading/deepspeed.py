@@ -62,7 +62,6 @@ def load_deepspeed(
     Every rank of ``param_group`` calls it (engine constructor), same model; no collective.
     """
     import torch.distributed as dist
-    from deepspeed.runtime.config import DeepSpeedConfig
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
@@ -70,7 +69,11 @@ def load_deepspeed(
     from shardgen.backends.deepspeed.internals import ensure_ds_comm, ensure_local_rank, import_deepspeed
     from shardgen.backends.deepspeed.partition import lockstep_config
 
+    # import_deepspeed first: it selects DeepSpeed's CPU accelerator before any deepspeed
+    # module is imported, which would otherwise pick one itself and log a line on every rank.
     deepspeed = import_deepspeed(device)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
     ensure_ds_comm(deepspeed)
     ensure_local_rank(device)
     cfg = lockstep_config(ds_config)
