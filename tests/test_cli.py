@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,91 +18,21 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_jobs import (
+    ENV,
+    Job,
+    assert_no_orphans,
+    comparable,
+    journal_lines,
+    only_progress_bar,
+    processes_mentioning,
+    read_results,
+    run,
+)
 
 from shardgen import toy
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
-
-_SCRIPT = shutil.which("shardgen", path=os.path.dirname(sys.executable))
-SHARDGEN = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "shardgen"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-class Job:
-    """One ``shardgen`` command in its own process group, output to files."""
-
-    def __init__(self, args: list[str], cwd: Path, name: str = "job", command: list[str] = SHARDGEN) -> None:
-        self.args = args
-        self.stdout_path, self.stderr_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
-        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen(
-                command + args, cwd=cwd, env=ENV, stdout=out, stderr=err, start_new_session=True
-            )
-        self.pgid = os.getpgid(self.proc.pid)
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_path.read_text()
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_path.read_text()
-
-    def output(self) -> str:
-        return (
-            f"$ shardgen {' '.join(self.args)}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-6000:]}"
-        )
-
-    def kill(self) -> None:
-        os.killpg(self.pgid, signal.SIGKILL)
-        self.proc.wait()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"timed out after {timeout:g}s (process group killed)\n{self.output()}")
-
-
-def run(args: list[str], cwd: Path, timeout: float = 300, expect: int | None = 0) -> Job:
-    job = Job(args, cwd)
-    rc = job.wait(timeout)
-    if expect is not None:
-        assert rc == expect, f"exit code {rc}, expected {expect}\n{job.output()}"
-    return job
-
-
-def read_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "rank"} for r in rows]
-
-
-def journal_lines(out: Path) -> int:
-    return sum(p.read_text().count('"id"') for p in out.parent.glob(out.name + ".rank*.journal.jsonl"))
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains ``text`` (a unique tmp path: our own ranks)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(d.name))
-            except OSError:
-                pass
-    return found
-
-
-def assert_no_orphans(out: Path, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (left := processes_mentioning(str(out))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"ranks outlived their job: {left}"
 
 
 def wait_for_journals(job: Job, out: Path, lines: int, timeout: float = 240) -> None:
@@ -143,11 +71,6 @@ def reference_job(workdir: Path) -> Job:
 @pytest.fixture(scope="module")
 def reference(reference_job: Job, workdir: Path) -> list[dict]:
     return read_results(workdir / "ref.jsonl")
-
-
-def only_progress_bar(stderr: str, desc: str = "shardgen run") -> bool:
-    """True when stderr holds nothing but tqdm's redraws of the progress bar ``desc``."""
-    return all(not x.strip() or x.startswith(f"{desc}:") for x in re.split(r"[\r\n]", stderr))
 
 
 def assert_summary_only(job: Job) -> None:
@@ -259,76 +182,3 @@ def _environ(pid: int) -> bytes:
         return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return b""
-
-
-# ------------------------------------------------ bad input: message, exit code, nothing written
-
-GOOD = '{"id": 1, "prompt": "count from 1 to 3 :"}\n'
-BAD_CASES = {
-    # name: (prompts file text or None for a missing file, extra args, exit code, words in the message)
-    "missing-file": (None, [], 3, ["not found"]),
-    "empty-file": ("\n", [], 3, ["empty"]),
-    "malformed-json": (GOOD + '{"id": 2, "prompt": "x",}\n', [], 4, ["p.jsonl:2:", "malformed JSON"]),
-    "missing-prompt": (GOOD + '{"id": 2}\n', [], 4, ["p.jsonl:2:", "missing 'prompt'"]),
-    "non-string-prompt": (GOOD + '{"id": 2, "prompt": ["x"]}\n', [], 4, ["p.jsonl:2:", "must be a string"]),
-    "duplicate-ids": (GOOD + GOOD, [], 4, ["p.jsonl:2:", "duplicate id 1"]),
-    "unknown-fields": (GOOD + '{"id": 2, "prompt": "x", "tempo": 1}\n', [], 4, ["p.jsonl:2:", "'tempo'"]),
-    "bad-model": (GOOD, ["--model", "no/such/model/dir"], 5, ["model path no/such/model/dir does not exist"]),
-    "bad-flag-value": (GOOD, ["--batch-size", "0"], 2, ["--batch-size must be >= 1"]),
-    "unwritable-summary": (GOOD, ["--json-summary", "no/such/dir/s.json"], 2, ["not a writable folder"]),
-    # validated in the launcher, before torch's launcher starts any rank
-    "launcher-validates": (GOOD + '{"id": 2}\n', ["--nproc", "2"], 4, ["p.jsonl:2:", "missing 'prompt'"]),
-    "stale-journals": (GOOD, ["--nproc", "2"], 2, ["pass --resume"]),
-    "shard-size": (GOOD, ["--nproc", "4", "--shard-size", "3"], 2, ["--shard-size 3 must divide the world"]),
-}
-
-
-@pytest.fixture(scope="module")
-def bad_runs(tmp_path_factory) -> dict[str, tuple[Job, Path, int]]:
-    """Start every bad-input case at once (each costs a Python + torch start), then wait for all."""
-    jobs = {}
-    for name, (text, extra, _, _) in BAD_CASES.items():
-        d = tmp_path_factory.mktemp(name)
-        if text is not None:
-            (d / "p.jsonl").write_text(text)
-        if name == "stale-journals":
-            (d / "o.jsonl.rank1.journal.jsonl").write_text('{"id": 1, "text": "x"}\n')
-        jobs[name] = (Job(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *extra], d), d)
-    return {name: (job, d, job.wait(300)) for name, (job, d) in jobs.items()}
-
-
-@pytest.mark.parametrize("case", list(BAD_CASES))
-def test_bad_input(bad_runs, case: str) -> None:
-    job, d, rc = bad_runs[case]
-    _, _, code, words = BAD_CASES[case]
-    assert rc == code, job.output()
-    lines = [x for x in job.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("shardgen run: error: "), job.output()
-    for w in words:
-        assert w in lines[0], job.output()
-    assert not (d / "o.jsonl").exists() and not list(d.glob("*.tmp"))
-    if case != "stale-journals":
-        assert not list(d.glob("*.journal.jsonl"))
-
-
-# ---------------------------------------------------------------- the demo
-
-
-def test_demo_checks_its_answers_and_does_not_hang(tmp_path: Path) -> None:
-    job = run(["demo", "--keep", str(tmp_path / "demo")], tmp_path, timeout=300)
-    assert "answers correct" in job.stdout and "rank 3 served 0 prompts" in job.stdout, job.output()
-    # the bar, the demo's own lines and the job's summary, nothing else (no warnings, no logs)
-    assert only_progress_bar(job.stderr), job.output()
-    for line in job.stdout.splitlines():
-        assert line.startswith(("shardgen demo: ", "  ")) or line.split() == [] or line.split()[0] in (
-            "prompts", "generated", "wall", "tokens/s", "ticks", "shadow-forward", "busy", "ranks",
-            "results", "rank", "0", "1", "2", "3",
-        ), (line, job.output())  # fmt: skip
-    assert "[shardgen rank" not in job.stdout + job.stderr and "Warning" not in job.stderr, job.output()
-    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert summary["ranks"][3]["prompts"] == 0 and summary["ranks"][3]["shadow_forwards"] > 0
-
-
-def test_demo_quiet_prints_nothing(tmp_path: Path) -> None:
-    job = run(["demo", "--quiet", "--nproc", "2", "--prompts", "16", "--away-s", "0"], tmp_path, timeout=300)
-    assert job.stdout == "" and job.stderr == "", job.output()

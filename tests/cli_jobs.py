@@ -1,0 +1,106 @@
+"""``shardgen`` commands run as a user runs them, for the end-to-end tests (test_cli*.py).
+
+Every command runs in its own session (``start_new_session``) under a hard timeout; on
+timeout the test kills that process group (by its pgid, nothing else) and fails with the
+command's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = shutil.which("shardgen", path=os.path.dirname(sys.executable))
+SHARDGEN = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "shardgen"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class Job:
+    """One ``shardgen`` command in its own process group, output to files."""
+
+    def __init__(self, args: list[str], cwd: Path, name: str = "job", command: list[str] = SHARDGEN) -> None:
+        self.args = args
+        self.stdout_path, self.stderr_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                command + args, cwd=cwd, env=ENV, stdout=out, stderr=err, start_new_session=True
+            )
+        self.pgid = os.getpgid(self.proc.pid)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def output(self) -> str:
+        return (
+            f"$ shardgen {' '.join(self.args)}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-6000:]}"
+        )
+
+    def kill(self) -> None:
+        os.killpg(self.pgid, signal.SIGKILL)
+        self.proc.wait()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {timeout:g}s (process group killed)\n{self.output()}")
+
+
+def run(args: list[str], cwd: Path, timeout: float = 300, expect: int | None = 0) -> Job:
+    job = Job(args, cwd)
+    rc = job.wait(timeout)
+    if expect is not None:
+        assert rc == expect, f"exit code {rc}, expected {expect}\n{job.output()}"
+    return job
+
+
+def read_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "rank"} for r in rows]
+
+
+def journal_lines(out: Path) -> int:
+    return sum(p.read_text().count('"id"') for p in out.parent.glob(out.name + ".rank*.journal.jsonl"))
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (a unique tmp path: our own ranks)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+def assert_no_orphans(out: Path, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(str(out))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"ranks outlived their job: {left}"
+
+
+def only_progress_bar(stderr: str, desc: str = "shardgen run") -> bool:
+    """True when stderr holds nothing but tqdm's redraws of the progress bar ``desc``."""
+    return all(not x.strip() or x.startswith(f"{desc}:") for x in re.split(r"[\r\n]", stderr))

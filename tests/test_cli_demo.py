@@ -1,0 +1,87 @@
+"""End to end, the launcher's side: bad input refused before any rank starts (message, exit code,
+nothing written) and ``shardgen demo``. A file of its own so that the suite's two workers share
+the end-to-end jobs (``make test`` runs one file per worker at a time).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_jobs import Job, only_progress_bar, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
+
+
+# ------------------------------------------------ bad input: message, exit code, nothing written
+
+GOOD = '{"id": 1, "prompt": "count from 1 to 3 :"}\n'
+BAD_CASES = {
+    # name: (prompts file text or None for a missing file, extra args, exit code, words in the message)
+    "missing-file": (None, [], 3, ["not found"]),
+    "empty-file": ("\n", [], 3, ["empty"]),
+    "malformed-json": (GOOD + '{"id": 2, "prompt": "x",}\n', [], 4, ["p.jsonl:2:", "malformed JSON"]),
+    "missing-prompt": (GOOD + '{"id": 2}\n', [], 4, ["p.jsonl:2:", "missing 'prompt'"]),
+    "non-string-prompt": (GOOD + '{"id": 2, "prompt": ["x"]}\n', [], 4, ["p.jsonl:2:", "must be a string"]),
+    "duplicate-ids": (GOOD + GOOD, [], 4, ["p.jsonl:2:", "duplicate id 1"]),
+    "unknown-fields": (GOOD + '{"id": 2, "prompt": "x", "tempo": 1}\n', [], 4, ["p.jsonl:2:", "'tempo'"]),
+    "bad-model": (GOOD, ["--model", "no/such/model/dir"], 5, ["model path no/such/model/dir does not exist"]),
+    "bad-flag-value": (GOOD, ["--batch-size", "0"], 2, ["--batch-size must be >= 1"]),
+    "unwritable-summary": (GOOD, ["--json-summary", "no/such/dir/s.json"], 2, ["not a writable folder"]),
+    # validated in the launcher, before torch's launcher starts any rank
+    "launcher-validates": (GOOD + '{"id": 2}\n', ["--nproc", "2"], 4, ["p.jsonl:2:", "missing 'prompt'"]),
+    "stale-journals": (GOOD, ["--nproc", "2"], 2, ["pass --resume"]),
+    "shard-size": (GOOD, ["--nproc", "4", "--shard-size", "3"], 2, ["--shard-size 3 must divide the world"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory) -> dict[str, tuple[Job, Path, int]]:
+    """Start every bad-input case at once (each costs a Python + torch start), then wait for all."""
+    jobs = {}
+    for name, (text, extra, _, _) in BAD_CASES.items():
+        d = tmp_path_factory.mktemp(name)
+        if text is not None:
+            (d / "p.jsonl").write_text(text)
+        if name == "stale-journals":
+            (d / "o.jsonl.rank1.journal.jsonl").write_text('{"id": 1, "text": "x"}\n')
+        jobs[name] = (Job(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *extra], d), d)
+    return {name: (job, d, job.wait(300)) for name, (job, d) in jobs.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input(bad_runs, case: str) -> None:
+    job, d, rc = bad_runs[case]
+    _, _, code, words = BAD_CASES[case]
+    assert rc == code, job.output()
+    lines = [x for x in job.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardgen run: error: "), job.output()
+    for w in words:
+        assert w in lines[0], job.output()
+    assert not (d / "o.jsonl").exists() and not list(d.glob("*.tmp"))
+    if case != "stale-journals":
+        assert not list(d.glob("*.journal.jsonl"))
+
+
+# ---------------------------------------------------------------- the demo
+
+
+def test_demo_checks_its_answers_and_does_not_hang(tmp_path: Path) -> None:
+    job = run(["demo", "--keep", str(tmp_path / "demo")], tmp_path, timeout=300)
+    assert "answers correct" in job.stdout and "rank 3 served 0 prompts" in job.stdout, job.output()
+    # the bar, the demo's own lines and the job's summary, nothing else (no warnings, no logs)
+    assert only_progress_bar(job.stderr), job.output()
+    for line in job.stdout.splitlines():
+        assert line.startswith(("shardgen demo: ", "  ")) or line.split() == [] or line.split()[0] in (
+            "prompts", "generated", "wall", "tokens/s", "ticks", "shadow-forward", "busy", "ranks",
+            "results", "rank", "0", "1", "2", "3",
+        ), (line, job.output())  # fmt: skip
+    assert "[shardgen rank" not in job.stdout + job.stderr and "Warning" not in job.stderr, job.output()
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["ranks"][3]["prompts"] == 0 and summary["ranks"][3]["shadow_forwards"] > 0
+
+
+def test_demo_quiet_prints_nothing(tmp_path: Path) -> None:
+    job = run(["demo", "--quiet", "--nproc", "2", "--prompts", "16", "--away-s", "0"], tmp_path, timeout=300)
+    assert job.stdout == "" and job.stderr == "", job.output()
