@@ -1,7 +1,11 @@
 """Fault-injection worlds: one process per rank of tests/liveness_rank.py, killed by pid on exit.
 
 Not under torchrun's agent (which would kill the survivors itself), so a test sees
-exactly what a healthy rank does.
+exactly what a healthy rank does. Each rank runs the script as ``__main__`` in a process forked
+from the test ranks' fork server (``world.py``: torch and transformers imported once), with
+its own environment, its output in its log file, and the interpreter's exit sequence (threads
+joined, then ``atexit``), as ``python script.py scenario`` would. ``SHARDGEN_TEST_START=spawn``
+starts each as a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -15,9 +19,61 @@ import time
 from pathlib import Path
 
 from ports import free_port
+from world import start_context
+
+_FRESH = os.environ.get("SHARDGEN_TEST_START") == "spawn"
 
 HERE = Path(__file__).parent
 STALL = 4.0
+
+
+def _run_script(script: str, arg: str, env: dict, log: str) -> None:
+    """In the forked rank: ``python script arg`` with ``env``, stdout and stderr to ``log``."""
+    import atexit
+    import runpy
+    import threading
+
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(fd, 1), os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [script, arg]
+    code: object = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    # What the interpreter does at exit and a forked multiprocessing child skips: wait for the
+    # non-daemon threads, then run the atexit hooks (shardgen's exit guard, rank 0's linger).
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+class Forked:
+    """A rank forked from the fork server, with the ``subprocess.Popen`` calls the tests use."""
+
+    def __init__(self, script: str, arg: str, env: dict, log: str) -> None:
+        self._proc = start_context().Process(target=_run_script, args=(script, arg, env, log), daemon=False)
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0)
+        return self._proc.exitcode
 
 
 class Ranks:
@@ -43,15 +99,13 @@ class Ranks:
                 "GLOO_SOCKET_IFNAME": "lo",
                 "VICTIM": str(world - 1 if victim is None else victim),
             }
-            out = open(self.logs[r], "w")
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / script), scenario],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            if _FRESH:
+                out = open(self.logs[r], "w")
+                cmd = [sys.executable, str(HERE / script), scenario]
+                self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+            else:
+                open(self.logs[r], "w").close()  # the test may read it before the rank starts
+                self.procs.append(Forked(str(HERE / script), scenario, env, str(self.logs[r])))
         self.t0 = time.monotonic()
 
     def text(self, r: int) -> str:

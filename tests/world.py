@@ -79,7 +79,8 @@ _START_ATTEMPTS = 4  # port races: retry init with a new port this many times
 _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama"]
 
 
-def _context() -> Any:
+def start_context() -> Any:
+    """The multiprocessing context test ranks start from (see above)."""
     method = os.environ.get("SHARDGEN_TEST_START", "forkserver")
     ctx = get_context(method)
     if method == "forkserver":
@@ -332,7 +333,7 @@ class World:
     # -- lifecycle ---------------------------------------------------------------------
 
     def _start(self, start_timeout: float) -> None:
-        ctx = _context()
+        ctx = start_context()
         self.port = free_port()
         self._procs, self._conns, self._stack_paths = [], [], []
         for r in range(self.nprocs):
