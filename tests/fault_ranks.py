@@ -66,6 +66,10 @@ class Forked:
         self._proc.start()
         self.pid = self._proc.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
     def poll(self) -> int | None:
         return self._proc.exitcode
 
