@@ -23,10 +23,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts examples
 	$(BIN)/lint-imports
 
-# Two workers, one test file each at a time: the multi-rank tests wait on sockets and timers
-# as much as they compute, and a file keeps its spawned worlds on one worker.
+# Three workers on 2 cores, one test file each at a time: since the test ranks are forked from
+# a server that imported torch once (tests/world.py), the multi-rank tests wait on sockets,
+# timers and launched jobs more than they compute; a file keeps its spawned worlds on one worker.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not bigworld and not long"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile -m "not bigworld and not long"
 
 demo: $(STAMP)
 	$(BIN)/shardgen demo
