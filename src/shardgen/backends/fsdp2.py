@@ -18,6 +18,10 @@ real forward.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from shardgen.backends.chunked import (
     io_embeddings,
     vocab_modules,
 )
+from shardgen.backends.pool import BufferPool, StoragePool, trim_heap
 from shardgen.backends.replica import Replica
 from shardgen.log import get_logger
 
@@ -111,11 +116,14 @@ def layer_bytes(model: nn.Module) -> int:
     return max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
 
 
-def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> ChunkedModules | None:
+def chunk_vocab(
+    model: nn.Module, param_group: Any, chunk_bytes: int | None, pool: BufferPool | None = None
+) -> ChunkedModules | None:
     """The chunked embeddings / head of a model :func:`shard_model` sharded (None when there are
-    none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`. A module is
-    chunked only if every module of its unit is: a head tied to a scaled embedding is gathered
-    whole with it (the embedding's forward unshards their unit). Not collective."""
+    none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`, the chunks
+    gathered into ``pool``. A module is chunked only if every module of its unit is: a head tied
+    to a scaled embedding is gathered whole with it (the embedding's forward unshards their
+    unit). Not collective."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
@@ -143,7 +151,21 @@ def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> 
         )
         state = m._get_fsdp_state()
         handles += [state._pre_forward_hook_handle, state._post_forward_hook_handle]
-    return chunked_modules(weights, hook_ids(handles), budget)
+    return chunked_modules(weights, hook_ids(handles), budget, pool)
+
+
+def pooled_all_gather(pool: BufferPool) -> Any:
+    """FSDP2's default all-gather (``all_gather_single``), its output buffer taken from ``pool``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class PooledAllGather(DefaultAllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            numel = 1
+            for s in size:
+                numel *= int(s)
+            return pool.take(numel, dtype, device).view(*(int(s) for s in size))
+
+    return PooledAllGather()
 
 
 def mesh_infos(model: nn.Module) -> list[Any]:
@@ -214,6 +236,12 @@ class FSDP2Backend(Backend):
 
     #: The embeddings / head gathered in row chunks in shardgen's forwards (``chunked.py``), or None.
     chunked: ChunkedModules | None = None
+    #: On a CPU device: the buffers shardgen's forwards gather into (``pool.py``), kept across
+    #: forwards, emptied when a training pause starts and at close. None on accelerators (torch's
+    #: caching allocator keeps FSDP2's buffers there).
+    pool: BufferPool | None = None
+    #: On a CPU device: the memory of the unsharded parameters in shardgen's forwards, or None.
+    storages: StoragePool | None = None
 
     @classmethod
     def create(
@@ -234,7 +262,9 @@ class FSDP2Backend(Backend):
             # Sharded by shardgen on param_group already (Engine.from_pretrained, shardgen.loading).
             backend = cls(model, model, device)
             backend._user_reshard = backend._reshard_settings()
-            backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
+            backend.use_pool()
+            backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
+            backend.size_pool()
             backend.free_gathers_early()
             return backend
         if isinstance(model, FSDPModule):
@@ -248,14 +278,116 @@ class FSDP2Backend(Backend):
             backend._user_groups = saved
             backend._private_group = param_group
             backend._user_reshard = backend._reshard_settings()
+            backend.use_pool()
             backend.free_gathers_early()
             return backend
         shard_model(model, DeviceMesh.from_group(param_group, device.type))
         backend = cls(model, model, device)
         backend._user_reshard = backend._reshard_settings()
-        backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
+        backend.use_pool()
+        backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
+        backend.size_pool()
         backend.free_gathers_early()
         return backend
+
+    _pooled_groups: list[Any] = []  # FSDP param groups whose all-gathers use the pool in our forwards
+    _pooled_comm: Any = None
+
+    def use_pool(self) -> None:
+        """On a CPU device: gather into pooled memory in shardgen's forwards (``pool.py``). For the
+        duration of each of our forwards only (``_pooled``), the FSDP param groups on FSDP2's
+        default all-gather get the same collective writing into a :class:`pool.BufferPool`, and
+        their parameters' unsharded storages take memory from a :class:`pool.StoragePool`
+        (FSDP2 resizes them 0 <-> full around each unit's forward); a custom all-gather the
+        user set is left alone. Needs FSDP2's comm interface (torch 2.8+); without it, nothing
+        is pooled. Local."""
+        if self.device.type != "cpu" or self.pool is not None:
+            return
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+        except ImportError:
+            return
+        groups: dict[int, Any] = {}
+        for unit in self.units():
+            for pg in unit._get_fsdp_state()._fsdp_param_groups:
+                if type(getattr(pg, "_all_gather_comm", None)) is DefaultAllGather:
+                    groups.setdefault(id(pg), pg)
+        self.pool = BufferPool(layer_bytes(self.module))  # a unit's all-gather: a decoder layer
+        self._pooled_comm = pooled_all_gather(self.pool)
+        self._pooled_groups = list(groups.values())
+        params = [fp for pg in self._pooled_groups for fp in pg.fsdp_params]
+        hooks = ("init_all_gather_outputs", "alloc_all_gather_outputs", "free_unsharded_param")
+        if StoragePool.supported() and all(hasattr(fp, h) for fp in params for h in hooks):
+            self.storages = StoragePool()
+            self._pooled_params = params
+
+    _pooled_params: list[Any] = []
+
+    def _init_outputs(
+        self, fsdp_param: Any, numels: list[int], dtypes: list[torch.dtype], world: int, device: torch.device
+    ) -> None:
+        """``FSDPParam.init_all_gather_outputs`` in our forwards (a unit's first gather): the
+        unsharded outputs on pooled memory from the start, not on fresh blocks freed at reshard."""
+        if len(fsdp_param.all_gather_outputs) > 0:
+            return  # already initialized
+        outputs = []
+        for numel, dtype in zip(numels, dtypes, strict=True):
+            t = torch.empty(0, dtype=dtype, device=device)
+            self.storages.lend(t.untyped_storage(), numel * world * t.itemsize)
+            outputs.append(t.set_(t.untyped_storage(), 0, (numel * world,), (1,)))
+        fsdp_param.all_gather_outputs = outputs
+
+    def _lend(self, fsdp_param: Any) -> None:
+        """``FSDPParam.alloc_all_gather_outputs`` in our forwards: pooled memory, not a fresh block."""
+        for t in fsdp_param.all_gather_outputs:
+            storage, nbytes = t.untyped_storage(), t.numel() * t.itemsize
+            if storage.nbytes() == 0:
+                self.storages.lend(storage, nbytes)
+            elif storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+
+    def _take_back(self, fsdp_param: Any) -> None:
+        """``FSDPParam.free_unsharded_param`` in our forwards: lent memory back to the pool."""
+        for t in itertools.chain(fsdp_param.all_gather_outputs, fsdp_param._unsharded_inner_tensors):
+            storage = t.untyped_storage()
+            if storage.nbytes() != 0 and not self.storages.take_back(storage):
+                storage.resize_(0)
+
+    def size_pool(self) -> None:
+        """Every pooled buffer holds a decoder layer's all-gather and a row chunk. Local."""
+        if self.pool is not None and self.chunked is not None:
+            self.pool.block_bytes = max(self.pool.block_bytes, self.chunked.max_chunk_bytes())
+
+    @contextlib.contextmanager
+    def _pooled(self) -> Iterator[None]:
+        """Around one of shardgen's forwards: the pooled all-gather in place of FSDP2's default."""
+        saved = [(pg, pg._all_gather_comm) for pg in self._pooled_groups]
+        for pg, _ in saved:
+            pg._all_gather_comm = self._pooled_comm
+        params = self._pooled_params if self.storages is not None else []
+        for fp in params:
+            fp.init_all_gather_outputs = functools.partial(self._init_outputs, fp)
+            fp.alloc_all_gather_outputs = functools.partial(self._lend, fp)
+            fp.free_unsharded_param = functools.partial(self._take_back, fp)
+        try:
+            yield
+        finally:
+            for pg, comm in saved:
+                pg._all_gather_comm = comm
+            for fp in params:
+                del fp.init_all_gather_outputs, fp.alloc_all_gather_outputs, fp.free_unsharded_param
+
+    def release_buffers(self) -> None:
+        """Empty the pools and give the freed heap back to the OS (``pool.trim_heap``). Local."""
+        held = (len(self.pool) if self.pool is not None else 0) + (
+            self.storages.nbytes() if self.storages is not None else 0
+        )
+        if self.pool is not None:
+            self.pool.clear()
+        if self.storages is not None:
+            self.storages.clear()
+        if held:
+            trim_heap()
 
     _in_forward = False
     _free_hooks: list[Any] = []
@@ -284,7 +416,7 @@ class FSDP2Backend(Backend):
             return self.replica(**inputs)
         self._in_forward = True
         try:
-            with active(self.chunked):
+            with active(self.chunked), self._pooled():
                 return self.module(**inputs)
         finally:
             self._in_forward = False
@@ -308,7 +440,9 @@ class FSDP2Backend(Backend):
 
     def enter_pause(self) -> None:
         """Training gets the model as the user set it up: their communicators (a user ``fully_shard``
-        model) and their reshard-after-forward settings. Not collective."""
+        model) and their reshard-after-forward settings; the pooled gather buffers go back to the
+        OS. Not collective."""
+        self.release_buffers()
         self._reshard = self._reshard_settings()
         for obj, attr, value in self._user_reshard:
             setattr(obj, attr, value)
@@ -362,6 +496,7 @@ class FSDP2Backend(Backend):
             h.remove()
         self._free_hooks = []
         self.release_all()
+        self.release_buffers()
 
     def full_param_bytes(self) -> int:
         total = 0
