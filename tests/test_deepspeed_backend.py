@@ -219,6 +219,14 @@ def test_moe_routing_does_not_change_gathers(dsworld, user_partitioned):
     assert len(calls) > 1, f"routing did not vary, the test proves nothing: {calls}"
 
 
+def test_engine_leaves_glibcs_mmap_threshold_alone(dsworld):
+    for r, res in enumerate(dsworld.run(pool_sc.allocator_untouched, "deepspeed", timeout=120)):
+        if res["after"] is None:
+            pytest.skip("no glibc mallinfo2")
+        assert res["equal"], r
+        assert res["after"] == 0, f"rank {r}: the engine fixed glibc's mmap threshold ({res})"
+
+
 @pytest.mark.parametrize("bucket_mb", [None, 1e-4], ids=["buckets", "one-param-buckets"])
 def test_gather_buffers_are_reused_across_forwards_and_emptied_at_pause_and_close(dsworld, bucket_mb):
     """The bucket plan and the row chunks gather into the backend's pool (``internals.PooledGather``):

@@ -1,8 +1,8 @@
 """Gather buffers kept across forwards (backends/pool.py) instead of a process-wide allocator setting.
 
 In-process: the pools' reuse rules. On 2 gloo ranks (FSDP2 here, DeepSpeed in
-test_deepspeed_backend.py): a second forward allocates no gather memory, and the pools are
-empty during a training pause and after close.
+test_deepspeed_backend.py): an engine leaves glibc's mmap threshold alone, a second forward
+allocates no gather memory, and the pools are empty during a training pause and after close.
 """
 
 from __future__ import annotations
@@ -69,6 +69,15 @@ def test_storage_pool_lends_and_takes_back_the_same_memory():
 
 
 # ----------------------------------------------------------------------------- 2 ranks
+@pytest.mark.multirank
+def test_an_fsdp2_engine_leaves_glibcs_mmap_threshold_alone(world2):
+    for r, res in enumerate(world2.run(sc.allocator_untouched, "fsdp2", timeout=120)):
+        if res["after"] is None:
+            pytest.skip("no glibc mallinfo2")
+        assert res["equal"], r
+        assert res["after"] == 0, f"rank {r}: the engine fixed glibc's mmap threshold ({res})"
+
+
 @pytest.mark.multirank
 def test_fsdp2_gather_buffers_are_reused_across_forwards_and_emptied_at_pause_and_close(world2):
     for r, res in enumerate(world2.run(sc.pools_reused_and_emptied, "fsdp2", timeout=120)):
