@@ -33,6 +33,11 @@ def test_buffer_pool_hands_out_a_buffer_again_only_once_nothing_refers_to_it():
     pool.take(20, torch.float32, "cpu")  # larger than any: replaces a free one, the pool stays at 3
     assert (pool.allocated, len(pool)) == (4, 3)
     assert len(pool.take(5, torch.bfloat16, "cpu")) == 5 and len(pool) == 4  # its own dtype
+    held = pool.take(20, torch.float32, "cpu")
+    lingering = held.view(4, 5)  # e.g. a finished collective's work object, not yet dropped
+    pool.release(held)  # its user is done with it: it serves the next request despite `lingering`
+    again = pool.take(20, torch.float32, "cpu")
+    assert again.data_ptr() == lingering.data_ptr() and pool.allocated == 5
     pool.clear()
     assert (len(pool), pool.nbytes()) == (0, 0)
 

@@ -111,15 +111,18 @@ class FlatWeight:
         local = self.local()
         lo, size = c * self.piece, self.size(c)
         n = max(0, min(size, local.numel() - lo))
+        pooled = None
         if n == size and local.device == device and local.is_contiguous():
             send = local.narrow(0, lo, n)
         else:  # padding (a rank past the rows), or a partition offloaded to another device
-            send = self._empty(size, device)
+            send = pooled = self._empty(size, device)
             send[n:].zero_()
             if n:
                 send[:n].copy_(local.narrow(0, lo, n))
         out = self._empty(self.world * size, device)
         _all_gather_single()(out, send, group=self.group)
+        if pooled is not None and self.pool is not None:
+            self.pool.release(pooled)  # gathered: gloo is done with it
         return out
 
     def assemble(self, c: int, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -161,9 +164,12 @@ class FlatWeight:
         ``group``: ``n_chunks`` gathers, chunk 0 first, whatever ``fn`` does; every rank calls it."""
         self._pending = {}
         for c in range(self.n_chunks):
-            blocks = self.assemble(c, self.gather(c, device))
+            buf = self.gather(c, device)
+            blocks = self.assemble(c, buf)
             while blocks:
                 fn(*blocks.pop(0))
+            if self.pool is not None:
+                self.pool.release(buf)  # its rows are used (the assembled ones are copies)
         assert not self._pending, f"rows left incomplete: {sorted(self._pending)[:4]}"
 
 

@@ -394,18 +394,22 @@ class FSDP2Backend(Backend):
 
     def free_gathers_early(self) -> None:
         """On a CPU device: in shardgen's forwards, drop FSDP2's reference to each unit's all-gather
-        buffer once the unit's parameters are copied out of it. FSDP2 keeps it until the next
-        unit's gather completes, to overlap copy-out and gather on accelerator streams; on the
-        CPU there are none, and it costs a third layer at the peak (the previous buffer, this
-        one, and gloo's temporary). Local; the hooks do nothing outside shardgen's forwards."""
+        buffer once the unit's parameters are copied out of it (and hand the buffer back to the
+        pool). FSDP2 keeps it until the next unit's gather completes, to overlap copy-out and
+        gather on accelerator streams; on the CPU there are none, and it costs a third layer at
+        the peak (the previous buffer, this one, and gloo's temporary). Local; the hooks do
+        nothing outside shardgen's forwards."""
         if self.device.type != "cpu" or self._free_hooks:
             return
 
         def drop(module: nn.Module, _args: Any) -> None:
             if self._in_forward:
                 ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
-                if ctx is not None:
-                    ctx.all_gather_state = None  # its parameters are unsharded: copy-out done
+                state = getattr(ctx, "all_gather_state", None)
+                if state is not None:  # its parameters are unsharded: copy-out done
+                    if self.pool is not None:
+                        self.pool.release(state.all_gather_result.all_gather_output)
+                    ctx.all_gather_state = None
 
         self._free_hooks = [u.register_forward_pre_hook(drop) for u in self.units()]  # after FSDP's
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 from typing import Any
 
 import torch
@@ -42,43 +41,38 @@ def _users(t: torch.Tensor) -> int:
 class BufferPool:
     """Flat buffers by dtype and device, reused across forwards until :meth:`clear`."""
 
-    #: Times :meth:`take` lets other threads run before it allocates beside a buffer in use.
-    YIELDS = 8
-
     def __init__(self, block_bytes: int = 0) -> None:
         #: The least a buffer holds: the backend's largest gather (a decoder layer), so that the
         #: first, smaller gathers of a forward (embedding chunks, a norm) do not leave buffers
         #: to be replaced, and every buffer serves every gather.
         self.block_bytes = int(block_bytes)
-        self._bufs: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, int]]] = {}
+        # (dtype, device) -> [buffer, its storage's references when only the pool holds it,
+        # released by its user (see :meth:`release`)]
+        self._bufs: dict[tuple[torch.dtype, torch.device], list[list[Any]]] = {}
         self.allocated = 0  # buffers allocated (tests, logs)
         self.reused = 0  # requests served by a kept buffer
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements, uninitialized (as ``torch.empty``).
 
-        The smallest kept buffer that nothing else refers to now and holds ``numel`` elements
-        serves it (a view of its first ``numel``); failing that, a new buffer of ``numel`` is
-        kept, in place of the largest free smaller one if any (so the pool converges to as many
-        buffers as one forward uses at once, each of the largest size it needed). The caller
-        drops every view once done (a gather's buffer lives until its weights are copied out
-        or released); a buffer still viewed is never handed out twice."""
+        The smallest kept buffer that is free and holds ``numel`` elements serves it (a view of
+        its first ``numel``); failing that, a new buffer of ``numel`` (at least
+        ``block_bytes``) is kept, in place of the largest free smaller one if any (so the pool
+        converges to as many buffers as one forward uses at once). Free: nothing but the pool
+        refers to its storage, or its user said it is done with it (:meth:`release`). A buffer
+        still viewed is never handed out twice unless released."""
         numel = int(numel)
         bufs = self._bufs.setdefault((dtype, torch.device(device)), [])
-        for _ in range(self.YIELDS):
-            free = [i for i, (buf, alone) in enumerate(bufs) if _users(buf) == alone]
-            fits = [i for i in free if bufs[i][0].numel() >= numel]
-            if fits or len(free) == len(bufs):
-                break
-            # A buffer in use may only be waiting for gloo's worker thread to drop the finished
-            # collective (it does, microseconds after the caller resumes): let it run first.
-            os.sched_yield()
+        free = [i for i, (buf, alone, released) in enumerate(bufs) if released or _users(buf) == alone]
+        fits = [i for i in free if bufs[i][0].numel() >= numel]
         if fits:
             self.reused += 1
-            return bufs[min(fits, key=lambda i: bufs[i][0].numel())][0].narrow(0, 0, numel)
+            entry = bufs[min(fits, key=lambda i: bufs[i][0].numel())]
+            entry[2] = False
+            return entry[0].narrow(0, 0, numel)
         itemsize = torch.empty((), dtype=dtype).element_size()
         buf = torch.empty(max(numel, -(-self.block_bytes // itemsize)), dtype=dtype, device=device)
-        entry = (buf, _users(buf))
+        entry = [buf, _users(buf), False]
         if free:  # all smaller: the largest is superseded
             bufs[max(free, key=lambda i: bufs[i][0].numel())] = entry
         else:
@@ -86,9 +80,20 @@ class BufferPool:
         self.allocated += 1
         return buf.narrow(0, 0, numel)
 
+    def release(self, view: torch.Tensor) -> None:
+        """The user of ``view`` (from :meth:`take`) is done with it, though references to it may
+        remain: a finished collective's work object, which gloo's worker thread drops only when
+        it runs next, holds its output. The buffer may be handed out again at once."""
+        ptr = view.untyped_storage().data_ptr()
+        for bufs in self._bufs.values():
+            for entry in bufs:
+                if entry[0].untyped_storage().data_ptr() == ptr:
+                    entry[2] = True
+                    return
+
     def nbytes(self) -> int:
         """Bytes the pool holds."""
-        return sum(b.numel() * b.element_size() for bufs in self._bufs.values() for b, _ in bufs)
+        return sum(e[0].numel() * e[0].element_size() for bufs in self._bufs.values() for e in bufs)
 
     def __len__(self) -> int:
         return sum(len(bufs) for bufs in self._bufs.values())

@@ -420,7 +420,8 @@ class PooledGather:
                 p.ds_status = ZeroParamStatus.AVAILABLE
                 lo += p.ds_numel
                 offset += shard
-        self.flat = None  # the gathered buffer goes back to the pool
+            self.pool.release(flat)  # copied out: the next gather may write into it
+        self.flat = None
 
 
 def release(params: list) -> None:
