@@ -44,6 +44,7 @@ from shardgen.backends.chunked import (
 )
 from shardgen.backends.deepspeed import internals as ds
 from shardgen.backends.deepspeed import pause
+from shardgen.backends.deepspeed.pooled import gather_async
 from shardgen.backends.pool import BufferPool, trim_heap
 from shardgen.backends.replica import Replica
 from shardgen.log import get_logger
@@ -204,7 +205,7 @@ class DeepSpeedBackend(Backend):
                 chunk = [p for p in chunk if not self.replica.has(names[id(p)])]
                 todo = ds.unavailable(chunk)
                 if todo:
-                    ds.gather_async(todo).wait()
+                    gather_async(todo).wait()
                 for p in chunk:
                     self.replica.load(names[id(p)], p.data)
                 ds.release(todo)

@@ -19,7 +19,7 @@ shardgen's own forwards the plan replaces them:
   releases everything left. Nothing survives a forward: every forward starts with all
   parameters partitioned.
 * on a CPU device the gathers write into the backend's ``pool.BufferPool`` (the same
-  all-gathers, into buffers kept across forwards: ``internals.PooledGather``), so a forward
+  all-gathers, into buffers kept across forwards: ``pooled.PooledGather``), so a forward
   allocates no gather memory once the first one sized the pool.
 
 Collective contract: the gathers are a function of the sequence of unit calls of the
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from shardgen.backends.deepspeed import internals as ds
+from shardgen.backends.deepspeed.pooled import gather_async
 
 
 def cut_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
@@ -149,7 +150,7 @@ class BucketPlan:
             return
         todo = ds.unavailable(self.bucket_params[b])
         self._owned[b] = todo
-        self._handle[b] = ds.gather_async(todo, self.pool) if todo else None
+        self._handle[b] = gather_async(todo, self.pool) if todo else None
 
     def _release(self, b: int) -> None:
         """Partition what bucket ``b`` gathered, except what a started bucket still needs. Local."""
