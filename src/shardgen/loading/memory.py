@@ -1,6 +1,5 @@
 """Memory: the ``auto`` gather policy's estimates (full weights + KV cache vs what is free after
-loading). How the CPU backends keep gathered weights from piling up in the heap without an
-allocator setting: ``backends/pool.py``."""
+loading). The CPU allocator setting of the backends: ``backends/allocator.py``."""
 
 from __future__ import annotations
 
