@@ -36,8 +36,10 @@ def _run_script(script: str, arg: str, env: dict, log: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    sys.stdout.flush(), sys.stderr.flush()
-    os.dup2(fd, 1), os.dup2(fd, 2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     os.close(fd)
     sys.argv = [script, arg]
     code: object = 0
@@ -54,7 +56,8 @@ def _run_script(script: str, arg: str, env: dict, log: str) -> None:
     # non-daemon threads, then run the atexit hooks (shardgen's exit guard, rank 0's linger).
     threading._shutdown()
     atexit._run_exitfuncs()
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
@@ -71,13 +74,13 @@ class Forked:
         return self._proc.exitcode
 
     def poll(self) -> int | None:
-        return self._proc.exitcode
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         self._proc.join(timeout)
-        if self._proc.exitcode is None:
+        if self.returncode is None:
             raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0)
-        return self._proc.exitcode
+        return self.returncode
 
 
 class Ranks:

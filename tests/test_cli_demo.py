@@ -1,6 +1,6 @@
 """End to end, the launcher's side: bad input refused before any rank starts (message, exit code,
-nothing written) and ``shardgen demo``. A file of its own so that the suite's two workers share
-the end-to-end jobs (``make test`` runs one file per worker at a time).
+nothing written) and ``shardgen demo``. A file of its own so that the suite's workers share the
+end-to-end jobs (``make test`` runs one file per worker at a time).
 """
 
 from __future__ import annotations

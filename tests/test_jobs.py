@@ -601,4 +601,3 @@ def test_a_claim_leaves_the_others_their_share():
     assert sum(got) == 20
     assert len(jobs.Claimer(DictStore(), "k", 20, ranks=1).claim(16)) == 16  # alone: all it asks for
     assert len(jobs.Claimer(DictStore(), "k", 2000, ranks=4).claim(16)) == 16  # plenty left: no cap
-

@@ -26,12 +26,6 @@ BACKEND_NAMES = ("fsdp2", "deepspeed", "local")
 GATHER_POLICIES = ("per-layer", "once", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 CLAIM_ORDERS = ("longest", "input")
-
-
-def check_backend_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is a backend. Not collective: checked before any."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 

@@ -8,9 +8,12 @@ import torch
 
 from shardgen.backends.base import Backend
 from shardgen.config import BACKEND_NAMES as BACKENDS
-from shardgen.config import check_backend_name
 
-__all__ = ["BACKENDS", "Backend", "check_backend_name", "make_backend"]
+
+def check_backend_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a backend. Not collective: checked before any."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
 
 
 def make_backend(
