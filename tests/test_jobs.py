@@ -501,6 +501,9 @@ def test_unknown_flag_is_reported_by_the_subcommand_with_a_suggestion(capsys):
     assert err.startswith("usage: shardgen bench ") and "did you mean --world-sizes?" in err, err
     err = _usage_error(["demo", "--noproc", "2"], capsys)
     assert "shardgen demo: error:" in err and "did you mean --nproc?" in err, err
+    err = _usage_error(["run", "--temprature", "0.5"], capsys)  # the typo first, then what is missing
+    assert "error: unrecognized arguments: --temprature (did you mean --temperature?); " in err, err
+    assert "required: --prompts, --out" in err, err
     err = _usage_error(["run", "--prompts", "p", "--out", "o", "--backend", "fsdp"], capsys)
     assert "invalid choice: 'fsdp'" in err and "'fsdp2'" in err, err
 

@@ -155,11 +155,24 @@ class CommandParser(argparse.ArgumentParser):
     and the nearest flag it has (argparse leaves them to the top-level parser, whose usage names
     only the subcommands, and suggests nothing)."""
 
+    _parsing: list[str] | None = None
+
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._parsing = list(args) if args is not None else None
         ns, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(self.unknown_message(extras))
         return ns, extras
+
+    def error(self, message: str):  # type: ignore[override]
+        # argparse checks required flags before it returns the unknown ones, so a mistyped flag
+        # (``--temprature``, ``--prompt``) would be hidden behind "required": name it first.
+        if message.startswith("the following arguments are required") and self._parsing:
+            known = {s for a in self._actions for s in a.option_strings}
+            unknown = [x for x in self._parsing if x.startswith("--") and x.split("=", 1)[0] not in known]
+            if unknown:
+                message = f"{self.unknown_message(unknown)}; {message}"
+        super().error(message)
 
     def unknown_message(self, extras: list[str]) -> str:
         known = [
