@@ -41,10 +41,23 @@ def store_keys() -> list[str]:
         return []
 
 
-def _fd_kinds() -> dict[str, int]:
-    """This process's file descriptors by kind (socket, pipe, anon_inode:..., or a file's folder)."""
+def _fds() -> list[str]:
+    """This process's open file descriptors, as two listings in a row agree on them: another
+    thread (a driver's, gloo's) may hold one for a moment while the census lists them."""
+    last = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        time.sleep(0.01)
+        now = sorted(os.listdir("/proc/self/fd"))
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def _fd_kinds(fds: list[str]) -> dict[str, int]:
+    """File descriptors by kind (socket, pipe, anon_inode:..., or a file's folder)."""
     kinds: dict[str, int] = {}
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in fds:
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
@@ -76,10 +89,11 @@ def census() -> dict[str, Any]:
     """This rank's counts, after a full garbage collection (an engine's groups sit in reference
     cycles: their sockets and gloo threads go when the collector frees them, not at ``close()``)."""
     gc.collect()
+    fds = _fds()
     return {
         "threads": len(threading.enumerate()),
         "native_threads": len(os.listdir("/proc/self/task")),
-        "fds": len(os.listdir("/proc/self/fd")),
+        "fds": len(fds),
         "groups": len(c10d._world.pg_map),
         "store_keys": int(_store().num_keys()),
         "atexit": atexit._ncallbacks(),
@@ -87,7 +101,7 @@ def census() -> dict[str, Any]:
         "malloc_mb": malloc_in_use_mb(),
         "py_blocks": sys.getallocatedblocks(),  # Python's memory blocks in use: objects kept
         "thread_names": sorted(t.name for t in threading.enumerate()),
-        "fd_kinds": _fd_kinds(),
+        "fd_kinds": _fd_kinds(fds),
     }
 
 
@@ -169,11 +183,11 @@ def engine_calls(
     requests = 0
     for i in range(1, calls + 1):
         requests += _call(eng, rng)
+        if i % every == 0 or i == calls:  # before a pause: right after one, ~300 fewer blocks for a few calls
+            series.append({"calls": i, **census()})
         if i % pause_every == 0:
             with eng.paused():
                 pass
-        if i % every == 0 or i == calls:
-            series.append({"calls": i, **census()})
     took = time.perf_counter() - t0
     eng.close()
     del eng
