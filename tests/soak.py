@@ -36,12 +36,12 @@ if importlib.util.find_spec("shardgen") is None:  # not installed, no PYTHONPATH
     sys.path.append(str(HERE.parent / "src"))
 
 # Growth allowed after warm-up, MB of RSS per 1,000 prompts, per rank. Resident memory rises
-# for the first ~1,000 prompts (allocator arenas meeting new batch shapes: ~10 MB), then creeps
-# 0.1-0.2 per 1,000 (docs/RELIABILITY.md): glibc's arena grows in steps while the bytes it has
-# in use and Python's blocks stay flat (fragmentation, not a leak). A kept result per prompt
-# (~1 kB) would add ~1. A short run (make test) is still in the warm-up: 600 prompts, fitted
-# over the second half, gave 10-14, so its bound catches only a gross leak (~25 kB per prompt,
-# e.g. a kept cache). Leaks of a few bytes per forward are the engine soak's to catch (blocks).
+# ~7-9 MB over the first 5,000 prompts, then creeps 0.1-0.2 per 1,000 (docs/RELIABILITY.md; in
+# the engine soak glibc's bytes in use and Python's blocks stay flat meanwhile). A kept result
+# per prompt (~1 kB) would add ~0.5. A short run (make test) is still in the warm-up: 600
+# prompts, fitted over the second half, gave 10-14, so its bound catches only a gross leak (60 kB
+# kept per result on each rank gave 38-40, 25 kB gave 21-23). Leaks of a few bytes per forward
+# are the engine soak's to catch (Python's blocks).
 SLOPE_BOUND_MB = 0.5  # 5,000 prompts or more: the first quarter is warm-up
 SLOPE_BOUND_SHORT_MB = 25.0  # fewer: the first half is warm-up
 LONG_JOB = 5000
