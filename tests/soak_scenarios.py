@@ -224,6 +224,7 @@ def engine_cycles(engines: int, seed: int = 0, every: int = 10) -> dict[str, Any
         if i % every == 0 or i == engines:
             _settle()
             series.append({"engines": i, **(back_to(base, 1.0) if i < engines else back_to(base))})
+            _settle()  # every rank counted before any opens the next engine (its keys, a census's +2)
     return {
         "rank": dist.get_rank(),
         "engines": engines,
