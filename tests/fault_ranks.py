@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from ports import free_port
-from world import start_context
+from world import start_context, start_method
 
-_FRESH = os.environ.get("SHARDGEN_TEST_START") == "spawn"
+_FRESH = start_method() == "spawn"
 
 HERE = Path(__file__).parent
 STALL = 4.0

@@ -1,6 +1,6 @@
 """The README's three scripts, each run as its block says (``torchrun --nproc-per-node 2 NAME.py``).
 
-A file of its own beside tests/test_examples.py (whose launch helpers it uses), so that the
+A file of its own beside tests/test_examples.py (both launch through tests/example_runs.py), so that the
 suite's workers share the example runs (``make test`` runs one file per worker at a time).
 """
 
@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
+from example_runs import HAS_DEEPSPEED, RANK_LINE, ROOT, RUN_TIMEOUT_S, launcher, run
 from ports import free_port
-from test_examples import HAS_DEEPSPEED, RANK_LINE, ROOT, RUN_TIMEOUT_S, _launcher, run
 
 from shardgen import toy
 
@@ -36,7 +36,7 @@ def test_readme_has_its_three_scripts():
 def _run_readme_script(name: str, tmp_path: Path, timeout: float = RUN_TIMEOUT_S) -> str:
     script = tmp_path / name
     script.write_text(readme_scripts()[name], encoding="utf-8")  # exactly the README's text
-    cmd = [*_launcher("torchrun", "torch.distributed.run"), "--nproc-per-node", "2",
+    cmd = [*launcher("torchrun", "torch.distributed.run"), "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(script)]  # fmt: skip
     rc, out, _ = run(cmd, timeout=timeout)
     assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"

@@ -79,9 +79,14 @@ _START_ATTEMPTS = 4  # port races: retry init with a new port this many times
 _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama"]
 
 
+def start_method() -> str:
+    """``forkserver`` (the default) or ``spawn`` (``SHARDGEN_TEST_START=spawn``): how test ranks start."""
+    return "spawn" if os.environ.get("SHARDGEN_TEST_START") == "spawn" else "forkserver"
+
+
 def start_context() -> Any:
     """The multiprocessing context test ranks start from (see above)."""
-    method = os.environ.get("SHARDGEN_TEST_START", "forkserver")
+    method = start_method()
     ctx = get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
