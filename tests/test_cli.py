@@ -11,15 +11,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import runpy
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from cli_jobs import (
-    ENV,
     Job,
     assert_no_orphans,
     comparable,
@@ -171,10 +170,15 @@ def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) 
     assert comparable(read_results(workdir / "torchrun.jsonl")) == comparable(reference)
     png = (workdir / "timeline.png").read_bytes()  # --timeline: one row per rank
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    helped = subprocess.run(
-        [sys.executable, "-m", "shardgen", "run", "--help"], env=ENV, capture_output=True, text=True
-    )
-    assert helped.returncode == 0 and "--max-batch-size" in helped.stdout and "exit codes:" in helped.stdout
+
+
+def test_python_m_shardgen_help(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``python -m shardgen run --help`` (the package's __main__, run here as the interpreter would)."""
+    monkeypatch.setattr(sys, "argv", ["shardgen", "run", "--help"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("shardgen", run_name="__main__", alter_sys=True)
+    helped = capsys.readouterr().out
+    assert info.value.code == 0 and "--max-batch-size" in helped and "exit codes:" in helped, helped
 
 
 def _environ(pid: int) -> bytes:

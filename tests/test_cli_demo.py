@@ -36,32 +36,68 @@ BAD_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def bad_runs(tmp_path_factory) -> dict[str, tuple[Job, Path, int]]:
-    """Start every bad-input case at once (each costs a Python + torch start), then wait for all."""
-    jobs = {}
-    for name, (text, extra, _, _) in BAD_CASES.items():
-        d = tmp_path_factory.mktemp(name)
-        if text is not None:
-            (d / "p.jsonl").write_text(text)
-        if name == "stale-journals":
-            (d / "o.jsonl.rank1.journal.jsonl").write_text('{"id": 1, "text": "x"}\n')
-        jobs[name] = (Job(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *extra], d), d)
-    return {name: (job, d, job.wait(300)) for name, (job, d) in jobs.items()}
+# One launch per exit code (and both of 2's paths: a flag's value, the launcher's journal check)
+# as a user runs it; every case, these too, through ``main`` in this process (test_bad_input).
+LAUNCHED = ("missing-file", "launcher-validates", "bad-model", "bad-flag-value", "stale-journals")
 
 
-@pytest.mark.parametrize("case", list(BAD_CASES))
-def test_bad_input(bad_runs, case: str) -> None:
-    job, d, rc = bad_runs[case]
+def case_dir(d: Path, name: str) -> Path:
+    text = BAD_CASES[name][0]
+    if text is not None:
+        (d / "p.jsonl").write_text(text)
+    if name == "stale-journals":
+        (d / "o.jsonl.rank1.journal.jsonl").write_text('{"id": 1, "text": "x"}\n')
+    return d
+
+
+def assert_refused(case: str, rc: int, stderr: str, d: Path, shown: str) -> None:
+    """Exit code, one line naming the problem, nothing written."""
     _, _, code, words = BAD_CASES[case]
-    assert rc == code, job.output()
-    lines = [x for x in job.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("shardgen run: error: "), job.output()
+    assert rc == code, shown
+    lines = [x for x in stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardgen run: error: "), shown
     for w in words:
-        assert w in lines[0], job.output()
+        assert w in lines[0], shown
     assert not (d / "o.jsonl").exists() and not list(d.glob("*.tmp"))
     if case != "stale-journals":
         assert not list(d.glob("*.journal.jsonl"))
+
+
+def _no_rank(*_, **__) -> None:
+    raise AssertionError("bad input reached a rank or the launch of ranks")
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The command's ``main`` in this process, as the console script calls it: refused before
+    ``run_rank`` or ``launch_job`` (either fails the test), the same message and exit code."""
+    from shardgen.cli import command, run
+
+    monkeypatch.chdir(case_dir(tmp_path, case))
+    for name in ("RANK", "TORCHELASTIC_RESTART_COUNT"):  # a user's shell, not a rank
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(run, "launch_job", _no_rank)
+    monkeypatch.setattr(run, "run_rank", _no_rank)
+    rc = command.main(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *BAD_CASES[case][1]])
+    err = capsys.readouterr().err
+    assert_refused(case, rc, err, tmp_path, err)
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory) -> dict[str, tuple[Job, Path, int]]:
+    """Start every launched case at once (each costs a Python + torch start), then wait for all."""
+    jobs = {}
+    for name in LAUNCHED:
+        d = case_dir(tmp_path_factory.mktemp(name), name)
+        jobs[name] = (Job(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *BAD_CASES[name][1]], d), d)
+    return {name: (job, d, job.wait(300)) for name, (job, d) in jobs.items()}
+
+
+@pytest.mark.parametrize("case", LAUNCHED)
+def test_bad_input_launched(bad_runs, case: str) -> None:
+    """The shardgen command itself: its exit status, and nothing else on stderr (no import warnings)."""
+    job, d, rc = bad_runs[case]
+    assert_refused(case, rc, job.stderr, d, job.output())
 
 
 # ---------------------------------------------------------------- the demo
