@@ -71,13 +71,14 @@ def _no_rank(*_, **__) -> None:
 def test_bad_input(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """The command's ``main`` in this process, as the console script calls it: refused before
     ``run_rank`` or ``launch_job`` (either fails the test), the same message and exit code."""
-    from shardgen.cli import command, run
+    from shardgen.cli import command
+    from shardgen.cli import run as cli_run
 
     monkeypatch.chdir(case_dir(tmp_path, case))
     for name in ("RANK", "TORCHELASTIC_RESTART_COUNT"):  # a user's shell, not a rank
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(run, "launch_job", _no_rank)
-    monkeypatch.setattr(run, "run_rank", _no_rank)
+    monkeypatch.setattr(cli_run, "launch_job", _no_rank)
+    monkeypatch.setattr(cli_run, "run_rank", _no_rank)
     rc = command.main(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *BAD_CASES[case][1]])
     err = capsys.readouterr().err
     assert_refused(case, rc, err, tmp_path, err)
