@@ -1,7 +1,7 @@
 """End to end: ``shardgen run`` as a user runs it, on the shipped toy model: a reference job, a job
-SIGKILLed then resumed, the DeepSpeed backend, torchrun. The launcher's --max-restarts and
---shard-size are in test_cli_launcher.py, bad input and the demo in test_cli_demo.py (files of
-their own so that the suite's workers share the end-to-end jobs).
+SIGKILLed then resumed, torchrun. The launcher's --max-restarts and --shard-size are in
+test_cli_launcher.py; bad input, the DeepSpeed job's output and the demo in test_cli_demo.py
+(files of their own so that the suite's workers share the end-to-end jobs).
 
 Every command runs in its own session (``start_new_session``) under a hard timeout; on
 timeout the test kills that process group (by its pgid, nothing else) and fails with the
@@ -11,7 +11,6 @@ die with their parent (``PR_SET_PDEATHSIG``), which the kill tests check.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import runpy
 import sys
@@ -22,7 +21,6 @@ from cli_jobs import (
     SAMPLED,
     Job,
     assert_no_orphans,
-    assert_summary_only,
     comparable,
     journal_lines,
     read_results,
@@ -93,18 +91,6 @@ def test_sigkill_mid_run_then_resume(workdir: Path, reference: list[dict]) -> No
     assert comparable(read_results(out)) == comparable(reference), again.output()
     summary = json.loads((workdir / "resumed.json").read_text())
     assert summary["resumed"] >= 8 and summary["resumed"] + summary["completed"] == len(reference)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
-def test_deepspeed_job_prints_the_bar_and_the_summary_only(workdir: Path) -> None:
-    """DeepSpeed's gathers call torch's deprecated all_gather_into_tensor, and its comm layer
-    prints a line per rank as shardgen starts it: neither shows."""
-    lines = (workdir / "prompts.jsonl").read_text().splitlines()[:8]
-    (workdir / "small.jsonl").write_text("".join(x + "\n" for x in lines))
-    args = ["run", "--prompts", "small.jsonl", "--out", "ds.jsonl", "--nproc", "2", "--backend", "deepspeed"]
-    job = run(args, workdir, timeout=240)
-    assert len(read_results(workdir / "ds.jsonl")) == 8
-    assert_summary_only(job)
 
 
 def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) -> None:

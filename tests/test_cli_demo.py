@@ -1,15 +1,16 @@
 """End to end, the launcher's side: bad input refused before any rank starts (message, exit code,
-nothing written) and ``shardgen demo``. A file of its own so that the suite's workers share the
-end-to-end jobs (``make test`` runs one file per worker at a time).
+nothing written), what a DeepSpeed job prints, and ``shardgen demo``. A file of its own so that
+the suite's workers share the end-to-end jobs (``make test`` runs one file per worker at a time).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from cli_jobs import Job, only_progress_bar, run
+from cli_jobs import Job, assert_summary_only, only_progress_bar, read_results, run, write_toy_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
@@ -99,6 +100,21 @@ def test_bad_input_launched(bad_runs, case: str) -> None:
     """The shardgen command itself: its exit status, and nothing else on stderr (no import warnings)."""
     job, d, rc = bad_runs[case]
     assert_refused(case, rc, job.stderr, d, job.output())
+
+
+# ---------------------------------------------------------------- the DeepSpeed job's output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_job_prints_the_bar_and_the_summary_only(tmp_path: Path) -> None:
+    """DeepSpeed's gathers call torch's deprecated all_gather_into_tensor, and its comm layer
+    prints a line per rank as shardgen starts it: neither shows."""
+    lines = (write_toy_prompts(tmp_path) / "prompts.jsonl").read_text().splitlines()[:8]
+    (tmp_path / "small.jsonl").write_text("".join(x + "\n" for x in lines))
+    args = ["run", "--prompts", "small.jsonl", "--out", "ds.jsonl", "--nproc", "2", "--backend", "deepspeed"]
+    job = run(args, tmp_path, timeout=240)
+    assert len(read_results(tmp_path / "ds.jsonl")) == 8
+    assert_summary_only(job)
 
 
 # ---------------------------------------------------------------- the demo
