@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from shardgen import toy
+
 _SCRIPT = shutil.which("shardgen", path=os.path.dirname(sys.executable))
 SHARDGEN = [_SCRIPT] if _SCRIPT else [sys.executable, "-m", "shardgen"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -104,3 +106,44 @@ def assert_no_orphans(out: Path, timeout: float = 10.0) -> None:
 def only_progress_bar(stderr: str, desc: str = "shardgen run") -> bool:
     """True when stderr holds nothing but tqdm's redraws of the progress bar ``desc``."""
     return all(not x.strip() or x.startswith(f"{desc}:") for x in re.split(r"[\r\n]", stderr))
+
+
+def assert_summary_only(job: Job) -> None:
+    """What a job prints: the progress bar (stderr) and the summary table (stdout), nothing else:
+    no log lines, no third-party warnings, no per-rank output."""
+    assert only_progress_bar(job.stderr), job.output()
+    assert job.stdout.startswith("prompts ") and "results " in job.stdout, job.output()
+    for noise in ("[shardgen rank", "Warning", "built successfully", "Loading weights"):
+        assert noise not in job.stdout + job.stderr, (noise, job.output())
+
+
+# ------------------------------------------------ the reference job (test_cli.py, test_cli_launcher.py)
+
+SAMPLED = {"toy-1-00004", "toy-1-00011", "toy-1-00030"}
+
+
+def write_toy_prompts(d: Path) -> Path:
+    """``d/prompts.jsonl``: 64 skewed toy prompts (three sampled at temperature 0.8), an empty one
+    and one too long for the model's context; returns ``d``."""
+    lines = []
+    for p in toy.make_prompts(64, seed=1, skew=True):
+        lines.append({**p, "temperature": 0.8} if p["id"] in SAMPLED else p)
+    lines.insert(10, {"id": "empty", "prompt": ""})
+    lines.insert(20, {"id": "too-long", "prompt": "count " * 120})
+    (d / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return d
+
+
+def run_reference(d: Path) -> Job:
+    """An uninterrupted 2-rank run of ``d/prompts.jsonl`` into ``d/ref.jsonl``."""
+    return run(["run", "--prompts", "prompts.jsonl", "--out", "ref.jsonl", "--nproc", "2", "--json-summary",
+                "ref-summary.json", "--quiet"], d)  # fmt: skip
+
+
+def wait_for_journals(job: Job, out: Path, lines: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while journal_lines(out) < lines:
+        if job.proc.poll() is not None or time.monotonic() > deadline:
+            job.kill() if job.proc.poll() is None else None
+            pytest.fail(f"no {lines} journaled results (rc {job.proc.returncode})\n{job.output()}")
+        time.sleep(0.02)

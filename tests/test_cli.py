@@ -1,4 +1,7 @@
-"""End to end: ``shardgen run`` / ``shardgen demo`` as a user runs them, on the shipped toy model.
+"""End to end: ``shardgen run`` as a user runs it, on the shipped toy model: a reference job, a job
+SIGKILLed then resumed, torchrun. The launcher's --max-restarts and --shard-size are in
+test_cli_launcher.py; bad input, the DeepSpeed job's output and the demo in test_cli_demo.py
+(files of their own so that the suite's workers share the end-to-end jobs).
 
 Every command runs in its own session (``start_new_session``) under a hard timeout; on
 timeout the test kills that process group (by its pgid, nothing else) and fails with the
@@ -8,26 +11,23 @@ die with their parent (``PR_SET_PDEATHSIG``), which the kill tests check.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import signal
-import subprocess
+import runpy
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from cli_jobs import (
-    ENV,
+    SAMPLED,
     Job,
     assert_no_orphans,
     comparable,
     journal_lines,
-    only_progress_bar,
-    processes_mentioning,
     read_results,
     run,
+    run_reference,
+    wait_for_journals,
+    write_toy_prompts,
 )
 
 from shardgen import toy
@@ -35,51 +35,23 @@ from shardgen import toy
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
-def wait_for_journals(job: Job, out: Path, lines: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while journal_lines(out) < lines:
-        if job.proc.poll() is not None or time.monotonic() > deadline:
-            job.kill() if job.proc.poll() is None else None
-            pytest.fail(f"no {lines} journaled results (rc {job.proc.returncode})\n{job.output()}")
-        time.sleep(0.02)
-
-
 # ---------------------------------------------------------------- a small 2-rank job, the reference run
-
-SAMPLED = {"toy-1-00004", "toy-1-00011", "toy-1-00030"}
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("cli")
-    lines = []
-    for p in toy.make_prompts(64, seed=1, skew=True):
-        lines.append({**p, "temperature": 0.8} if p["id"] in SAMPLED else p)
-    lines.insert(10, {"id": "empty", "prompt": ""})
-    lines.insert(20, {"id": "too-long", "prompt": "count " * 120})
-    (d / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return d
+    return write_toy_prompts(tmp_path_factory.mktemp("cli"))
 
 
 @pytest.fixture(scope="module")
 def reference_job(workdir: Path) -> Job:
     """An uninterrupted 2-rank run of prompts.jsonl."""
-    return run(["run", "--prompts", "prompts.jsonl", "--out", "ref.jsonl", "--nproc", "2", "--json-summary",
-                "ref-summary.json", "--quiet"], workdir)  # fmt: skip
+    return run_reference(workdir)
 
 
 @pytest.fixture(scope="module")
 def reference(reference_job: Job, workdir: Path) -> list[dict]:
     return read_results(workdir / "ref.jsonl")
-
-
-def assert_summary_only(job: Job) -> None:
-    """What a job prints: the progress bar (stderr) and the summary table (stdout), nothing else:
-    no log lines, no third-party warnings, no per-rank output."""
-    assert only_progress_bar(job.stderr), job.output()
-    assert job.stdout.startswith("prompts ") and "results " in job.stdout, job.output()
-    for noise in ("[shardgen rank", "Warning", "built successfully", "Loading weights"):
-        assert noise not in job.stdout + job.stderr, (noise, job.output())
 
 
 def test_quiet_prints_nothing(reference_job: Job) -> None:
@@ -121,47 +93,6 @@ def test_sigkill_mid_run_then_resume(workdir: Path, reference: list[dict]) -> No
     assert summary["resumed"] >= 8 and summary["resumed"] + summary["completed"] == len(reference)
 
 
-def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list[dict]) -> None:
-    out = workdir / "restarted.jsonl"
-    args = ["run", "--prompts", "prompts.jsonl", "--out", str(out), "--nproc", "2", "--max-restarts", "1"]
-    job = Job([*args, "--batch-size", "1", "--quiet", "--json-summary", "restarted.json"], workdir, "restart")
-    wait_for_journals(job, out, 8)
-    ranks = [pid for pid in processes_mentioning(str(out)) if b"RANK=1\0" in _environ(pid)]
-    assert ranks, f"no rank 1 found\n{job.output()}"
-    os.kill(ranks[0], signal.SIGKILL)  # one rank dies; torch's agent restarts the group
-    assert job.wait(150) == 0, job.output()
-    assert comparable(read_results(out)) == comparable(reference)
-    assert json.loads((workdir / "restarted.json").read_text())["resumed"] >= 8
-    assert_no_orphans(out)
-
-
-def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dict]) -> None:
-    """``--nproc 4 --shard-size 2``: two replicas sharded 2 ways, one prompts file, the same results."""
-    args = ["run", "--prompts", "prompts.jsonl", "--out", "replicas.jsonl", "--nproc", "4"]
-    args += ["--shard-size", "2"]
-    job = run([*args, "--json-summary", "replicas.json"], workdir, timeout=240)
-    assert comparable(read_results(workdir / "replicas.jsonl")) == comparable(reference), job.output()
-    summary = json.loads((workdir / "replicas.json").read_text())
-    reps = summary["replicas"]
-    assert [r["ranks"] for r in reps] == [[0, 1], [2, 3]] and summary["shard_size"] == 2
-    # which replica serves how many depends on timing (a replica that loads late may find none left)
-    assert sum(r["prompts"] for r in reps) == len(reference)
-    assert "prompts per replica" in job.stdout and "2 x 2 ranks" in job.stdout, job.output()
-    assert_summary_only(job)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
-def test_deepspeed_job_prints_the_bar_and_the_summary_only(workdir: Path) -> None:
-    """DeepSpeed's gathers call torch's deprecated all_gather_into_tensor, and its comm layer
-    prints a line per rank as shardgen starts it: neither shows."""
-    lines = (workdir / "prompts.jsonl").read_text().splitlines()[:8]
-    (workdir / "small.jsonl").write_text("".join(x + "\n" for x in lines))
-    args = ["run", "--prompts", "small.jsonl", "--out", "ds.jsonl", "--nproc", "2", "--backend", "deepspeed"]
-    job = run(args, workdir, timeout=240)
-    assert len(read_results(workdir / "ds.jsonl")) == 8
-    assert_summary_only(job)
-
-
 def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) -> None:
     """``torchrun ... -m shardgen run`` (the package's __main__) is the shardgen command."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -171,14 +102,12 @@ def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) 
     assert comparable(read_results(workdir / "torchrun.jsonl")) == comparable(reference)
     png = (workdir / "timeline.png").read_bytes()  # --timeline: one row per rank
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    helped = subprocess.run(
-        [sys.executable, "-m", "shardgen", "run", "--help"], env=ENV, capture_output=True, text=True
-    )
-    assert helped.returncode == 0 and "--max-batch-size" in helped.stdout and "exit codes:" in helped.stdout
 
 
-def _environ(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return b""
+def test_python_m_shardgen_help(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``python -m shardgen run --help`` (the package's __main__, run here as the interpreter would)."""
+    monkeypatch.setattr(sys, "argv", ["shardgen", "run", "--help"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("shardgen", run_name="__main__", alter_sys=True)
+    helped = capsys.readouterr().out
+    assert info.value.code == 0 and "--max-batch-size" in helped and "exit codes:" in helped, helped
