@@ -331,7 +331,7 @@ def test_every_flag_comes_from_a_field_with_its_default_and_docstring():
     docs = flags.field_docs(EngineConfig)
     assert actions["max_batch_size"].option_strings == ["--batch-size", "--max-batch-size"]
     assert actions["max_batch_size"].default == EngineConfig().max_batch_size
-    assert actions["max_batch_size"].help.startswith(docs["max_batch_size"])
+    assert actions["max_batch_size"].help.startswith(flags.help_text(docs["max_batch_size"]))
     assert actions["top_p"].default == SamplingParams().top_p
     assert actions["prompts"].required and actions["resume"].default is False
     assert actions["no_claim_ranks"].help == "==SUPPRESS=="  # demo/test knob, hidden
