@@ -48,3 +48,31 @@ def test_a_default_engine_runs_a_rollout_of_64_rows_in_one_wave(toy_model):
     assert st["prefill_forwards"] == 1
     longest = int(b.response_mask.sum(1).max())
     assert st["forwards"] == longest  # one prefill, then one decode step per further token
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_decode_unchanged(toy_model):
+    # All rows in one batch, nothing waiting: a row that ended at EOS is no longer computed
+    # (DeepSpeed's rollout computes every row for max_new_tokens). Tokens stay HF's.
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
+    prompts = [p["prompt"] for p in toy.make_prompts(8, seed=5, skew=True)]
+    rows: list[int] = []
+    hook = toy_model.register_forward_pre_hook(
+        lambda _m, _a, kw: rows.append(int(kw["input_ids"].shape[0])), with_kwargs=True
+    )
+    try:
+        with shardgen.Engine(toy_model, tok, backend="local", memory_budget_gb=1.0) as eng:
+            got = eng.generate(prompts, max_new_tokens=26)
+    finally:
+        hook.remove()
+    lengths = sorted(len(c.token_ids) for c in got)
+    assert lengths[0] < lengths[-1], lengths  # the skewed task: some rows end early
+    decode = rows[1:]
+    assert len(decode) == lengths[-1] - 1
+    live = [sum(1 for n in lengths if n > step + 1) for step in range(len(decode))]
+    assert all(r >= k for r, k in zip(decode, live, strict=True))  # every live row is computed
+    assert sum(decode) < len(prompts) * len(decode)  # and finished ones are not
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ref = toy_model.generate(**enc, max_new_tokens=26, do_sample=False)[:, enc["input_ids"].shape[1] :]
+    for c, r in zip(got, ref, strict=True):
+        r = r.tolist()
+        assert c.token_ids == r[: r.index(2) + 1] if 2 in r else c.token_ids == r
