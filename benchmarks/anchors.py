@@ -320,11 +320,12 @@ def rank_main(args: argparse.Namespace) -> None:
                       args.ns, args.methods, 26, toy))  # fmt: skip
     if "medium" in args.workloads:
         g = torch.Generator().manual_seed(rank)
-        prompts = [torch.randint(3, args.vocab, (16,), generator=g).tolist() for _ in range(64)]
+        count = args.medium_prompts
+        prompts = [torch.randint(3, args.vocab, (16,), generator=g).tolist() for _ in range(count)]
         mtok = SimpleNamespace(pad_token_id=0, eos_token_id=2)
         build = lambda: medium_model(args.hidden, args.vocab)  # noqa: E731
         plans.append((lambda: Bench(args, build(), mtok, 2, 0), {"medium": prompts}, [4],
-                      args.medium_methods, 64, build))  # fmt: skip
+                      args.medium_methods, args.medium_tokens, build))  # fmt: skip
     for make, work, ns, methods, new, oracle_model in plans:
         bench = make()
         oracle = oracle_model() if "medium" not in work else None
@@ -388,6 +389,8 @@ def main() -> None:
     p.add_argument("--medium-methods", nargs="+", default=["hybrid", "shardgen"])
     p.add_argument("--batch", type=int, default=None, help="shardgen max_batch_size (default: the engine's)")
     p.add_argument("--hidden", type=int, default=512, help="medium model")
+    p.add_argument("--medium-prompts", type=int, default=64, help="medium: prompts per rank (n = 4)")
+    p.add_argument("--medium-tokens", type=int, default=64, help="medium: most new tokens")
     p.add_argument("--vocab", type=int, default=16, help="medium model")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
