@@ -325,12 +325,13 @@ def test_every_flag_comes_from_a_field_with_its_default_and_docstring():
     actions = {a.dest: a for a in run._actions if a.dest != "help"}
     expected = {f.name for f in dataclasses.fields(JobConfig)}
     expected |= {"backend", "gather", "max_batch_size", "refill", "stall_timeout"}
+    expected |= {"share_prefill", "max_prefill_tokens"}
     expected |= {"max_new_tokens", "top_k", "top_p"}
     assert set(actions) == expected
     docs = flags.field_docs(EngineConfig)
     assert actions["max_batch_size"].option_strings == ["--batch-size", "--max-batch-size"]
     assert actions["max_batch_size"].default == EngineConfig().max_batch_size
-    assert actions["max_batch_size"].help.startswith(docs["max_batch_size"])
+    assert actions["max_batch_size"].help.startswith(flags.help_text(docs["max_batch_size"]))
     assert actions["top_p"].default == SamplingParams().top_p
     assert actions["prompts"].required and actions["resume"].default is False
     assert actions["no_claim_ranks"].help == "==SUPPRESS=="  # demo/test knob, hidden
@@ -339,6 +340,31 @@ def test_every_flag_comes_from_a_field_with_its_default_and_docstring():
         for code in ExitCode:
             assert (f"  {int(code)}  " in epilog) == (code in codes), (command, code, epilog)
     assert set(cli.EXIT_CODES["run"]) == set(ExitCode) - {ExitCode.WRONG_ANSWERS, ExitCode.TIMEOUT}
+
+
+def test_prefill_flags_reach_the_engine_config_and_the_ranks_argv():
+    # --no-share-prefill and --max-prefill-tokens come from EngineConfig's fields: parsed into the
+    # config, passed on to the spawned ranks, and checked with the flag's own name in the message.
+    parser = cli.make_parser()
+    run = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    actions = {a.dest: a for a in run._actions}
+    docs = flags.field_docs(EngineConfig)
+    for name in ("share_prefill", "max_prefill_tokens"):
+        assert actions[name].default == getattr(EngineConfig(), name)
+        assert actions[name].help.startswith(flags.help_text(docs[name]))
+    ns = parser.parse_args(["run", "--prompts", "p", "--out", "o"])
+    _, eng, _ = (flags.build(cls, ns, names) for cls, names in cli.RUN_FIELDS)
+    assert eng.share_prefill is True and eng.max_prefill_tokens is None
+    argv = ["run", "--prompts", "p", "--out", "o", "--no-share-prefill", "--max-prefill-tokens", "1024"]
+    ns = parser.parse_args(argv)
+    _, eng, _ = (flags.build(cls, ns, names) for cls, names in cli.RUN_FIELDS)
+    assert eng == EngineConfig(share_prefill=False, max_prefill_tokens=1024)
+    child = flags.to_argv(eng, cli.RUN_FIELDS[1][1])
+    assert child == ["--no-share-prefill", "--max-prefill-tokens", "1024"]
+    with pytest.raises(ValueError) as err:
+        EngineConfig(max_prefill_tokens=0).validate()
+    said = flags.flag_names(str(err.value), cli.RUN_FIELDS)
+    assert said == "--max-prefill-tokens must be >= 1, got 0"
 
 
 def test_child_argv_round_trips():

@@ -174,8 +174,10 @@ class EngineConfig:
     """(agreed) ``per-layer`` (gather each unit on every forward), ``once`` (gather the whole model
     when work starts, decode without parameter traffic) or ``auto`` (``once`` if it fits
     ``memory_budget_gb``)."""
-    max_batch_size: int = 16
-    """Requests decoded together on one rank."""
+    max_batch_size: int | None = None
+    """Requests decoded together on one rank. None: sized from ``memory_budget_gb``, as many rows as
+    their KV cache (2048 tokens a row, capped by the model's context) fits next to the weights a
+    forward holds, at most 256 (``engine.config`` holds the size chosen)."""
     refill: bool = True
     """Continuous batching: a finished slot takes a waiting request without waiting for the whole
     batch. False decodes in waves (a batch is exactly what HF would run)."""
@@ -198,8 +200,8 @@ class EngineConfig:
     """Record what the driver does over time (``engine.timeline()``: prefill, decode, shadow, gather,
     tick, idle spans); off by default (one list append per tick phase when on)."""
     memory_budget_gb: float | None = None
-    """Budget for ``gather='auto'``; None uses 80% of the memory free once the model is loaded
-    (CPU: the host's available memory split between its local ranks)."""
+    """Budget for ``gather='auto'`` and an unset ``max_batch_size``; None uses 80% of the memory free
+    once the model is loaded (CPU: the host's available memory split between its local ranks)."""
     ds_config: dict[str, Any] | None = field(default=None)
     """DeepSpeed config (ZeRO stage 3) when shardgen partitions a plain model with ``backend='deepspeed'``."""
     bucket_mb: float | None = None
@@ -235,7 +237,7 @@ class EngineConfig:
             raise ValueError(f"chunk_mb must be a finite number >= 0, got {self.chunk_mb}")
         for name in ("burst_steps", "max_batch_size", "max_prefill_tokens"):
             v = getattr(self, name)
-            if v is None and name == "max_prefill_tokens":
+            if v is None and name != "burst_steps":
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{name} must be an integer, got {v!r}")

@@ -22,7 +22,11 @@ from shardgen.launch import die_with_parent, is_rank, launch
 # temperature and seed are JobConfig's own (0 = greedy; a base seed for per-request seeds).
 RUN_FIELDS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
     (JobConfig, None),
-    (EngineConfig, ("backend", "gather", "max_batch_size", "refill", "stall_timeout")),
+    (
+        EngineConfig,
+        ("backend", "gather", "max_batch_size", "refill", "stall_timeout")
+        + ("share_prefill", "max_prefill_tokens"),
+    ),
     (SamplingParams, ("max_new_tokens", "top_k", "top_p")),
 )
 LAUNCHER_ONLY = ("nproc", "max_restarts")  # consumed by the launcher, not passed to the ranks

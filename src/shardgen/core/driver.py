@@ -49,7 +49,7 @@ from shardgen.faults.liveness import Liveness, is_comm_error
 from shardgen.faults.stalls import GatherCounter
 from shardgen.generation.requests import Request, completion_of, resolve_future
 from shardgen.generation.scheduler import LocalWork
-from shardgen.loading.memory import kv_cache_bytes, memory_budget
+from shardgen.loading.memory import AUTO_PROBE_ROWS, batch_rows, kv_cache_bytes, memory_budget
 from shardgen.log import get_logger
 from shardgen.timeouts import Timeouts
 
@@ -106,6 +106,7 @@ class Driver:
         self.fp = Fingerprint()
         self.cp = ControlPlane(control, self.ranks.index(rank), world)
         self.gather_policy = self._resolve_gather_policy(hf_config)
+        self.config = config = self._sized_batch(hf_config)
         self.work = LocalWork(
             backend.hf_model, backend, device, config, self.stats, on_finished=self._finished
         )
@@ -321,7 +322,8 @@ class Driver:
             return "per-layer"  # nothing to gather
         if policy != "auto":
             return policy
-        need = self.backend.full_param_bytes() + kv_cache_bytes(hf_config, self.config.max_batch_size)
+        rows = self.config.max_batch_size or AUTO_PROBE_ROWS  # unset: sized after the policy
+        need = self.backend.full_param_bytes() + kv_cache_bytes(hf_config, rows)
         fits = need <= memory_budget(self.config.memory_budget_gb, self.device)
         if self.world > 1:
             flag = torch.tensor([int(fits)], dtype=torch.int64)
@@ -331,6 +333,19 @@ class Driver:
             "gather='auto': %s (%.1f MB of weights + KV cache)", "once" if fits else "per-layer", need / 1e6
         )
         return "once" if fits else "per-layer"
+
+    def _sized_batch(self, hf_config: Any) -> EngineConfig:
+        """The config with ``max_batch_size`` set: as given, else as many rows as the memory
+        budget holds next to the weights a forward keeps (the whole model with ``once``; per
+        layer, the gathered layer is transient and not counted). Per rank, no collective: ranks
+        need not agree on it."""
+        if self.config.max_batch_size is not None:
+            return self.config
+        held = self.backend.full_param_bytes() if self.gather_policy == "once" else 0
+        free = memory_budget(self.config.memory_budget_gb, self.device) - held
+        rows = batch_rows(free, kv_cache_bytes(hf_config, 1))
+        log.info("max_batch_size unset: %d rows (%.1f MB of budget for the KV cache)", rows, free / 1e6)
+        return self.config.replace(max_batch_size=rows)
 
     def _attribute(self, err: BaseException) -> BaseException:
         """Blame the right rank: a broken collective is a symptom; wait for liveness to name the cause."""

@@ -110,6 +110,7 @@ class Engine:
             on_failure=self._fail, on_peer_failure=self._on_peer_failure, ranks=self.ranks,
         )  # fmt: skip
         self.gather_policy = self._driver.gather_policy
+        self.config = self._driver.config  # max_batch_size sized when unset
         process.opened(self._driver, cfg.gil_switch_interval)
         self._driver.start()
 

@@ -176,6 +176,26 @@ class Batch:
             and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
         )
 
+    def drop_finished(self) -> int:
+        """Take the finished rows out of the batch (their results are already collected), so the
+        next steps compute the live rows only; the rows dropped. Each kept row keeps its own
+        tokens, positions, mask and cache columns (an ``index_select`` of each), so its inputs are
+        what they were. Needs ``can_refill()`` (plain caches)."""
+        keep = [i for i, s in enumerate(self.seqs) if not s.finished]
+        dropped = len(self.seqs) - len(keep)
+        if not keep or not dropped:
+            return 0
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.input_ids = self.input_ids.index_select(0, idx)
+        self.position_ids = self.position_ids.index_select(0, idx)
+        if self.attention_mask is not None:
+            self.attention_mask = self.attention_mask.index_select(0, idx)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, idx.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, idx.to(layer.values.device))
+        self.seqs = [self.seqs[i] for i in keep]
+        return dropped
+
     def refill(self, seqs: list[SeqState], max_rows: int, **options: Any) -> None:
         """Prefill ``seqs`` (one forward per prefill chunk) and ``merge`` them in."""
         mini = Batch(self.hf_model, self.forward, seqs, self.device, **options)

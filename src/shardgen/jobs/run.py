@@ -314,7 +314,7 @@ def run_job(
         wall_s=wall_s,
         load_s=load_s,
         out=cfg.out,
-        engine_cfg=engine_cfg,
+        engine_cfg=engine.config,  # max_batch_size as the engine sized it
         shard_size=cfg.shard_size or world,
     )
     return summary, (rows if cfg.timeline else {})

@@ -1,5 +1,6 @@
 """Memory: the ``auto`` gather policy's estimates (full weights + KV cache vs what is free after
-loading). The CPU allocator setting of the backends: ``backends/allocator.py``."""
+loading) and the batch size an unset ``max_batch_size`` gets from them. The CPU allocator
+setting of the backends: ``backends/allocator.py``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ def kv_cache_bytes(cfg: Any, batch: int, tokens: int = 2048) -> int:
         dtype = getattr(torch, dtype, None)
     size = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
     return 2 * layers * kv_heads * head_dim * min(tokens, n_ctx) * batch * size
+
+
+MAX_SIZED_BATCH = 256
+"""The most rows an unset ``max_batch_size`` is sized to (``batch_rows``)."""
+AUTO_PROBE_ROWS = 16
+"""The rows ``gather='auto'`` counts the KV cache of when ``max_batch_size`` is unset (the batch
+is sized after the policy, in what the policy leaves)."""
+
+
+def batch_rows(free_bytes: int, row_bytes: int, most: int = MAX_SIZED_BATCH) -> int:
+    """Rows whose KV cache (``row_bytes`` each) fits in ``free_bytes``: at least 1, at most ``most``."""
+    return max(1, min(most, free_bytes // max(row_bytes, 1)))
 
 
 def host_available_bytes() -> int:
