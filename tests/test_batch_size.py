@@ -76,3 +76,21 @@ def test_finished_rows_leave_the_batch_and_the_rest_decode_unchanged(toy_model):
     for c, r in zip(got, ref, strict=True):
         r = r.tolist()
         assert c.token_ids == r[: r.index(2) + 1] if 2 in r else c.token_ids == r
+
+
+def test_waves_keep_their_finished_rows(toy_model):
+    # refill=False: a batch is exactly the one HF would run, finished rows included.
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
+    prompts = [p["prompt"] for p in toy.make_prompts(8, seed=5, skew=True)]
+    rows: list[int] = []
+    hook = toy_model.register_forward_pre_hook(
+        lambda _m, _a, kw: rows.append(int(kw["input_ids"].shape[0])), with_kwargs=True
+    )
+    try:
+        with shardgen.Engine(toy_model, tok, backend="local", memory_budget_gb=1.0, refill=False) as eng:
+            got = eng.generate(prompts, max_new_tokens=26)
+    finally:
+        hook.remove()
+    lengths = [len(c.token_ids) for c in got]
+    assert min(lengths) < max(lengths), lengths
+    assert rows and set(rows) == {len(prompts)}, rows

@@ -161,8 +161,9 @@ class LocalWork:
                 self.on_finished(s)
         if batch.done:
             self.batch = None
-        elif batch.free_slots() >= max(1, len(batch.seqs) // 8) and batch.can_refill():
+        elif self.config.refill and batch.free_slots() >= max(1, len(batch.seqs) // 8) and batch.can_refill():
             # Finished rows would be computed (as padding) every step until a refill takes their
             # slots: drop them once an eighth of the batch has finished (each drop copies the
-            # cache once; a refill grows the batch back up to max_batch_size).
+            # cache once; a refill grows the batch back up to max_batch_size). Waves
+            # (refill=False) keep their rows: such a batch is exactly the one HF would run.
             batch.drop_finished()
