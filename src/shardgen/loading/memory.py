@@ -1,5 +1,6 @@
 """Memory: the ``auto`` gather policy's estimates (full weights + KV cache vs what is free after
-loading). The CPU allocator setting of the backends: ``backends/allocator.py``."""
+loading). How the CPU backends keep gathered weights from piling up in the heap without an
+allocator setting: ``backends/pool.py``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+"""Scenarios for the gather-buffer pools (backends/pool.py); they run inside gloo ranks of a World."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from models import batch, hf_generate, tiny_model
+from world import rank
+
+import shardgen
+
+
+def _mallinfo2():
+    """glibc's ``mallinfo2()`` (2.33+) as a dict, or None where there is none."""
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+            )
+        ]  # fmt: skip
+
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+    info = fn()
+    return {name: getattr(info, name) for name, _ in MallInfo2._fields_}
+
+
+def mmapped_after_a_larger_free() -> int | None:
+    """Blocks glibc maps for a 4 MiB ``malloc`` right after freeing a mapped 8 MiB one: 0 with its
+    dynamic mmap threshold (the free raises it past 4 MiB, so the block comes from the heap), 1
+    once someone fixed the threshold low (``mallopt(M_MMAP_THRESHOLD)``). None without glibc."""
+    if _mallinfo2() is None:
+        return None
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    big = libc.malloc(8 << 20)
+    libc.free(big)
+    before = _mallinfo2()["hblks"]
+    block = libc.malloc(4 << 20)
+    after = _mallinfo2()["hblks"]
+    libc.free(block)
+    return after - before
+
+
+def allocator_untouched(backend: str) -> dict:
+    """Open an engine of ``backend`` on the CPU, generate, close; then check glibc's dynamic mmap
+    threshold in this process (``mmapped_after_a_larger_free``), before and after."""
+    before = mmapped_after_a_larger_free()
+    ref = tiny_model("llama", seed=31)
+    ids, mask = batch([3, 5], seed=rank())
+    with shardgen.Engine(tiny_model("llama", seed=31), backend=backend) as eng:
+        got = eng.generate_ids(ids, mask, max_new_tokens=4)
+    return dict(
+        before=before,
+        after=mmapped_after_a_larger_free(),
+        equal=bool(torch.equal(got, hf_generate(ref, ids, mask, max_new_tokens=4))),
+    )
+
+
+def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> dict:
+    """Generate twice (the second run must allocate no gather memory), pause (the pools are empty
+    during a training step), generate again, close (empty again); outputs equal HF's throughout.
+    ``bucket_mb``: DeepSpeed's bucket size (tiny: one parameter per bucket)."""
+    ref = tiny_model("llama", seed=32)
+    options = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    eng = shardgen.Engine(tiny_model("llama", seed=32), backend=backend, **options)
+    b = eng.backend
+
+    def counts() -> dict:
+        out = {"pool": (b.pool.allocated, b.pool.reused, len(b.pool), b.pool.nbytes())}
+        storages = getattr(b, "storages", None)
+        if storages is not None:
+            out["storages"] = (storages.allocated, storages.reused, storages.nbytes())
+        return out
+
+    ids, mask = batch([3, 6, 4], seed=40 + rank())
+    equal = []
+
+    def gen() -> None:
+        got = eng.generate_ids(ids, mask, max_new_tokens=5)
+        equal.append(bool(torch.equal(got, hf_generate(ref, ids, mask, max_new_tokens=5))))
+
+    gen()
+    first = counts()
+    gen()
+    second = counts()
+    with eng.paused():
+        paused = counts()
+    gen()
+    after_pause = counts()
+    eng.close()
+    closed = counts()
+    return dict(
+        first=first, second=second, paused=paused, after_pause=after_pause, closed=closed, equal=equal
+    )
+
+
+def check_pools(r: int, res: dict) -> None:
+    """What ``sc.pools_reused_and_emptied`` must return (both backends)."""
+    assert res["equal"] == [True, True, True], (r, res)
+    (a1, u1, n1, b1), (a2, u2, n2, b2) = res["first"]["pool"], res["second"]["pool"]
+    assert a1 > 0 and n1 > 0, (r, res)  # the first forwards filled the pool
+    assert a2 == a1 and (n2, b2) == (n1, b1), (r, res)  # the second run allocated nothing ...
+    assert u2 > u1, (r, res)  # ... it reused the kept buffers
+    assert res["paused"]["pool"][2:] == (0, 0), (r, res)  # empty while the user trains
+    assert res["after_pause"]["pool"][2] > 0, (r, res)  # refilled by the next forwards
+    assert res["closed"]["pool"][2:] == (0, 0), (r, res)
+    if "storages" in res["first"]:  # FSDP2's unsharded parameters
+        (sa1, su1, _), (sa2, su2, _) = res["first"]["storages"], res["second"]["storages"]
+        assert sa1 > 0 and sa2 == sa1 and su2 > su1, (r, res)
+        assert res["paused"]["storages"][2] == 0 and res["closed"]["storages"][2] == 0, (r, res)
