@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from models import batch, hf_generate, tiny_model
@@ -65,6 +69,30 @@ def allocator_untouched(backend: str) -> dict:
     )
 
 
+@contextlib.contextmanager
+def _counting(names: tuple[str, ...]) -> Iterator[Counter]:
+    """Count calls of ``torch.distributed``'s ``names`` (any thread) inside the block."""
+    import torch.distributed as dist
+
+    calls: Counter = Counter()
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for n, fn in saved.items():
+        setattr(dist, n, counted(n, fn))
+    try:
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
 def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> dict:
     """Generate twice (the second run must allocate no gather memory), pause (the pools are empty
     during a training step), generate again, close (empty again); outputs equal HF's throughout.
@@ -90,7 +118,8 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
 
     gen()
     first = counts()
-    gen()
+    with _counting(("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "broadcast")) as calls:
+        gen()
     second = counts()
     with eng.paused():
         paused = counts()
@@ -99,7 +128,8 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
     eng.close()
     closed = counts()
     return dict(
-        first=first, second=second, paused=paused, after_pause=after_pause, closed=closed, equal=equal
+        first=first, second=second, paused=paused, after_pause=after_pause, closed=closed, equal=equal,
+        calls=dict(calls),
     )
 
 
@@ -117,3 +147,38 @@ def check_pools(r: int, res: dict) -> None:
         (sa1, su1, _), (sa2, su2, _) = res["first"]["storages"], res["second"]["storages"]
         assert sa1 > 0 and sa2 == sa1 and su2 > su1, (r, res)
         assert res["paused"]["storages"][2] == 0 and res["closed"]["storages"][2] == 0, (r, res)
+    # Pooled gathers are written in place, by broadcasts (pool.gather_in_place): gloo's all-gather
+    # would allocate an output-sized temporary per call, which glibc's per-thread arenas keep.
+    gathers = {k: v for k, v in res["calls"].items() if k != "broadcast"}
+    assert res["calls"].get("broadcast", 0) > 0 and not any(gathers.values()), (r, res["calls"])
+
+
+def gather_in_place_matches_all_gather() -> list[bool]:
+    """``pool.gather_in_place`` against ``all_gather_into_tensor``: on the default group and on a
+    group of every other rank (its global ranks not its group ranks), with the input a separate
+    tensor and this rank's own slice of the output, in several dtypes. Every rank runs it."""
+    import torch.distributed as dist
+
+    from shardgen.backends.pool import gather_in_place
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    evens = list(range(0, world, 2))
+    sub = dist.new_group(evens, backend="gloo")  # every rank takes part in new_group
+    results = []
+    for group, members in ((dist.group.WORLD, list(range(world))), (sub, evens)):
+        if me not in members:
+            continue
+        gw, gr = len(members), members.index(me)
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            inp = (torch.arange(7) + 100 * me).to(dtype)
+            want = torch.empty(7 * gw, dtype=dtype)
+            dist.all_gather_into_tensor(want, inp, group=group)
+            out = torch.full((7 * gw,), -1).to(dtype)
+            gather_in_place(out, inp, group).wait()
+            results.append(bool(torch.equal(out, want)))
+            own = torch.full((7 * gw,), -1).to(dtype)
+            own.narrow(0, 7 * gr, 7).copy_(inp)
+            gather_in_place(own, own.narrow(0, 7 * gr, 7), group).wait()
+            results.append(bool(torch.equal(own, want)))
+    dist.destroy_process_group(sub)
+    return results

@@ -73,7 +73,12 @@ def test_storage_pool_lends_and_takes_back_the_same_memory():
     assert trim_heap() in (True, False)
 
 
-# ----------------------------------------------------------------------------- 2 ranks
+# ----------------------------------------------------------------------------- 2-3 ranks
+@pytest.mark.multirank
+def test_gather_in_place_equals_all_gather(world3):
+    for r, res in enumerate(world3.run(sc.gather_in_place_matches_all_gather, timeout=60)):
+        assert res and all(res), (r, res)
+
 @pytest.mark.multirank
 def test_an_fsdp2_engine_leaves_glibcs_mmap_threshold_alone(world2):
     for r, res in enumerate(world2.run(sc.allocator_untouched, "fsdp2", timeout=120)):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardgen.backends.pool import BufferPool
+from shardgen.backends.pool import BufferPool, gather_in_place
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -120,7 +120,10 @@ class FlatWeight:
             if n:
                 send[:n].copy_(local.narrow(0, lo, n))
         out = self._empty(self.world * size, device)
-        _all_gather_single()(out, send, group=self.group)
+        if self.pool is not None:  # in place: no gloo temporary (pool.gather_in_place)
+            gather_in_place(out, send, self.group).wait()
+        else:
+            _all_gather_single()(out, send, group=self.group)
         if pooled is not None and self.pool is not None:
             self.pool.release(pooled)  # gathered: gloo is done with it
         return out

@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-from shardgen.backends.pool import BufferPool, StoragePool, trim_heap
+from shardgen.backends.pool import BufferPool, StoragePool, gather_in_place, trim_heap
 
 
 def pooled_all_gather(pool: BufferPool) -> Any:
-    """FSDP2's default all-gather (``all_gather_single``), its output buffer taken from ``pool``."""
+    """FSDP2's default all-gather, its output buffer taken from ``pool`` and written in place
+    (``pool.gather_in_place``). Collective when called, as FSDP2 calls it: every rank of the
+    unit's group, in module order."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
     class PooledAllGather(DefaultAllGather):
@@ -28,6 +30,12 @@ def pooled_all_gather(pool: BufferPool) -> Any:
             for s in size:
                 numel *= int(s)
             return pool.take(numel, dtype, device).view(*(int(s) for s in size))
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):  # type: ignore[override]
+            # In place (pool.gather_in_place): gloo's all-gather would allocate a temporary of
+            # the output's size. Waited here, so FSDP2 sees a finished gather (None: no work).
+            gather_in_place(output_tensor, input_tensor, group).wait()
+            return None
 
     return PooledAllGather()
 

@@ -167,6 +167,8 @@ class BucketPlan:
             else:
                 self._owned[heir].append(p)
         ds.release(free)
+        if handle is not None and hasattr(handle, "released"):
+            handle.released(free)  # a pooled buffer that only ``free`` viewed serves the next gather
 
     def _finish(self) -> None:
         """End of a forward: wait for and release whatever is left. Local."""

@@ -1,6 +1,8 @@
 """DeepSpeed's coalesced all-gather into buffers kept across forwards (CPU, ``pool.py``): the same
-collective DeepSpeed issues for a bucket (same group, same output size, same order), written
-into a ``pool.BufferPool``. Checked against DeepSpeed 0.19.8, like ``internals.py``.
+bytes DeepSpeed gathers for a bucket (same group, same output layout, same order), written
+in place into a ``pool.BufferPool`` (``pool.gather_in_place``: one broadcast per rank, where
+gloo's all-gather would allocate a temporary). Checked against DeepSpeed 0.19.8, like
+``internals.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardgen.backends.deepspeed.internals import enum_str, find_init, has_hpz
+from shardgen.backends.pool import gather_in_place
 
 
 def gather_async(params: list, pool: Any = None):
@@ -53,11 +56,13 @@ def poolable(params: list) -> bool:
 class PooledGather:
     """DeepSpeed's coalesced all-gather (``partition_parameters._all_gather_dtype`` and its
     handle's ``wait``, 0.19.8) into buffers of a ``pool.BufferPool``: the shards, ordered by
-    ``ds_id``, are copied into this rank's slice of one flat buffer, all-gathered in place
-    (``all_gather_into_tensor`` on their ``ds_process_group``, as DeepSpeed issues it), and
+    ``ds_id``, are copied into this rank's slice of one flat buffer, gathered in place
+    (``pool.gather_in_place`` on their ``ds_process_group``; DeepSpeed issues one
+    ``all_gather_into_tensor`` of the same layout), and
     ``wait`` copies each parameter's pieces into one buffer for the bucket (a single
     parameter is used where it was gathered), sets ``param.data`` to its view and marks it
-    available. Releasing (``release``) drops the views; the pool keeps the memory."""
+    available. Releasing (``released``) drops the views; the pool keeps the memory. The gather
+    is collective: every rank of the group constructs it, in the same order."""
 
     def __init__(self, params: list, pool: Any) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -77,7 +82,7 @@ class PooledGather:
         self.flat = pool.take(self.part * world, dtype, device)
         mine = self.flat.narrow(0, self.part * rank, self.part)
         torch.cat([p.ds_tensor.reshape(-1) for p in self.params], out=mine)
-        self.work = dist.all_gather_into_tensor(self.flat, mine, group=group, async_op=True)
+        self.work = gather_in_place(self.flat, mine, group)  # no gloo temporary (pool.py)
 
     def wait(self) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -91,6 +96,7 @@ class PooledGather:
             p = self.params[0]
             p.data = flat.narrow(0, 0, p.ds_numel).view(p.ds_shape)
             p.ds_status = ZeroParamStatus.AVAILABLE
+            self._viewed = flat  # until ``released``: p.data is a view of it
         else:
             full = self.pool.take(sum(p.ds_numel for p in self.params), flat.dtype, flat.device)
             lo = offset = 0
@@ -108,3 +114,14 @@ class PooledGather:
                 offset += shard
             self.pool.release(flat)  # copied out: the next gather may write into it
         self.flat = None
+
+    _viewed: torch.Tensor | None = None
+
+    def released(self, params: list) -> None:
+        """``params`` were partitioned again (DeepSpeed's release: their ``data`` emptied). A single
+        parameter's buffer, which it viewed, may then serve the next gather at once, though
+        gloo's worker can still hold a reference to it (the finished work object, dropped only
+        when the worker runs next: under load, after the next gather asked for a buffer)."""
+        if self._viewed is not None and any(p is self.params[0] for p in params):
+            self.pool.release(self._viewed)
+            self._viewed = None
