@@ -306,6 +306,29 @@ class FSDP2Backend(PooledGathers, Backend):
                 return self.module(**inputs)
         finally:
             self._in_forward = False
+            self._forget_forward_order()
+
+    _states: list[Any] | None = None
+
+    def _forget_forward_order(self) -> None:
+        """FSDP2 records every unit's forwards (``post_forward_order``, ``_post_forward_indices``:
+        the backward's prefetch order) and forgets them only when a backward ends. Generation runs
+        no backward, so they would grow by one entry per unit and forward for as long as the engine
+        lives (tests/test_soak.py counts Python's blocks). Forget them after each of shardgen's
+        forwards (no grad: nothing of a backward to come refers to them). Local."""
+        if torch.is_grad_enabled():
+            return
+        if self._states is None:
+            self._states = list({id(s): s for s in (u._get_fsdp_state() for u in self.units())}.values())
+        for state in self._states:
+            ctx = getattr(state, "_comm_ctx", None)
+            order = getattr(ctx, "post_forward_order", None)
+            if order:
+                order.clear()
+            for pg in getattr(state, "_fsdp_param_groups", ()):
+                indices = getattr(pg, "_post_forward_indices", None)
+                if indices:
+                    indices.clear()
 
     _user_groups: list[tuple[Any, Any, Any]] = []  # (mesh info, shard group, reduce-scatter group)
     _private_group: Any = None

@@ -242,6 +242,43 @@ def engine_groups(
     return prefix, store, control, param
 
 
+def group_names(*groups: Any) -> list[str]:
+    """torch's names of the live ``groups`` (None skipped); the prefix of their keys in the store."""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = getattr(c10d._world, "pg_names", {})
+    return [str(names[g]) for g in groups if g is not None and g in names]
+
+
+def forget_engine(
+    store: Any, prefix: str, ranks: list[int], pauses: int, groups: list[str] | tuple[str, ...] = ()
+) -> None:
+    """At close, every rank of the engine, once its driver and liveness threads have ended: the
+    last rank to get here deletes the engine's store keys, so that engines opened and closed for
+    as long as the process lives leave the store as they found it (soak: tests/test_soak.py).
+
+    The keys: ``arrived``/``npg`` (``arrive``), ``hb``/``ack`` per rank and ``verdict``
+    (liveness, verdict.py), ``resume<n>`` of the last pause ``n`` = ``pauses`` (the driver deletes
+    each earlier one at the next pause), the ``closed`` count itself;
+    and, for the world groups ``groups`` (torch's names; destroyed already), the keys their
+    rendezvous left under ``<name>/`` (torch never deletes them), where the store can list keys.
+    Only the last rank deletes: every other one has stopped reading. Not collective (one
+    ``store.add`` per rank); a store that fails here is left as it is."""
+    try:
+        if int(store.add(f"{prefix}/closed", 1)) != len(ranks):
+            return
+        keys = [f"{prefix}/{kind}/{r}" for r in ranks for kind in ("arrived", "npg", "hb", "ack")]
+        keys += [f"{prefix}/verdict", f"{prefix}/closed"] + ([f"{prefix}/resume{pauses}"] if pauses else [])
+        if groups:
+            with contextlib.suppress(Exception):  # a store that cannot list its keys keeps torch's
+                starts = tuple(f"{name}/" for name in groups)
+                keys += [k for k in store.list_keys() if k.startswith(starts)]
+        for key in keys:
+            store.delete_key(key)
+    except Exception as e:  # noqa: BLE001 - the store's host may already be gone: nothing to clean
+        log.debug("engine %s: store keys not deleted: %s", prefix, e)
+
+
 def destroy_groups(param: Any, control: Any, ranks: list[int] | None = None) -> None:
     """At close, every rank of the engine: destroy its world groups (each once; None skipped);
     a subgroup's pair goes back to the pool (``_POOL``) for the next engine over ``ranks``.

@@ -303,7 +303,10 @@ class Driver:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.
             key = f"{self.key_prefix}/resume{pause}"  # the same number on every rank
-            self.store.add(key, 1)
+            if int(self.store.add(key, 1)) == self.world and pause > 1:
+                # The last rank here: every rank has left the previous pause's wait, so its key
+                # goes (one key per engine, not one per pause; the last goes at close).
+                self.store.delete_key(f"{self.key_prefix}/resume{pause - 1}")
             while int(self.store.add(key, 0)) < self.world:
                 time.sleep(0.005)
 

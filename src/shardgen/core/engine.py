@@ -296,8 +296,13 @@ class Engine:
             self._driver.live.stop()
         process.closed(self._driver)
         self.backend.close()
+        whole = not dist.is_initialized() or len(self.ranks) == dist.get_world_size()
+        names = comm.group_names(self._params, self._control) if whole else []  # a subgroup's are pooled
         comm.destroy_groups(self._params, self._control, ranks=self.ranks)
         self._control = self._params = None
+        if self._store is not None:  # once (close() may be called again): the keys go with the last rank
+            store, self._store = self._store, None
+            comm.forget_engine(store, self._driver.key_prefix, self.ranks, self._shared.pauses_entered, names)
 
 
 def build_backend(cfg: EngineConfig, model: Any, *, param_group: Any, device: torch.device) -> Backend:

@@ -373,11 +373,13 @@ def _own_connection(store: Any, timeout_s: float) -> Any:
 
 
 _HOSTED: weakref.WeakSet[Liveness] = weakref.WeakSet()
+_LINGER_REGISTERED: list[bool] = []
 
 
 def _register_host(live: Liveness) -> None:
-    if not _HOSTED:
+    if not _LINGER_REGISTERED:  # once per process (not each time _HOSTED empties: one per engine)
         atexit.register(linger)  # registered after process.py's exit guard: runs before it
+        _LINGER_REGISTERED.append(True)
     _HOSTED.add(live)
 
 
