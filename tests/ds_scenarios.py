@@ -135,6 +135,16 @@ def _forward_checked(backend, ref, lengths, seed):
     return diff, rec.calls
 
 
+def gathers(calls: list[tuple], world: int | None = None) -> int:
+    """Parameter gathers among recorded ``calls``: an all-gather each, or, written in place into a
+    pooled buffer (CPU, ``pool.gather_in_place``), one broadcast per rank of the group (of
+    ``world`` ranks, default this rank's world)."""
+    world = world if world is not None else dist.get_world_size()
+    broadcasts = sum(1 for c in calls if c[0] == "broadcast")
+    assert broadcasts % world == 0, calls
+    return sum(1 for c in calls if c[0].startswith("all_gather") or c[0] == "_all_gather_base") + broadcasts // world
+
+
 def _shadow(backend):
     with record() as rec:
         backend.shadow_forward()
@@ -173,7 +183,7 @@ def logits_match(arch: str = "llama", offload: bool = False) -> dict:
     return {
         "diff": diff,
         "diff_small_buckets": diff_small,
-        "small_buckets": (n_small, len(calls_small)),
+        "small_buckets": (n_small, gathers(calls_small)),
         "diff_replica": diff_replica,
         "replica_calls": calls_replica,
         "replica_freed": backend.gathered_bytes() == 0,

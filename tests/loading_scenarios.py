@@ -58,7 +58,18 @@ def _oracle(path: str, dtype: str, ids, mask, new: int) -> torch.Tensor:
 
 
 def reset_peak() -> float:
-    """Reset VmHWM to the current resident size (Linux ``clear_refs``); return it in MB."""
+    """Reset VmHWM to the current resident size (Linux ``clear_refs``); return it in MB.
+
+    First what an earlier scenario or engine in this process left is freed (``gc.collect``:
+    engines and models in reference cycles would otherwise be freed during the measurement)
+    and the free heap memory goes back to the OS (``malloc_trim``): resident already, it would
+    be reused without raising the peak."""
+    import gc
+
+    from shardgen.backends.pool import trim_heap
+
+    gc.collect()
+    trim_heap()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return vm_hwm_mb()
@@ -76,9 +87,9 @@ def scenario_load_and_generate(
 
     Every rank runs it. With ``warm_path``, an engine on that (tiny) checkpoint first loads,
     generates and closes, so imports and engine machinery are in the baseline; the peak is
-    then reset, and VmHWM minus the baseline is what loading and generating ``path`` cost.
-    Run it before anything big was allocated in the process (freed memory kept by the
-    allocator would be reused unseen). ``options``: engine options (e.g. ``chunk_mb``).
+    then reset (after returning free heap memory to the OS, so that nothing freed earlier in
+    the process is reused unseen), and VmHWM minus the baseline is what loading and
+    generating ``path`` cost. ``options``: engine options (e.g. ``chunk_mb``).
     """
     if warm_path is not None:
         ids, mask = batch([3], seed=0)

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 import ds_scenarios as sc  # noqa: E402
+import pool_scenarios as pool_sc  # noqa: E402
 from engine_scenarios import assert_lockstep  # noqa: E402
 from world import World, WorldHang  # noqa: E402
 
@@ -133,7 +134,7 @@ def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld, b
     policy 'once' with 3 vs 1 local forwards (different trace histories), then lockstep again.
     With a bucket plan, each forward issues exactly one all-gather per bucket."""
     r0, r1 = dsworld.run(sc.lockstep_uneven, bucket_bytes, timeout=90)
-    per_forward = {len(seq) for r in (r0, r1) for seq in r["seqs"]}
+    per_forward = {sc.gathers(seq, 2) for r in (r0, r1) for seq in r["seqs"]}
     chunks = r0["chunks"]  # the embeddings and head: gathers of row chunks, not in the plan
     assert len(chunks) == 2, chunks
     if bucket_bytes == 0:  # one per module
@@ -216,6 +217,24 @@ def test_moe_routing_does_not_change_gathers(dsworld, user_partitioned):
     assert r0["seq_lens"] == r1["seq_lens"]
     calls = set(r0["experts_called"]) | set(r1["experts_called"])
     assert len(calls) > 1, f"routing did not vary, the test proves nothing: {calls}"
+
+
+def test_engine_leaves_glibcs_mmap_threshold_alone(dsworld):
+    for r, res in enumerate(dsworld.run(pool_sc.allocator_untouched, "deepspeed", timeout=120)):
+        if res["after"] is None:
+            pytest.skip("no glibc mallinfo2")
+        assert res["equal"], r
+        assert res["after"] == 0, f"rank {r}: the engine fixed glibc's mmap threshold ({res})"
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 1e-4], ids=["buckets", "one-param-buckets"])
+def test_gather_buffers_are_reused_across_forwards_and_emptied_at_pause_and_close(dsworld, bucket_mb):
+    """The bucket plan and the row chunks gather into the backend's pool (``internals.PooledGather``):
+    coalesced buckets copy out into a pooled bucket buffer, a one-parameter bucket is used where
+    it was gathered."""
+    runs = dsworld.run(pool_sc.pools_reused_and_emptied, "deepspeed", bucket_mb, timeout=120)
+    for r, res in enumerate(runs):
+        pool_sc.check_pools(r, res)
 
 
 def test_seed_hang_plain_deepspeed_generate():

@@ -103,9 +103,10 @@ def test_resolve_dtype():
 class _LoadWorld:
     """One World of N ranks for both backends, restarted if a failed test left it broken.
 
-    Sharing it is sound for the memory checks because the CPU backends fix glibc's mmap
-    threshold: what an earlier scenario freed in large blocks went back to the OS, so a later
-    load cannot reuse it unseen; each memory scenario resets the peak (``clear_refs``) first.
+    Sharing it is sound for the memory checks because each memory scenario first gives the
+    free heap memory back to the OS (``malloc_trim``), then resets the peak (``clear_refs``):
+    what an earlier scenario freed is then no longer resident, so a later load or generation
+    that reuses it raises the peak as fresh memory would.
     """
 
     def __init__(self) -> None:

@@ -33,10 +33,6 @@ def make_backend(
     model the user sharded/partitioned there.
     """
     options = dict(options or {})
-    from shardgen.backends.allocator import return_freed_weights_to_os
-
-    if name != "local" and torch.device(device).type == "cpu":
-        return_freed_weights_to_os()  # per-layer gathers would otherwise stay resident
     if name == "local":
         from shardgen.backends.local import LocalBackend
 

@@ -23,8 +23,10 @@ over the vocabulary runs here instead, from its shard:
   (DeepSpeed, when ``P`` is not a multiple of ``H``) is assembled across chunks and used
   once complete, so every row is used whole, exactly once.
 
-Peak gathered weight of these modules: one chunk. Outside shardgen's forwards (a training
-step in ``Engine.paused()``) the modules run their own forward under the backend's hooks.
+Peak gathered weight of these modules: one chunk, gathered into a buffer of the backend's
+``pool.BufferPool`` (kept across forwards, emptied at pauses and close). Outside
+shardgen's forwards (a training step in ``Engine.paused()``) the modules run their own
+forward under the backend's hooks.
 Nothing here issues a collective except :meth:`FlatWeight.gather` (and the forwards that
 call it), as their docstrings say.
 """
@@ -41,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardgen.backends.pool import BufferPool, gather_in_place
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -85,11 +88,18 @@ class FlatWeight:
         self.group = group
         self.dtype = dtype
         self.world = world if world is not None else dist.get_world_size(group)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = itemsize = torch.empty((), dtype=dtype).element_size()
         k = chunk_rows(-(-self.part // self.cols), self.cols, itemsize, self.world, chunk_bytes)
         self.piece = min(k * self.cols, self.part)  # E: elements per rank per chunk
         self.n_chunks = -(-self.part // self.piece)
         self._pending: dict[int, list[Any]] = {}
+        #: Where the gathers write (``pool.BufferPool``: kept across forwards), or None (fresh tensors).
+        self.pool: BufferPool | None = None
+
+    def _empty(self, numel: int, device: torch.device) -> torch.Tensor:
+        if self.pool is None:
+            return torch.empty(numel, dtype=self.dtype, device=device)
+        return self.pool.take(numel, self.dtype, device)
 
     def size(self, c: int) -> int:
         """Elements per rank in chunk ``c``: ``E``, the last one what is left of the partition."""
@@ -101,14 +111,21 @@ class FlatWeight:
         local = self.local()
         lo, size = c * self.piece, self.size(c)
         n = max(0, min(size, local.numel() - lo))
+        pooled = None
         if n == size and local.device == device and local.is_contiguous():
             send = local.narrow(0, lo, n)
         else:  # padding (a rank past the rows), or a partition offloaded to another device
-            send = torch.zeros(size, dtype=self.dtype, device=device)
+            send = pooled = self._empty(size, device)
+            send[n:].zero_()
             if n:
                 send[:n].copy_(local.narrow(0, lo, n))
-        out = torch.empty(self.world * size, dtype=self.dtype, device=device)
-        _all_gather_single()(out, send, group=self.group)
+        out = self._empty(self.world * size, device)
+        if self.pool is not None:  # in place: no gloo temporary (pool.gather_in_place)
+            gather_in_place(out, send, self.group).wait()
+        else:
+            _all_gather_single()(out, send, group=self.group)
+        if pooled is not None and self.pool is not None:
+            self.pool.release(pooled)  # gathered: gloo is done with it
         return out
 
     def assemble(self, c: int, buf: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -145,14 +162,17 @@ class FlatWeight:
 
     def for_each_rows(self, device: torch.device, fn: Callable[[int, torch.Tensor], None]) -> None:
         """Gather the chunks in order and call ``fn(first_row, rows)`` for each complete block of
-        rows; ``fn`` must not keep ``rows`` (a view of the chunk, freed before the next gather:
-        one chunk alive at a time). Collective on ``group``: ``n_chunks`` gathers, chunk 0 first,
-        whatever ``fn`` does; every rank calls it."""
+        rows; ``fn`` must not keep ``rows`` (a view of the chunk, released before the next
+        gather, which reuses its pooled buffer: one chunk alive at a time). Collective on
+        ``group``: ``n_chunks`` gathers, chunk 0 first, whatever ``fn`` does; every rank calls it."""
         self._pending = {}
         for c in range(self.n_chunks):
-            blocks = self.assemble(c, self.gather(c, device))
+            buf = self.gather(c, device)
+            blocks = self.assemble(c, buf)
             while blocks:
                 fn(*blocks.pop(0))
+            if self.pool is not None:
+                self.pool.release(buf)  # its rows are used (the assembled ones are copies)
         assert not self._pending, f"rows left incomplete: {sorted(self._pending)[:4]}"
 
 
@@ -234,6 +254,10 @@ class ChunkedModules:
     def modules(self) -> list[nn.Module]:
         return [m for m, _ in self.weights.values()]
 
+    def max_chunk_bytes(self) -> int:
+        """Bytes of the largest chunk gathered (all ranks' pieces)."""
+        return max(w.world * w.piece * w.itemsize for _, w in self.weights.values())
+
     def describe(self) -> dict[str, int]:
         """Gathers per forward of each chunked module (tests, logs)."""
         return {name: w.n_chunks for name, (_, w) in self.weights.items()}
@@ -280,11 +304,14 @@ def chunk_budget(chunk_bytes: int | None, layer_bytes: int) -> int | None:
 
 
 def chunked_modules(
-    weights: dict[str, tuple[nn.Module, FlatWeight]], hooks: set[int], budget: int
+    weights: dict[str, tuple[nn.Module, FlatWeight]], hooks: set[int], budget: int, pool: BufferPool | None
 ) -> ChunkedModules | None:
-    """The backend's :class:`ChunkedModules`, logged once; None when no module can be chunked."""
+    """The backend's :class:`ChunkedModules`, logged once; None when no module can be chunked. The
+    chunks are gathered into ``pool``'s buffers when it is given."""
     if not weights:
         return None
+    for _, weight in weights.values():
+        weight.pool = pool
     chunked = ChunkedModules(weights, hooks)
     log.info("gathering %s in row chunks of <= %.2f MB", chunked.describe(), budget / 2**20)
     return chunked

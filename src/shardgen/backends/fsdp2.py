@@ -34,6 +34,8 @@ from shardgen.backends.chunked import (
     io_embeddings,
     vocab_modules,
 )
+from shardgen.backends.fsdp2_pool import PooledGathers
+from shardgen.backends.pool import BufferPool
 from shardgen.backends.replica import Replica
 from shardgen.log import get_logger
 
@@ -111,11 +113,14 @@ def layer_bytes(model: nn.Module) -> int:
     return max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
 
 
-def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> ChunkedModules | None:
+def chunk_vocab(
+    model: nn.Module, param_group: Any, chunk_bytes: int | None, pool: BufferPool | None = None
+) -> ChunkedModules | None:
     """The chunked embeddings / head of a model :func:`shard_model` sharded (None when there are
-    none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`. A module is
-    chunked only if every module of its unit is: a head tied to a scaled embedding is gathered
-    whole with it (the embedding's forward unshards their unit). Not collective."""
+    none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`, the chunks
+    gathered into ``pool``. A module is chunked only if every module of its unit is: a head tied
+    to a scaled embedding is gathered whole with it (the embedding's forward unshards their
+    unit). Not collective."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
@@ -143,7 +148,7 @@ def chunk_vocab(model: nn.Module, param_group: Any, chunk_bytes: int | None) -> 
         )
         state = m._get_fsdp_state()
         handles += [state._pre_forward_hook_handle, state._post_forward_hook_handle]
-    return chunked_modules(weights, hook_ids(handles), budget)
+    return chunked_modules(weights, hook_ids(handles), budget, pool)
 
 
 def mesh_infos(model: nn.Module) -> list[Any]:
@@ -209,7 +214,7 @@ def plain_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
-class FSDP2Backend(Backend):
+class FSDP2Backend(PooledGathers, Backend):
     name = "fsdp2"
 
     #: The embeddings / head gathered in row chunks in shardgen's forwards (``chunked.py``), or None.
@@ -234,7 +239,9 @@ class FSDP2Backend(Backend):
             # Sharded by shardgen on param_group already (Engine.from_pretrained, shardgen.loading).
             backend = cls(model, model, device)
             backend._user_reshard = backend._reshard_settings()
-            backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
+            backend.use_pool()
+            backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
+            backend.size_pool()
             backend.free_gathers_early()
             return backend
         if isinstance(model, FSDPModule):
@@ -248,32 +255,43 @@ class FSDP2Backend(Backend):
             backend._user_groups = saved
             backend._private_group = param_group
             backend._user_reshard = backend._reshard_settings()
+            backend.use_pool()
             backend.free_gathers_early()
             return backend
         shard_model(model, DeviceMesh.from_group(param_group, device.type))
         backend = cls(model, model, device)
         backend._user_reshard = backend._reshard_settings()
-        backend.chunked = chunk_vocab(model, param_group, chunk_bytes)
+        backend.use_pool()
+        backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
+        backend.size_pool()
         backend.free_gathers_early()
         return backend
 
     _in_forward = False
     _free_hooks: list[Any] = []
 
+    def block_bytes(self) -> int:
+        """The least every pooled buffer holds: a decoder layer's all-gather (a unit's)."""
+        return layer_bytes(self.module)
+
     def free_gathers_early(self) -> None:
         """On a CPU device: in shardgen's forwards, drop FSDP2's reference to each unit's all-gather
-        buffer once the unit's parameters are copied out of it. FSDP2 keeps it until the next
-        unit's gather completes, to overlap copy-out and gather on accelerator streams; on the
-        CPU there are none, and it costs a third layer at the peak (the previous buffer, this
-        one, and gloo's temporary). Local; the hooks do nothing outside shardgen's forwards."""
+        buffer once the unit's parameters are copied out of it (and hand the buffer back to the
+        pool). FSDP2 keeps it until the next unit's gather completes, to overlap copy-out and
+        gather on accelerator streams; on the CPU there are none, and it costs a third layer at
+        the peak (the previous buffer, this one, and gloo's temporary). Local; the hooks do
+        nothing outside shardgen's forwards."""
         if self.device.type != "cpu" or self._free_hooks:
             return
 
         def drop(module: nn.Module, _args: Any) -> None:
             if self._in_forward:
                 ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
-                if ctx is not None:
-                    ctx.all_gather_state = None  # its parameters are unsharded: copy-out done
+                state = getattr(ctx, "all_gather_state", None)
+                if state is not None:  # its parameters are unsharded: copy-out done
+                    if self.pool is not None:
+                        self.pool.release(state.all_gather_result.all_gather_output)
+                    ctx.all_gather_state = None
 
         self._free_hooks = [u.register_forward_pre_hook(drop) for u in self.units()]  # after FSDP's
 
@@ -284,7 +302,7 @@ class FSDP2Backend(Backend):
             return self.replica(**inputs)
         self._in_forward = True
         try:
-            with active(self.chunked):
+            with active(self.chunked), self._pooled():
                 return self.module(**inputs)
         finally:
             self._in_forward = False
@@ -331,7 +349,9 @@ class FSDP2Backend(Backend):
 
     def enter_pause(self) -> None:
         """Training gets the model as the user set it up: their communicators (a user ``fully_shard``
-        model) and their reshard-after-forward settings. Not collective."""
+        model) and their reshard-after-forward settings; the pooled gather buffers go back to the
+        OS. Not collective."""
+        self.release_buffers()
         self._reshard = self._reshard_settings()
         for obj, attr, value in self._user_reshard:
             setattr(obj, attr, value)
@@ -385,6 +405,7 @@ class FSDP2Backend(Backend):
             h.remove()
         self._free_hooks = []
         self.release_all()
+        self.release_buffers()
 
     def full_param_bytes(self) -> int:
         total = 0

@@ -107,6 +107,7 @@ class Checkpoint:
         for name in files:
             self.entries.update(read_header(os.path.join(path, name)))
         self._files: dict[str, Any] = {}
+        self._scratch: torch.Tensor | None = None  # the conversion temporary, kept until close
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -122,6 +123,18 @@ class Checkpoint:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._scratch = None
+
+    def _temporary(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` in one buffer reused by every conversion until
+        :meth:`close` (``CHUNK_BYTES``, or more for a larger single copy): converting a whole
+        checkpoint allocates it once instead of once per tensor, whose differently sized
+        frees would fragment the heap."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype)
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -166,7 +179,7 @@ class Checkpoint:
         step = max(1, CHUNK_BYTES // entry.itemsize)
         if flat is None:
             step = count  # a non-contiguous destination is copied in one piece
-        tmp = torch.empty(min(step, count), dtype=entry.dtype)
+        tmp = self._temporary(min(step, count), entry.dtype)
         with torch.no_grad():
             for lo in range(0, count, step):
                 n = min(step, count - lo)

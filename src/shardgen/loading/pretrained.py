@@ -165,6 +165,10 @@ def materialize(
         out = load_full(model, src, device=device)
     else:
         raise ValueError(f"cannot load into backend {backend!r}")
+    if device.type == "cpu":
+        from shardgen.backends.pool import trim_heap
+
+        trim_heap()  # the checkpoint reads and dtype conversions are freed: back to the OS
     how = "unsharded (backend local)" if backend == "local" else f"as {backend} shards"
     log.info("loaded %s %s in %.2fs", src.path, how, time.perf_counter() - t0)
     return out

@@ -44,6 +44,8 @@ from shardgen.backends.chunked import (
 )
 from shardgen.backends.deepspeed import internals as ds
 from shardgen.backends.deepspeed import pause
+from shardgen.backends.deepspeed.pooled import gather_async
+from shardgen.backends.pool import BufferPool, trim_heap
 from shardgen.backends.replica import Replica
 from shardgen.log import get_logger
 
@@ -68,6 +70,9 @@ class DeepSpeedBackend(Backend):
         self.lockstep = True
         self.plan = None  # BucketPlan: the coalesced gathers of a lockstep forward
         self.chunked: ChunkedModules | None = None  # embeddings / head gathered in row chunks
+        # On a CPU device: the buffers shardgen's forwards gather into (``pool.py``), kept across
+        # forwards, emptied when a training pause starts and at close.
+        self.pool: BufferPool | None = BufferPool() if self.device.type == "cpu" else None
 
     def use_buckets(self, bucket_bytes: int, prefetch: bool | None = None) -> None:
         """Gather in a fixed plan of buckets of ``bucket_bytes`` (0: module by module). Every
@@ -84,7 +89,7 @@ class DeepSpeedBackend(Backend):
         if bucket_bytes > 0:
             skip = {id(m) for m in self.chunked.modules} if self.chunked is not None else set()
             units = [u for u in self.units() if id(u) not in skip]
-            self.plan = BucketPlan(self.module, units, self.offload, bucket_bytes, prefetch)
+            self.plan = BucketPlan(self.module, units, self.offload, bucket_bytes, prefetch, self.pool)
             n = len(self.plan)
             log.info(
                 "%d modules gathered in %d bucket%s of <= %.1f MB",
@@ -93,6 +98,9 @@ class DeepSpeedBackend(Backend):
                 "" if n == 1 else "s",
                 bucket_bytes / 2**20,
             )
+        if self.pool is not None:  # every buffer fits the largest bucket and a row chunk
+            chunk = self.chunked.max_chunk_bytes() if self.chunked is not None else 0
+            self.pool.block_bytes = max(self.plan.max_bucket_bytes if self.plan else 0, chunk)
 
     @classmethod
     def create(
@@ -158,7 +166,7 @@ class DeepSpeedBackend(Backend):
         )
         # Not a user's ZeRO-3 model; NVMe-offloaded partitions are not in ds_tensor between gathers.
         if (created or getattr(module, "_shardgen_sharded", False)) and odev != "nvme":
-            backend.chunked = chunk_vocab(module, param_group, chunk_bytes, offload)
+            backend.chunked = chunk_vocab(module, param_group, chunk_bytes, offload, backend.pool)
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(device)
         backend.use_buckets(bucket_bytes, prefetch)
@@ -197,7 +205,7 @@ class DeepSpeedBackend(Backend):
                 chunk = [p for p in chunk if not self.replica.has(names[id(p)])]
                 todo = ds.unavailable(chunk)
                 if todo:
-                    ds.gather_async(todo).wait()
+                    gather_async(todo).wait()
                 for p in chunk:
                     self.replica.load(names[id(p)], p.data)
                 ds.release(todo)
@@ -228,7 +236,9 @@ class DeepSpeedBackend(Backend):
 
     def enter_pause(self) -> None:
         """A model from ``deepspeed.initialize`` gets its own groups, coordinator (prefetch,
-        reuse) and persistence back for training (``pause.py``). Not collective."""
+        reuse) and persistence back for training (``pause.py``); the pooled gather buffers go
+        back to the OS. Not collective."""
+        self.release_buffers()
         if self._user_setup is not None and self._gen_setup is None:
             self._gen_setup = pause.switch(self.offload, self.module, self._user_setup)
 
@@ -255,14 +265,21 @@ class DeepSpeedBackend(Backend):
             self.plan.remove()
             self.plan = None
         self.release_all()
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Empty the pool and give the freed heap back to the OS (``pool.trim_heap``). Local."""
+        if self.pool is not None and len(self.pool):
+            self.pool.clear()
+            trim_heap()
 
 
 def chunk_vocab(
-    module: torch.nn.Module, param_group: Any, chunk_bytes: int | None, offload: Any
+    module: torch.nn.Module, param_group: Any, chunk_bytes: int | None, offload: Any, pool: BufferPool | None
 ) -> ChunkedModules | None:
     """The embeddings / head of a ZeRO-3 model gathered in row chunks of its flat partitions
-    (``chunked.py``), or None (none found, or ``chunk_bytes == 0``); the chunk size from
-    ``chunked.chunk_budget``. Not collective."""
+    (``chunked.py``) into ``pool``, or None (none found, or ``chunk_bytes == 0``); the chunk
+    size from ``chunked.chunk_budget``. Not collective."""
     from shardgen.backends.fsdp2 import decoder_layers
 
     sizes = [sum(ds.full_numel(p) * p.element_size() for p in m.parameters()) for m in decoder_layers(module)]
@@ -280,4 +297,5 @@ def chunk_vocab(
             m,
             FlatWeight(shape, p.ds_tensor.ds_numel, local, p.ds_process_group, p.dtype, chunk_bytes),
         )
-    return chunked_modules(weights, hook_ids([*offload.forward_hooks, *offload.backward_hooks]), chunk_bytes)
+    hooks = hook_ids([*offload.forward_hooks, *offload.backward_hooks])
+    return chunked_modules(weights, hooks, chunk_bytes, pool)

@@ -18,6 +18,9 @@ shardgen's own forwards the plan replaces them:
   started, unreleased bucket also needs; the end of the forward waits for and
   releases everything left. Nothing survives a forward: every forward starts with all
   parameters partitioned.
+* on a CPU device the gathers write into the backend's ``pool.BufferPool`` (the same
+  all-gathers, into buffers kept across forwards: ``pooled.PooledGather``), so a forward
+  allocates no gather memory once the first one sized the pool.
 
 Collective contract: the gathers are a function of the sequence of unit calls of the
 forward only (which buckets are started or released, which parameters are available, all
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from shardgen.backends.deepspeed import internals as ds
+from shardgen.backends.deepspeed.pooled import gather_async
 
 
 def cut_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
@@ -63,10 +67,12 @@ class BucketPlan:
         offload: Any,
         bucket_bytes: int,
         prefetch: bool = True,
+        pool: Any = None,
     ) -> None:
         self.root = root
         self.offload = offload
         self.prefetch = prefetch
+        self.pool = pool  # pool.BufferPool the gathers write into (CPU), or None
         unit_params = [ds.unit_params(u) for u in units]
         sizes = [sum(ds.full_numel(p) * p.element_size() for p in ps) for ps in unit_params]
         self.buckets = cut_buckets(sizes, bucket_bytes)
@@ -78,6 +84,10 @@ class BucketPlan:
                     seen.setdefault(id(p), p)
             self.bucket_params.append(list(seen.values()))
         self._bucket_ids = [{id(p) for p in ps} for ps in self.bucket_params]
+        #: Full bytes of the largest bucket (the pool's buffer size).
+        self.max_bucket_bytes = max(
+            (sum(ds.full_numel(p) * p.element_size() for p in ps) for ps in self.bucket_params), default=0
+        )
         self._bucket_of = {id(units[i]): b for b, members in enumerate(self.buckets) for i in members}
         # Per-forward state (driver thread only): bucket -> gather handle / owned parameters /
         # units not run yet.
@@ -140,7 +150,7 @@ class BucketPlan:
             return
         todo = ds.unavailable(self.bucket_params[b])
         self._owned[b] = todo
-        self._handle[b] = ds.gather_async(todo) if todo else None
+        self._handle[b] = gather_async(todo, self.pool) if todo else None
 
     def _release(self, b: int) -> None:
         """Partition what bucket ``b`` gathered, except what a started bucket still needs. Local."""
@@ -157,6 +167,8 @@ class BucketPlan:
             else:
                 self._owned[heir].append(p)
         ds.release(free)
+        if handle is not None and hasattr(handle, "released"):
+            handle.released(free)  # a pooled buffer that only ``free`` viewed serves the next gather
 
     def _finish(self) -> None:
         """End of a forward: wait for and release whatever is left. Local."""

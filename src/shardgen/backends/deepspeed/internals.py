@@ -327,13 +327,6 @@ def unavailable(params: list) -> list:
     return [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
-def gather_async(params: list):
-    """Start gathering ``params`` (all partitioned): one coalesced all-gather per dtype (one
-    per parameter for a single one), on their ``ds_process_group``; returns a handle whose
-    ``wait()`` makes them available. Collective: every rank of the group, same order."""
-    return params[0].all_gather_coalesced(params)
-
-
 def release(params: list) -> None:
     """Partition gathered ``params`` again (free the full copies). Local."""
     if params:
