@@ -142,7 +142,8 @@ def gathers(calls: list[tuple], world: int | None = None) -> int:
     world = world if world is not None else dist.get_world_size()
     broadcasts = sum(1 for c in calls if c[0] == "broadcast")
     assert broadcasts % world == 0, calls
-    return sum(1 for c in calls if c[0].startswith("all_gather") or c[0] == "_all_gather_base") + broadcasts // world
+    all_gathers = sum(1 for c in calls if c[0].startswith("all_gather") or c[0] == "_all_gather_base")
+    return all_gathers + broadcasts // world
 
 
 def _shadow(backend):
