@@ -182,7 +182,7 @@ def job_soak(
     *,
     workdir: Path | None = None,
     nproc: int = 2,
-    batch_size: int | None = None,
+    batch_size: int | None = 16,
     interval: float = 0.5,
     timeout: float = 7200.0,
     log: Any = print,
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="what", required=True)
     j = sub.add_parser("job", help="shardgen run over N prompts; RSS per rank")
     j.add_argument("--prompts", type=int, default=20000)
-    j.add_argument("--batch-size", type=int, default=None)
+    j.add_argument("--batch-size", type=int, default=16, help="rows per rank (the figures' 16; 0: sized)")
     j.add_argument("--json", default=None)
     e = sub.add_parser("engine", help="one engine across N calls; M engines opened and closed")
     e.add_argument("--calls", type=int, default=5000)

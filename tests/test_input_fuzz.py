@@ -17,7 +17,7 @@ import os
 import tempfile
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shardgen.config import EngineConfig, JobConfig, SamplingParams
@@ -53,6 +53,12 @@ FIELD_NAMES = {f for f in SAMPLING_FIELDS if f in SamplingParams.__dataclass_fie
 ENGINE_NAMES = [f for f in ENGINE_NUMERIC if f in EngineConfig.__dataclass_fields__]
 
 
+def _named(msg: str, names) -> str:
+    """The first of ``names`` a message names (the field an outcome event is counted under)."""
+    named = [n for n in names if n in msg]
+    return min(named, key=msg.find) if named else "?"
+
+
 def _finite_numbers(obj: object) -> bool:
     return not isinstance(obj, float) or math.isfinite(obj)
 
@@ -65,7 +71,9 @@ def test_sampling_params_refuse_with_a_value_error_naming_the_field(kw):
     except ValueError as e:
         msg = str(e)
         assert "\n" not in msg and any(name in msg for name in kw), (kw, msg)
+        event(f"refused: ValueError naming {_named(msg, kw)}")  # the outcomes (--hypothesis-show-statistics)
         return
+    event("accepted")
     r = p.resolved()  # accepted: every number it decodes with is finite and in range
     assert isinstance(r.max_new_tokens, int) and r.max_new_tokens >= 1, kw
     assert 0 < float(r.top_p) <= 1 and _finite_numbers(r.temperature), kw
@@ -78,7 +86,9 @@ def test_engine_config_refuses_with_a_value_error_naming_the_field(kw):
         EngineConfig(**kw).validate()
     except ValueError as e:
         assert any(name in str(e) for name in kw), (kw, str(e))
+        event(f"refused: ValueError naming {_named(str(e), kw)}")
         return
+    event("accepted")
     for name, v in kw.items():  # accepted: finite, so every wait has a bound
         assert _finite_numbers(v), (name, v)
 
@@ -103,10 +113,12 @@ def _surface(data: bytes, suffix: str) -> None:
     except JobError as e:
         assert e.code in (ExitCode.NO_PROMPTS, ExitCode.BAD_PROMPTS), (e.code, str(e))
         assert "\n" not in str(e) and str(e), repr(str(e))
+        event(f"refused: exit {int(e.code)}")
         return
     finally:
         os.remove(f.name)
     assert records  # an accepted file has prompts, each with a validated request
+    event("read")
     for rec in records:
         rec.params.validate()
         assert _finite_numbers(rec.params.temperature) and isinstance(rec.prompt, str)
@@ -157,3 +169,4 @@ def test_run_flags_are_refused_with_exit_2_or_reach_the_prompts_file(pairs):
     assert code in (ExitCode.USAGE, ExitCode.NO_PROMPTS), (argv, code, said)
     assert said and "Traceback" not in err.getvalue(), (argv, said)
     assert any(x.startswith(("shardgen run: error:", "shardgen: error:")) for x in said), (argv, said)
+    event(f"exit {int(code)}")

@@ -70,6 +70,9 @@ def generate(
     ids, mask = batch([3, 6, 2], seed=40 + dist.get_rank())
     try:
         out = engine.generate_ids(ids, attention_mask=mask, max_new_tokens=6)
+        # Until every rank's generate has returned, this rank's driver may still run shadow
+        # forwards (its units gathered meanwhile): look once no rank has work.
+        dist.barrier()
         model = engine.model
         emb, head = model.get_input_embeddings(), model.lm_head
         chunked = getattr(engine.backend, "chunked", None)
