@@ -6,11 +6,10 @@ the ranks it started, nothing else) is killed and the output shown.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
-from example_runs import HAS_DEEPSPEED, RANK_LINE, RUN_TIMEOUT_S, deepspeed_launcher, run, torchrun
+from example_runs import HAS_DEEPSPEED, RANK_LINE, deepspeed_launcher, run, torchrun
 
 from shardgen import toy
 
@@ -52,36 +51,3 @@ def test_zero_inference_user_partitioned_cpu_offload():
     rc, out, _ = run(deepspeed_launcher("zero_inference.py", "--user-partitioned", "--cpu-offload", *ZI_ARGS))
     _check_zero_inference(rc, out)
     assert "backend deepspeed (user-partitioned), offload_param cpu" in out, out
-
-
-def _check_rl_rollout(rc: int, out: str, steps: int) -> None:
-    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
-    rewards = re.findall(r"^step +(\d+)  reward ([\d.]+)", out, flags=re.M)
-    assert [int(s) for s, _ in rewards] == list(range(steps)), f"rank 0 prints one line per step\n{out}"
-    assert all(0.0 <= float(r) <= 1.0 for _, r in rewards)
-    flat = re.findall(r"^step +\d+ .* flat prompts (\d+)/(\d+) ", out, flags=re.M)
-    assert len(flat) == steps and all(int(f) <= int(g) for f, g in flat), out  # zero-advantage prompts
-    assert re.search(r"^reward: first \d+ steps [\d.]+ -> last \d+ steps [\d.]+$", out, flags=re.M), out
-
-
-RL_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2"]
-
-
-def test_rl_rollout_fsdp2_torchrun():
-    _check_rl_rollout(*run(torchrun("rl_rollout.py", "--backend", "fsdp2", *RL_ARGS))[:2], steps=2)
-
-
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_rl_rollout_deepspeed_launcher():
-    # DeepSpeed's CPU start-up alone takes a minute on a busy 2-core machine
-    cmd = deepspeed_launcher("rl_rollout.py", "--backend", "deepspeed", *RL_ARGS)
-    _check_rl_rollout(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install 'shardgen[trl]')")
-def test_trl_grpo_fsdp2_torchrun():
-    """The TRL subclass on the toy task (DeepSpeed: tests/test_trl.py covers that backend)."""
-    rc, out, _ = run(torchrun("trl_grpo.py", "--backend", "fsdp2", "--steps", "2", "--prompts-per-rank", "2"))
-    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
-    assert len(re.findall(r"'reward': '[\d.]+'", out)) == 2, out  # TRL logs each step once (rank 0)
-    assert re.search(r"^reward: first 1 steps [\d.]+ -> last 1 steps [\d.]+$", out, flags=re.M), out
