@@ -17,6 +17,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -32,7 +33,16 @@ Fields = tuple[str, ...] | None  # the fields of a dataclass that get flags (Non
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``{name: docstring}`` from the string literal under each field (or enum member) of ``cls``."""
+    """``{name: docstring}`` from the string literal under each field (or enum member) of ``cls``
+    (a copy: the source is parsed once per class and process)."""
+    return dict(_field_docs(cls))
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    # Once per class: every parser (one per CLI call, thousands in the input fuzz) reads the same
+    # docs, and CPython 3.11's ast.parse can fail spuriously ("AST constructor recursion depth
+    # mismatch") under a recursion limit raised meanwhile, as hypothesis does.
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):
