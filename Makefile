@@ -45,7 +45,7 @@ demo: $(STAMP)
 N ?= 1000
 SEED0 ?= 0
 fuzz: $(STAMP)
-	SHARDGEN_FUZZ_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_input_fuzz.py
+	SHARDGEN_FUZZ_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 3600 --hypothesis-show-statistics tests/test_input_fuzz.py
 	$(BIN)/python tests/fuzz.py --n $(N) --seed0 $(SEED0) --json fuzz-summary.json
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "bigworld or long" tests/test_faults.py tests/test_journal_faults.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/test_soak.py
