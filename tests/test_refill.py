@@ -71,6 +71,7 @@ def test_refill_keeps_the_cache_compact():
 def test_waves_when_refill_is_off():
     model = tiny_model("llama", seed=34)
     with shardgen.Engine(model, backend="local", max_batch_size=2, refill=False) as eng:
-        futs = [eng.submit([5 + i, 6], max_new_tokens=2 + 5 * (i % 2), eos_token_id=[]) for i in range(6)]
+        with eng.paused():  # all six queued before the driver can start a wave with fewer
+            futs = [eng.submit([5 + i, 6], max_new_tokens=2 + 5 * (i % 2), eos_token_id=[]) for i in range(6)]
         [f.result(timeout=60) for f in futs]
     assert eng.stats()["refills"] == 0 and eng.stats()["prefills"] == 3

@@ -93,6 +93,9 @@ class BucketPlan:
         # units not run yet.
         self._active = False
         self._handle: dict[int, Any] = {}
+        # Gathers waited for (their bucket available, ``_handle[b]`` None) until the bucket is
+        # released: a pooled gather frees its buffer then (``PooledGather.released``).
+        self._waited: dict[int, Any] = {}
         self._owned: dict[int, list[Any]] = {}
         self._pending: dict[int, set[int]] = {}
         self._units = units
@@ -117,6 +120,7 @@ class BucketPlan:
                 self._active = False
                 self._finish()
                 self._pending = {}
+                self._waited = {}
 
     # -------------------------------------------------------------------- hooks
     def _pre_unit(self, module, _args) -> None:
@@ -131,6 +135,7 @@ class BucketPlan:
         handle = self._handle[b]
         if handle is not None:
             handle.wait()
+            self._waited[b] = handle
             self._handle[b] = None
 
     def _post_unit(self, module, _args, _output) -> None:
@@ -159,6 +164,7 @@ class BucketPlan:
         handle = self._handle.pop(b)
         if handle is not None:
             handle.wait()
+        handle = handle if handle is not None else self._waited.pop(b, None)
         free: list[Any] = []
         for p in self._owned.pop(b):
             heir = next((c for c in self._handle if id(p) in self._bucket_ids[c]), None)

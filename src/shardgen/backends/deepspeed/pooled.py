@@ -122,6 +122,10 @@ class PooledGather:
         parameter's buffer, which it viewed, may then serve the next gather at once, though
         gloo's worker can still hold a reference to it (the finished work object, dropped only
         when the worker runs next: under load, after the next gather asked for a buffer)."""
-        if self._viewed is not None and any(p is self.params[0] for p in params):
-            self.pool.release(self._viewed)
+        p0 = self.params[0]
+        if self._viewed is not None and any(p is p0 for p in params):
+            # Only once the partition really dropped the view (a buffer still viewed is never
+            # handed out again: it is freed when its last view goes).
+            if p0.data.untyped_storage().data_ptr() != self._viewed.untyped_storage().data_ptr():
+                self.pool.release(self._viewed)
             self._viewed = None
