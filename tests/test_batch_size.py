@@ -50,20 +50,30 @@ def test_a_default_engine_runs_a_rollout_of_64_rows_in_one_wave(toy_model):
     assert st["forwards"] == longest  # one prefill, then one decode step per further token
 
 
-def test_finished_rows_leave_the_batch_and_the_rest_decode_unchanged(toy_model):
-    # All rows in one batch, nothing waiting: a row that ended at EOS is no longer computed
-    # (DeepSpeed's rollout computes every row for max_new_tokens). Tokens stay HF's.
+def _toy_prompts() -> tuple:
     tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
-    prompts = [p["prompt"] for p in toy.make_prompts(8, seed=5, skew=True)]
+    return tok, [p["prompt"] for p in toy.make_prompts(8, seed=5, skew=True)]
+
+
+def _rows_per_forward(model, tok, prompts: list[str], **options) -> tuple[list, list[int]]:
+    """Generate on a local engine (a sized batch): the completions, and the rows of each forward."""
     rows: list[int] = []
-    hook = toy_model.register_forward_pre_hook(
+    hook = model.register_forward_pre_hook(
         lambda _m, _a, kw: rows.append(int(kw["input_ids"].shape[0])), with_kwargs=True
     )
     try:
-        with shardgen.Engine(toy_model, tok, backend="local", memory_budget_gb=1.0) as eng:
+        with shardgen.Engine(model, tok, backend="local", memory_budget_gb=1.0, **options) as eng:
             got = eng.generate(prompts, max_new_tokens=26)
     finally:
         hook.remove()
+    return got, rows
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_decode_unchanged(toy_model):
+    # All rows in one batch, nothing waiting: a row that ended at EOS is no longer computed
+    # (DeepSpeed's rollout computes every row for max_new_tokens). Tokens stay HF's.
+    tok, prompts = _toy_prompts()
+    got, rows = _rows_per_forward(toy_model, tok, prompts)
     lengths = sorted(len(c.token_ids) for c in got)
     assert lengths[0] < lengths[-1], lengths  # the skewed task: some rows end early
     decode = rows[1:]
@@ -80,17 +90,8 @@ def test_finished_rows_leave_the_batch_and_the_rest_decode_unchanged(toy_model):
 
 def test_waves_keep_their_finished_rows(toy_model):
     # refill=False: a batch is exactly the one HF would run, finished rows included.
-    tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
-    prompts = [p["prompt"] for p in toy.make_prompts(8, seed=5, skew=True)]
-    rows: list[int] = []
-    hook = toy_model.register_forward_pre_hook(
-        lambda _m, _a, kw: rows.append(int(kw["input_ids"].shape[0])), with_kwargs=True
-    )
-    try:
-        with shardgen.Engine(toy_model, tok, backend="local", memory_budget_gb=1.0, refill=False) as eng:
-            got = eng.generate(prompts, max_new_tokens=26)
-    finally:
-        hook.remove()
+    tok, prompts = _toy_prompts()
+    got, rows = _rows_per_forward(toy_model, tok, prompts, refill=False)
     lengths = [len(c.token_ids) for c in got]
     assert min(lengths) < max(lengths), lengths
     assert rows and set(rows) == {len(prompts)}, rows
