@@ -65,7 +65,7 @@ def _wrap(name: str):
     setattr(dist, name, recorded)
 
 
-def _install_recorder() -> None:
+def install_recorder() -> None:
     """Idempotent; call at the start of every scenario (inside a rank)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name in _OPS:
@@ -155,7 +155,7 @@ def _shadow(backend):
 # ----------------------------------------------------------------------------- scenarios
 def warm_up() -> bool:
     """Import DeepSpeed and start its comm layer (the first time ever, it JIT-builds a comm op)."""
-    _install_recorder()
+    install_recorder()
     import deepspeed
 
     from shardgen.backends.deepspeed.internals import ensure_ds_comm
@@ -166,7 +166,7 @@ def warm_up() -> bool:
 
 def logits_match(arch: str = "llama", offload: bool = False) -> dict:
     """Shardgen partitions a plain model on a private group; logits equal the unsharded model's."""
-    _install_recorder()
+    install_recorder()
     from deepspeed.utils import z3_leaf_module
 
     group = _param_group()
@@ -202,7 +202,7 @@ def lockstep_uneven(bucket_bytes: int | None = None) -> dict:
     """Rank 0: 3 real forwards; rank 1: shadow, real, shadow. Then a ``once`` phase with an
     unequal number of local forwards, and lockstep again. Every forward's collectives recorded.
     ``bucket_bytes``: the gather plan's bucket size (None: the default)."""
-    _install_recorder()
+    install_recorder()
     rank = dist.get_rank()
     group = _param_group()
     model, ref = _pair("llama")
@@ -273,7 +273,7 @@ def user_model_private_group(pass_engine: bool, offload: bool, move: bool = True
     main thread is already inside ``dist.barrier()`` on the default group: this only completes if
     no gather uses the default group (else rank 1's barrier pairs with rank 0's first all-gather).
     ``move=False`` is the negative control (documents the hang; not run by the test suite)."""
-    _install_recorder()
+    install_recorder()
     rank = dist.get_rank()
     model, ref = _pair("llama", seed=3)
     engine = _ds_initialize(model, offload)
@@ -327,7 +327,7 @@ def user_model_private_group(pass_engine: bool, offload: bool, move: bool = True
 def zero_init_model_without_engine() -> dict:
     """A model partitioned by zero.Init alone (no deepspeed.initialize, so no hooks): shardgen
     moves it to its group and installs the hooks itself."""
-    _install_recorder()
+    install_recorder()
     import deepspeed
 
     model, ref = _pair("llama", seed=4)
@@ -348,7 +348,7 @@ def zero_init_model_without_engine() -> dict:
 
 def mismatched_group_raises() -> str:
     """A model partitioned over a one-rank group cannot move to the two-rank param group."""
-    _install_recorder()
+    install_recorder()
     import deepspeed
 
     singles = [dist.new_group([r], backend="gloo") for r in range(dist.get_world_size())]
@@ -375,7 +375,7 @@ def seed_script_hangs(ds_config: dict) -> list[int]:
 
     ``synced_gpus=True`` is what generate() picks by itself under ZeRO-3 (via HfDeepSpeedConfig,
     which needs accelerate, absent here); it keeps ranks together inside one call only."""
-    _install_recorder()
+    install_recorder()
     import deepspeed
 
     model = tiny_model("llama")
@@ -393,7 +393,7 @@ def seed_script_hangs(ds_config: dict) -> list[int]:
 def seed_script_engine(user_partitioned: bool, gather: str = "per-layer") -> dict:
     """The seed script through shardgen.Engine(backend='deepspeed'): rank 0 makes 2 generate
     calls, rank 1 makes 3, then a default-group barrier. Outputs equal HF generate."""
-    _install_recorder()
+    install_recorder()
     from models import hf_generate
 
     import shardgen
@@ -453,7 +453,7 @@ def _toy_moe_model(seed: int):
 
 def toy_moe_lockstep(user_partitioned: bool) -> dict:
     """Routing differs between a real batch and the 1x1 shadow input, yet the gathers match."""
-    _install_recorder()
+    install_recorder()
     from deepspeed.utils import z3_leaf_module
 
     rank = dist.get_rank()

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any
 
 import torch
+from ds_scenarios import install_recorder, record
 from models import batch, hf_generate, tiny_model
 from world import rank
 
@@ -69,28 +67,7 @@ def allocator_untouched(backend: str) -> dict:
     )
 
 
-@contextlib.contextmanager
-def _counting(names: tuple[str, ...]) -> Iterator[Counter]:
-    """Count calls of ``torch.distributed``'s ``names`` (any thread) inside the block."""
-    import torch.distributed as dist
-
-    calls: Counter = Counter()
-    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-
-    def counted(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    for n, fn in saved.items():
-        setattr(dist, n, counted(n, fn))
-    try:
-        yield calls
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
+_GATHER_OPS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "broadcast")
 
 
 def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> dict:
@@ -118,8 +95,10 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
 
     gen()
     first = counts()
-    with _counting(("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "broadcast")) as calls:
+    install_recorder()
+    with record() as rec:  # the collectives of the second run (any thread)
         gen()
+    calls = Counter(c[0] for c in rec.calls if c[0] in _GATHER_OPS)
     second = counts()
     with eng.paused():
         paused = counts()
