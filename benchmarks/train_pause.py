@@ -2,7 +2,7 @@
 
     python benchmarks/train_pause.py                       # 2 gloo ranks, FSDP2 and DeepSpeed
     python benchmarks/train_pause.py --modes fsdp2 --until-ci 5 --max-rounds 200 --steps 2
-    python benchmarks/train_pause.py --hooks-off           # also the arm with the pause hooks disabled
+    python benchmarks/train_pause.py --extra hooks-off beside poller   # diagnostic arms too
 
 Two copies of the same model (Llama, 4 layers, hidden 256) set up by the user: ``fully_shard``
 (``fsdp2``) or ``deepspeed.initialize`` ZeRO-3 with a torch optimizer (``deepspeed``). Two arms,
@@ -19,16 +19,27 @@ or ``--max-rounds`` / ``--max-minutes`` is reached. Every step is timed between 
 the slower rank's time is kept, so both ranks count the same numbers. Both copies see the same
 batches, so their losses must be equal (checked each round).
 
-``--hooks-off`` adds a third arm (rounds A B C C B A, then C B A A B C): as ``paused`` with the
-backend's pause hooks disabled, so training runs on shardgen's generation setup (private group;
-for DeepSpeed no prefetch and no persistence). It is reported but does not decide when to stop.
+``--extra`` adds arms (a round then runs every arm's block forward and back: A B C C B A, then
+C B A A B C); they are reported against ``none`` but do not decide when to stop:
+
+- ``hooks-off``: as ``paused`` with the backend's pause hooks disabled, so training runs on
+  shardgen's generation setup (private group; for DeepSpeed no prefetch and no persistence);
+- ``beside``: K steps on a copy with no engine, inside ``paused()`` of an engine on a spare copy:
+  the engine's presence (its threads, its memory) without any change to the trained model;
+- ``poller``: K steps with no engine, beside a thread that wakes every 50 ms (the paused
+  driver's wait loop) and does nothing else;
+- ``trim``: K steps with no engine, right after ``malloc_trim(0)`` (``pool.trim_heap``), which
+  entering a pause calls once the engine's gather buffers are freed;
+- ``no-trim``: as ``paused``, with that call made a no-op for the block (a patch of the backends).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -95,10 +106,37 @@ def rank_main(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         return times, losses
 
-    def block(arm: str, model, opt, ds: bool, seed: int) -> tuple[list[float], list[float]]:
+    def block(arm: str, model, opt, ds: bool, seed: int, spare) -> tuple[list[float], list[float]]:
         if arm == "none":
             return steps(model, opt, ds)
-        with shardgen.Engine(model, backend="deepspeed" if ds else "fsdp2") as eng:
+        if arm == "poller":  # a thread that wakes every 50 ms, as the paused driver's wait does
+            stop = threading.Event()
+            poller = threading.Thread(target=_poll, args=(stop,), daemon=True)
+            poller.start()
+            try:
+                return steps(model, opt, ds)
+            finally:
+                stop.set()
+                poller.join()
+        if arm == "trim":  # what entering a pause does to the process heap: malloc_trim(0)
+            from shardgen.backends.pool import trim_heap
+
+            trim_heap()
+            return steps(model, opt, ds)
+        backend = "deepspeed" if ds else "fsdp2"
+        if arm == "beside":  # the engine on a spare copy, paused, while this copy trains
+            with shardgen.Engine(spare, backend=backend) as eng:
+                eng.rollout(prompts, n=2, max_new_tokens=8, seed=seed)
+                with eng.paused():
+                    return steps(model, opt, ds)
+        if arm == "no trim":  # as "paused", with pool.trim_heap a no-op where the backends call it
+            from unittest import mock
+
+            with contextlib.ExitStack() as stack:
+                for where in ("shardgen.backends.fsdp2_pool", "shardgen.backends.deepspeed"):
+                    stack.enter_context(mock.patch(f"{where}.trim_heap", lambda: False))
+                return block("paused", model, opt, ds, seed, spare)
+        with shardgen.Engine(model, backend=backend) as eng:
             if arm == "hooks off":  # (close() still hands the model back)
                 eng.backend.enter_pause = eng.backend.exit_pause = lambda: None
             eng.rollout(prompts, n=2, max_new_tokens=8, seed=seed)
@@ -108,11 +146,12 @@ def rank_main(args: argparse.Namespace) -> None:
                 eng.backend.__dict__.pop(name, None)
         return out
 
-    arms = ["none", "paused"] + (["hooks off"] if args.hooks_off else [])
+    arms = ["none", "paused"] + [EXTRA_ARMS[a] for a in args.extra]
     results = {}
     for mode in args.modes:
         ds = mode == "deepspeed"
         models = {arm: build(mode) for arm in arms}
+        spare = build(mode)[0] if "beside" in arms else None
         times: dict[str, list[float]] = {arm: [] for arm in arms}  # slower rank's seconds per step
         ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}  # per round, vs "none"
         losses: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -124,7 +163,7 @@ def rank_main(args: argparse.Namespace) -> None:
             round_times: dict[str, list[float]] = {arm: [] for arm in arms}
             for arm in seq + seq[::-1]:
                 model, opt = models[arm]
-                ts, ls = block(arm, model, opt, ds, seed=r)
+                ts, ls = block(arm, model, opt, ds, r, spare)
                 round_times[arm] += ts
                 losses[arm] += ls
             assert all(losses[arm] == losses["none"] for arm in arms), f"round {r}: loss curves differ"
@@ -164,6 +203,10 @@ def rank_main(args: argparse.Namespace) -> None:
         for arm in arms:
             q1, q2, q3 = quartiles(times[arm])
             entry = {"step_ms_q1": 1000 * q1, "step_ms_median": 1000 * q2, "step_ms_q3": 1000 * q3}
+            k = args.steps  # a block's first step, and the others (when K > 1)
+            entry["first_step_ms_median"] = 1000 * quartiles(times[arm][::k])[1]
+            rest = [t for i, t in enumerate(times[arm]) if i % k]
+            entry["later_steps_ms_median"] = 1000 * quartiles(rest)[1] if rest else None
             if arm != "none":
                 lo_hi = median_ci(ratios[arm])
                 entry |= {"ratio_median": quartiles(ratios[arm])[1], "ratio_ci95": lo_hi}
@@ -173,10 +216,20 @@ def rank_main(args: argparse.Namespace) -> None:
         results[mode] = summary
         if rank == 0:
             _print_table(mode, summary, args)
-        del models
+        del models, spare
     if rank == 0:
         write_json(args.json, results)
     dist.destroy_process_group()
+
+
+EXTRA_ARMS = {
+    "hooks-off": "hooks off", "beside": "beside", "poller": "poller", "trim": "trim", "no-trim": "no trim",
+}  # fmt: skip
+
+
+def _poll(stop: threading.Event) -> None:
+    while not stop.wait(0.05):
+        pass
 
 
 def _loadavg() -> str:
@@ -189,25 +242,25 @@ def _loadavg() -> str:
 
 def _print_table(mode: str, s: dict, args: argparse.Namespace) -> None:
     arms = s["arms"]
-    none = arms["none"]
     print(
         f"\n{mode}: {s['rounds']} rounds ({2 * s['rounds']} blocks of {s['steps_per_block']} steps per arm),"
         f" {s['seconds'] / 60:.1f} min, losses equal; CI below {args.until_ci}%:"
         f" {'reached' if s['reached'] else 'NOT reached'}"
     )
     print(f"load average before: {s['loadavg_before']}; after: {s['loadavg_after']}")
-    print("| arm | ms / step, median (IQR) | median ratio vs none | 95% CI | CI width |")
-    print("|---|---|---|---|---|")
+    print("| arm | ms / step, median (IQR) | first step / later | median ratio vs none | 95% CI | CI width |")
+    print("|---|---|---|---|---|---|")
     for arm, e in arms.items():
         ms = f"{e['step_ms_median']:.1f} ({e['step_ms_q1']:.1f}-{e['step_ms_q3']:.1f})"
+        later = e["later_steps_ms_median"]
+        split = f"{e['first_step_ms_median']:.1f} / " + (f"{later:.1f}" if later is not None else "-")
         if arm == "none":
-            print(f"| {arm} | {ms} | 1 | | |")
+            print(f"| {arm} | {ms} | {split} | 1 | | |", flush=True)
             continue
         lo_hi = e["ratio_ci95"]
         ci = f"[{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "n/a"
         w = f"{100 * (lo_hi[1] - lo_hi[0]):.1f}%" if lo_hi else "n/a"
-        print(f"| {arm} | {ms} | {e['ratio_median']:.3f} | {ci} | {w} |")
-    print(f"(none: {none['step_ms_median']:.1f} ms per step)", flush=True)
+        print(f"| {arm} | {ms} | {split} | {e['ratio_median']:.3f} | {ci} | {w} |", flush=True)
 
 
 def main() -> None:
@@ -223,7 +276,9 @@ def main() -> None:
     ap.add_argument("--max-rounds", type=int, default=200)
     ap.add_argument("--max-minutes", type=float, default=None, help="per backend; stop after this long")
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
-    ap.add_argument("--hooks-off", action="store_true", help="add the arm with the pause hooks disabled")
+    ap.add_argument(
+        "--extra", nargs="*", default=[], choices=list(EXTRA_ARMS), help="arms to add (see above)"
+    )
     ap.add_argument("--print-every", type=int, default=5, help="a progress line every N rounds")
     ap.add_argument("--json", default=None, help="write every step time and ratio here")
     args = ap.parse_args(script_args())
