@@ -277,7 +277,11 @@ def main() -> None:
     ap.add_argument("--max-minutes", type=float, default=None, help="per backend; stop after this long")
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     ap.add_argument(
-        "--extra", nargs="*", default=[], choices=list(EXTRA_ARMS), help="arms to add (see above)"
+        "--extra",
+        nargs="*",
+        default=[],
+        choices=list(EXTRA_ARMS),
+        help="diagnostic arms to add (described at the top of this file)",
     )
     ap.add_argument("--print-every", type=int, default=5, help="a progress line every N rounds")
     ap.add_argument("--json", default=None, help="write every step time and ratio here")
