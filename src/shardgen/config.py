@@ -116,6 +116,9 @@ def _bare_generation_config() -> Any:
     return GenerationConfig()
 
 
+GATHER_POLICIES = ("per-layer", "stationary", "once", "auto")
+
+
 @dataclass(kw_only=True)
 class EngineConfig:
     """How the engine runs on every rank. Ranks must agree on every field marked (agreed)."""
@@ -123,9 +126,11 @@ class EngineConfig:
     backend: str = "fsdp2"
     """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
     gather: str = "per-layer"
-    """(agreed) ``per-layer`` (gather each unit on every forward), ``once`` (gather the whole model
-    when work starts, decode without parameter traffic) or ``auto`` (``once`` if it fits
-    ``memory_budget_gb``)."""
+    """(agreed) ``per-layer`` (gather each unit on every forward), ``stationary`` (no big weight
+    moves: each rank computes its rows' outputs for every rank's tokens; activations are
+    exchanged), ``once`` (gather the whole model when work starts, decode without parameter
+    traffic) or ``auto`` (``once`` if it fits ``memory_budget_gb``, else per forward the cheaper
+    of ``stationary`` and ``per-layer`` for its token count)."""
     max_batch_size: int = 16
     """Requests decoded together on one rank."""
     refill: bool = True
@@ -166,8 +171,9 @@ class EngineConfig:
     copy: a chunk then costs at most a layer); 0: whole (one gather)."""
 
     def validate(self) -> None:
-        if self.gather not in ("per-layer", "once", "auto"):
-            raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
+        if self.gather not in GATHER_POLICIES:
+            names = ", ".join(map(repr, GATHER_POLICIES))
+            raise ValueError(f"gather must be one of {names}, got {self.gather!r}")
         if self.gil_switch_interval is not None and not self.gil_switch_interval > 0:
             raise ValueError(
                 f"gil_switch_interval must be > 0 seconds or None, got {self.gil_switch_interval}"

@@ -66,19 +66,22 @@ class LocalWork:
         t0 = time.perf_counter()
         cap = self.config.max_batch_size
         batch = self.batch
-        if batch is None and self.pending and admit:
-            take = self._take(cap)
+        kind, n = self._next(admit)
+        if kind is Work.PREFILL:
+            take = self._take(n)
             self.phase = Work.PREFILL
             self.batch = Batch(self.model, self.backend.forward, [r.seq for r in take], self.device)
             self.batch.prefill()
             self.stats.prefills += 1
-        elif batch is not None and self.pending and admit and self._should_refill(batch):
-            take = self._take(self._free(batch))
+        elif kind is Work.REFILL:
+            assert batch is not None
+            take = self._take(n)
             self.phase = Work.REFILL
             batch.refill([r.seq for r in take], max_rows=cap)
             self.stats.prefills += 1
             self.stats.refills += 1
-        elif batch is not None:
+        elif kind is Work.DECODE:
+            assert batch is not None
             self.phase = Work.DECODE
             batch.step()
             self.stats.decode_steps += 1
@@ -88,6 +91,30 @@ class LocalWork:
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
+
+    def _next(self, admit: bool) -> tuple[Work, int]:
+        """What ``step(admit)`` runs now, and how many pending requests it takes. Local."""
+        batch = self.batch
+        if batch is None and self.pending and admit:
+            return Work.PREFILL, min(self.config.max_batch_size, len(self.pending))
+        if batch is not None and self.pending and admit and self._should_refill(batch):
+            return Work.REFILL, min(self._free(batch), len(self.pending))
+        if batch is not None:
+            return Work.DECODE, 0
+        return Work.IDLE, 0
+
+    def forward_shape(self, admit: bool) -> tuple[int, int]:
+        """``(rows, width)`` of the ``input_ids`` that ``step(admit)`` would feed the model now, (0, 0)
+        for none: a prefill or refill feeds its new prompts left-padded to the longest, a decode
+        step one column of every row of the batch (finished rows too). The tick carries it, so
+        the stationary mode's exchanges are sized from agreed numbers (and check them)."""
+        kind, n = self._next(admit)
+        if kind in (Work.PREFILL, Work.REFILL):
+            return n, max(len(self.pending[i].seq.prompt_ids) for i in range(n))
+        if kind is Work.DECODE:
+            assert self.batch is not None
+            return len(self.batch.seqs), 1
+        return 0, 0
 
     def _take(self, n: int) -> list[Request]:
         take = [self.pending.popleft() for _ in range(min(n, len(self.pending)))]

@@ -1,0 +1,139 @@
+"""Scenarios for tests/test_stationary.py (gather="stationary"); they run inside gloo ranks of a World.
+
+Token equality with single-process HF ``generate()`` on every architecture of tests/models.py,
+the collectives of real and shadow forwards (recorded, and against the plan's count), and
+training between rollouts. Each rank's workload differs (a rank prefilling while another
+decodes, refills, a rank with no requests), so every exchange runs with uneven token counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from ds_scenarios import _install_recorder, _param_group, _wrap, record
+from engine_scenarios import assert_lockstep
+from models import batch, hf_generate, tiny_model
+from world import rank, world_size
+
+import shardgen
+
+# Architectures and sizes: hidden 36 and vocabulary 101 divide by neither 2 nor 3 (FSDP2: padded
+# last shards; DeepSpeed: rows cut across ranks, in the embeddings, the head and the MLP).
+ODD = dict(hidden_size=36, vocab_size=101, intermediate_size=50)
+ARCHS = {
+    "llama-odd": ("llama", ODD),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "gpt2": ("gpt2", {}),  # Conv1D everywhere (fallback), tied head
+    "mixtral": ("mixtral", {}),  # an MoE block in the middle of each layer (fallback)
+}
+
+
+def _recorder() -> None:
+    _install_recorder()
+    _wrap("all_to_all_single")
+
+
+def greedy_matches_hf(archs: list[str], backend: str, gather: str = "stationary") -> dict:
+    """Per architecture: rank 0 one call of 4 prompts; rank 1 two calls (prefill and refills while
+    rank 0 decodes: batch of 2); rank 2 (3 ranks) no requests. Greedy output == HF."""
+    out = {}
+    for name in archs:
+        arch, over = ARCHS[name]
+        ref = tiny_model(arch, seed=21, **over)
+        eng = shardgen.Engine(
+            tiny_model(arch, seed=21, **over), backend=backend, gather=gather, max_batch_size=2
+        )
+        calls = {0: 1, 1: 2}.get(rank(), 0)
+        vocab = over.get("vocab_size", 96)
+        for c in range(calls):
+            ids, mask = batch([3 + rank(), 8, 5, 1 + 2 * c], seed=100 + 10 * rank() + c, vocab=vocab)
+            if c == 0:
+                kw = dict(max_new_tokens=6 + 3 * rank(), pad_token_id=0)
+                got = eng.generate_ids(ids, attention_mask=mask, **kw)
+                exp = hf_generate(ref, ids, mask, **kw)
+                assert torch.equal(got, exp), f"{name} rank {rank()}: {got.tolist()} != HF {exp.tolist()}"
+                continue
+            # one request at a time, different lengths: finished slots are refilled while others decode
+            prompts = [ids[i][mask[i].bool()] for i in range(len(ids))]
+            futs = [eng.submit(p, max_new_tokens=3 + 4 * i, pad_token_id=0) for i, p in enumerate(prompts)]
+            for i, (p, f) in enumerate(zip(prompts, futs, strict=True)):
+                exp = hf_generate(
+                    ref, p[None], torch.ones_like(p[None]), max_new_tokens=3 + 4 * i, pad_token_id=0
+                )
+                got = f.result(timeout=120).token_ids
+                assert got == exp[0, p.numel() :].tolist(), f"{name} rank {rank()} request {i}: {got} != HF"
+        eng.close()
+        st = eng.stats()
+        out[name] = {
+            "stats": st,
+            "chosen": dict(eng._driver.mode.chosen),
+            "policy": eng.gather_policy,
+            "plan": eng.backend.stationary.plan.describe() if eng.backend.stationary is not None else None,
+            "cut": bool(eng.backend.stationary.cut.shards) if eng.backend.stationary is not None else None,
+        }
+        assert_lockstep([st] if world_size() == 1 else _gathered(st))
+    return out
+
+
+def _gathered(st: dict) -> list[dict]:
+    every: list = [None] * world_size()
+    dist.all_gather_object(every, st)
+    return every
+
+
+def _backend(arch: str, backend: str, over: dict):
+    from shardgen.backends import make_backend
+
+    group = _param_group()
+    model = tiny_model(arch, seed=22, **over)
+    ref = tiny_model(arch, seed=22, **over)
+    b = make_backend(backend, model, param_group=group, device=torch.device("cpu"))
+    assert b.enable_stationary() is None
+    return b, ref
+
+
+def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
+    """Three stationary forwards with different agreed shapes; in each, some ranks forward real
+    inputs and the others shadow. Every forward's recorded collectives, the logits against the
+    unsharded model, and the plan's count for each rank."""
+    from shardgen.backends.stationary import stationary_cost
+
+    _recorder()
+    name = arch
+    arch, over = ARCHS[name]
+    b, ref = _backend(arch, backend, over)
+    me, world = rank(), world_size()
+    schedule = [  # per forward: (rows, width) of every rank; (0, 0) shadows
+        [(2, 5)] + [(0, 0)] * (world - 1),
+        [(3, 1)] + [(1, 4)] * (world - 1),
+        [(0, 0)] * (world - 1) + [(1, 7)],
+    ]
+    seqs, diffs, plans = [], [], []
+    with record() as first:
+        b.set_forward("stationary", [(1, 1)] * world)  # the first forward also gathers the kept state
+        b.forward(input_ids=torch.ones((1, 1), dtype=torch.long), use_cache=False)
+    for shapes in schedule:
+        b.set_forward("stationary", shapes)
+        rows, width = shapes[me]
+        with record() as rec:
+            if rows:
+                gen = torch.Generator().manual_seed(me)
+                ids = torch.randint(3, over.get("vocab_size", 96), (rows, width), generator=gen)
+                kw = dict(use_cache=False, logits_to_keep=1)  # as the decoder passes them: the head sees rows
+                logits = b.forward(input_ids=ids, **kw).logits
+                with torch.no_grad():
+                    diffs.append((logits - ref(input_ids=ids, **kw).logits).abs().max().item())
+            else:
+                b.shadow_forward()
+        seqs.append(rec.calls)
+        cost = stationary_cost(b.stationary.plan, shapes, me)
+        plans.append((cost.collectives, cost.elements))
+    b.close()
+    return {
+        "seqs": seqs,
+        "diffs": diffs,
+        "plans": plans,
+        "first": first.calls,
+        "kept_bytes": b.stationary.kept_bytes(),
+    }
