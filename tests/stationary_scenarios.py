@@ -137,3 +137,112 @@ def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
         "first": first.calls,
         "kept_bytes": b.stationary.kept_bytes(),
     }
+
+
+def _uneven_greedy(eng, ref, vocab: int = 96) -> int:
+    """Rank 0: one call; rank 1: two (the second while rank 0 is done); others: none. == HF."""
+    calls = {0: 1, 1: 2}.get(rank(), 0)
+    for c in range(calls):
+        ids, mask = batch([4 + rank(), 2, 7], seed=300 + 10 * rank() + c, vocab=vocab)
+        kw = dict(max_new_tokens=5 + 3 * c + rank(), pad_token_id=0)
+        got = eng.generate_ids(ids, attention_mask=mask, **kw)
+        exp = hf_generate(ref, ids, mask, **kw)
+        assert torch.equal(got, exp), f"rank {rank()} call {c}: {got.tolist()} != HF {exp.tolist()}"
+    return calls
+
+
+def user_sharded_greedy(kind: str) -> dict:
+    """A model the user sharded (``fully_shard`` on the default group) or partitioned
+    (``deepspeed.initialize`` at ZeRO-3, no optimizer), in the stationary mode: greedy == HF."""
+    from rollout_scenarios import _user_fsdp2
+
+    ref = tiny_model("llama", seed=23, **ODD)
+    model = tiny_model("llama", seed=23, **ODD)
+    if kind == "fsdp2-user":
+        target, backend = _user_fsdp2(model), "fsdp2"
+    else:
+        import deepspeed
+
+        zero = {"stage": 3, "memory_efficient_linear": False}
+        target, *_ = deepspeed.initialize(
+            model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+        )
+        backend = "deepspeed"
+    eng = shardgen.Engine(target, backend=backend, gather="stationary")
+    calls = _uneven_greedy(eng, ref, vocab=ODD["vocab_size"])
+    eng.close()
+    return {"calls": calls, "stats": eng.stats(), "plan": eng.backend.stationary.plan.describe()}
+
+
+def pretrained_greedy(path: str, backend: str) -> dict:
+    """``Engine.from_pretrained`` (loaded straight into shards) in the stationary mode: == HF."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    eng = shardgen.Engine.from_pretrained(path, backend=backend, gather="stationary")
+    calls = _uneven_greedy(eng, ref, vocab=ref.config.vocab_size)
+    eng.close()
+    return {"calls": calls, "policy": eng.gather_policy, "forwards": eng.backend.stationary.forwards}
+
+
+def teacher_forced_batched(model, b, temperature: float) -> torch.Tensor:
+    """[R, G] log p of every response token from ONE padded forward of the whole batch (every rank
+    runs exactly one, so a sharded model's hooks pair up across ranks)."""
+    mask = b.attention_mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=mask, position_ids=pos).logits.float()
+    out = torch.zeros_like(b.logprobs)
+    w = b.prompt_width
+    for i in range(len(b)):
+        g = int(b.response_lengths[i])
+        lp = torch.log_softmax(logits[i, w - 1 : w - 1 + g] / temperature, -1)
+        out[i, :g] = lp.gather(-1, b.input_ids[i, w : w + g, None]).squeeze(-1)
+    return out
+
+
+def train_between(mode: str, steps: int = 2, refresh: bool = True) -> dict:
+    """rollout, train, rollout, ... in the stationary mode (rollout_scenarios.train_between's
+    workload): the losses equal the same steps without an engine, and each rollout's logprobs
+    equal the trained model's (a teacher-forced forward inside the next pause): the kept
+    parameters were gathered again after the training step. ``refresh=False`` keeps the stale
+    ones (the negative control: the logprobs then differ)."""
+    from rollout_scenarios import EOS, _ds_initialize, _train_step, _user_fsdp2, id_prompts
+
+    lr = 0.5
+    ids = batch([6, 6], seed=100 + rank())[0]
+    ds = mode == "deepspeed"
+
+    def build():
+        model = tiny_model("llama", seed=7).train()
+        if ds:
+            eng = _ds_initialize(model, lr)
+            return eng, eng
+        return (_user_fsdp2(model) if mode == "fsdp2-user" else model), model
+
+    step_model, _ = build()
+    if mode == "fsdp2":
+        _user_fsdp2(step_model)
+    opt = None if ds else torch.optim.SGD(step_model.parameters(), lr=lr)
+    base = [_train_step(step_model, opt, ids, ds) for _ in range(steps + 1)]
+    del step_model, opt
+
+    step_model, target = build()
+    losses, diffs = [], []
+    prompts = id_prompts([5, 7, 3] if rank() == 0 else [6], seed=rank())
+    with shardgen.Engine(target, backend="deepspeed" if ds else "fsdp2", gather="stationary") as eng:
+        if not refresh:
+            eng.backend.stationary.invalidate = lambda: None
+        opt = None if ds else torch.optim.SGD(step_model.parameters(), lr=lr)
+        for _ in range(steps):
+            b = eng.rollout(prompts, n=2, seed=5, max_new_tokens=8, eos_token_id=EOS, temperature=0.8)
+            with eng.paused():
+                fwd = step_model.module if ds else step_model
+                diffs.append((b.logprobs - teacher_forced_batched(fwd, b, 0.8)).abs().max().item())
+                losses.append(_train_step(step_model, opt, ids, ds))
+        b = eng.rollout(prompts, n=2, seed=5, max_new_tokens=8, eos_token_id=EOS, temperature=0.8)
+        with eng.paused():
+            fwd = step_model.module if ds else step_model
+            diffs.append((b.logprobs - teacher_forced_batched(fwd, b, 0.8)).abs().max().item())
+    losses.append(_train_step(step_model, opt, ids, ds))
+    return {"base": base, "losses": losses, "diffs": diffs, "stationary": eng.backend.stationary.forwards}

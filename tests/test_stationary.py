@@ -193,3 +193,44 @@ def test_real_and_shadow_forwards_issue_the_planned_collectives(worlds, backend,
             assert gathers == [c for c in out[0]["seqs"][i] if c[0] == "all_gather_into_tensor"]
             assert (len(seq), sum(c[2] for c in seq)) == o["plans"][i], (r, i, o["plans"][i])
         assert o["kept_bytes"] == 0  # closed: nothing kept
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["fsdp2-user", "deepspeed-init"])
+def test_user_sharded_models_match_hf(worlds, kind):
+    import stationary_scenarios as sc
+
+    for o in worlds.run(2, sc.user_sharded_greedy, kind, timeout=180):
+        assert o["stats"]["forwards"] > 0 and o["plan"]["exchanges"] == 9, o
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    from loading_scenarios import write_checkpoint
+
+    return write_checkpoint(
+        str(tmp_path_factory.mktemp("stationary") / "odd"), tied=False, shards=True, vocab=101
+    )
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_from_pretrained_matches_hf(worlds, ckpt, backend):
+    import stationary_scenarios as sc
+
+    for o in worlds.run(2, sc.pretrained_greedy, ckpt, backend, timeout=180):
+        assert o["policy"] == "stationary" and o["forwards"] > 0, o
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["fsdp2-user", "fsdp2", "deepspeed"])
+def test_training_between_rollouts(worlds, mode):
+    """Losses identical with and without the engine; after every training step the rollout's
+    logprobs are the trained model's: the kept parameters were gathered again (with the stale
+    ones, ``train_between(refresh=False)``, the diffs after a step were 2e-4 to 1e-2; fresh: <= 5e-7)."""
+    import stationary_scenarios as sc
+
+    for r, o in enumerate(worlds.run(2, sc.train_between, mode, timeout=240)):
+        assert o["losses"] == o["base"], (r, o)
+        assert len(o["diffs"]) == 3 and all(d < 1e-5 for d in o["diffs"]), (r, o["diffs"])
+        assert o["stationary"] > 0
