@@ -26,6 +26,7 @@ ARCHS = {
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "gpt2": ("gpt2", {}),  # Conv1D everywhere (fallback), tied head
     "mixtral": ("mixtral", {}),  # an MoE block in the middle of each layer (fallback)
+    "opt": ("opt", {}),  # biases, LayerNorms, learned positions of an nn.Embedding subclass (fallback)
 }
 
 

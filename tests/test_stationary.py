@@ -145,7 +145,7 @@ def worlds():
     handle.close()
 
 
-ALL = ["llama-odd", "llama-tied", "qwen2", "gpt2", "mixtral"]
+ALL = ["llama-odd", "llama-tied", "qwen2", "gpt2", "mixtral", "opt"]
 
 
 @pytest.mark.multirank
@@ -166,6 +166,8 @@ def test_greedy_matches_hf(worlds, backend, world, archs):
         plan = per[0]["plan"]
         if name == "gpt2":
             assert any("Conv1D" in why for why in plan["fallbacks"].values()), plan
+        elif name == "opt":
+            assert list(plan["fallbacks"]) == ["model.decoder.embed_positions"] and len(plan["groups"]) == 2
         elif name == "mixtral":
             assert sorted(plan["fallbacks"]) == ["model.layers.0.mlp", "model.layers.1.mlp"], plan
             assert plan["groups"] and plan["linears"] == 9, plan  # q/k/v/o and the head stay
@@ -234,3 +236,17 @@ def test_training_between_rollouts(worlds, mode):
         assert o["losses"] == o["base"], (r, o)
         assert len(o["diffs"]) == 3 and all(d < 1e-5 for d in o["diffs"]), (r, o["diffs"])
         assert o["stationary"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scenario", ["explicit_groups", "hsdp", "deepspeed_subgroup"])
+def test_engines_over_shard_groups(worlds, scenario):
+    """4 ranks, one engine per shard group of 2 (explicit groups as ``--shard-size 2`` makes them,
+    an HSDP mesh, a DeepSpeed data-parallel subgroup), all stationary: greedy == HF (asserted in
+    the ranks), each engine's exchanges on its own group."""
+    import group_scenarios as gs
+
+    if scenario == "deepspeed_subgroup":
+        worlds.run(4, gs.deepspeed_subgroup, "zero_init", 0.5, "stationary", timeout=300)
+    else:
+        worlds.run(4, getattr(gs, scenario), 0.5, "llama", "stationary", timeout=300)

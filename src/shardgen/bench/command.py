@@ -36,7 +36,7 @@ class BenchConfig:
     """World sizes to run, one after another (gloo ranks on this machine)."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Methods to compare (default: all): hf_synced, hf_eos_none, ds_hf, ds_gather_hf, sg_fsdp2,
-    sg_fsdp2_once, sg_ds, sg_ds_once, local."""
+    sg_fsdp2_once, sg_ds, sg_ds_once, sg_fsdp2_stationary, sg_ds_stationary, local."""
     prompts: int = 32
     """Skewed toy prompts per rank."""
     batch_size: int = 8

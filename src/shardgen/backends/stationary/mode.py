@@ -66,6 +66,13 @@ class Stationary:
             [s.shard for s in plan.linears.values()] + [s.shard for s in plan.embeddings.values()]
         )
         self.kept: list[torch.Tensor] | None = None  # full values of plan.kept, while kept
+        self._kept_at = {id(r): i for i, r in enumerate(plan.kept)}
+        world = source.world
+        # Per group: the widths of each rank's columns of each of its linears.
+        self._parts = [
+            [[b - a for a, b in (s.shard.row_ranges()[r] for s in g)] for r in range(world)]
+            for g in plan.groups
+        ]
         self._fw: _Forward | None = None
         self.forwards = 0
 
@@ -166,7 +173,7 @@ class Stationary:
         every = ex.gather_rows(rows, counts, src.rank, src.group)
         mine = [self._columns(s, every) for s in group]
         y = mine[0] if len(mine) == 1 else torch.cat(mine, dim=1)
-        parts = [[b - a for a, b in (s.shard.row_ranges()[r] for s in group)] for r in range(src.world)]
+        parts = self._parts[lead.group]
         blocks = ex.return_columns(y, counts, [sum(p) for p in parts], src.rank, src.group)
         outs = ex.split_columns(blocks, parts)
         results = []
@@ -188,7 +195,7 @@ class Stationary:
         bias = None
         if spec.bias is not None:
             assert self.kept is not None
-            bias = self.kept[self.plan.kept.index(spec.bias)]
+            bias = self.kept[self._kept_at[id(spec.bias)]]
         outs = []
         for first, w in blocks:
             b = bias[first : first + w.shape[0]] if bias is not None else None
