@@ -247,3 +247,27 @@ def train_between(mode: str, steps: int = 2, refresh: bool = True) -> dict:
             diffs.append((b.logprobs - teacher_forced_batched(fwd, b, 0.8)).abs().max().item())
     losses.append(_train_step(step_model, opt, ids, ds))
     return {"base": base, "losses": losses, "diffs": diffs, "stationary": eng.backend.stationary.forwards}
+
+
+def auto_mixes_modes(backend: str) -> dict:
+    """``auto`` over a model whose replica does not fit: per forward, the cost model's choice. The
+    cost model is replaced by a threshold (stationary up to 8 tokens in the forward, per-layer
+    beyond) so that one engine mixes both modes, prefills gathering and decode steps not, on
+    every rank at the same ticks. Greedy == HF throughout (a rank prefilling while another
+    decodes, refills)."""
+    from shardgen.core import policy
+
+    real = policy.ForwardMode.cheaper
+    policy.ForwardMode.cheaper = lambda self, shapes: (
+        "stationary" if sum(r * w for r, w in shapes) <= 8 else "per-layer"
+    )
+    try:  # the World's ranks run later scenarios: put the cost model back
+        arch, over = ARCHS["llama-odd"]
+        ref = tiny_model(arch, seed=24, **over)
+        model = tiny_model(arch, seed=24, **over)
+        eng = shardgen.Engine(model, backend=backend, gather="auto", memory_budget_gb=1e-9, max_batch_size=2)
+        _uneven_greedy(eng, ref, vocab=over["vocab_size"])
+        eng.close()
+    finally:
+        policy.ForwardMode.cheaper = real
+    return {"policy": eng.gather_policy, "chosen": dict(eng._driver.mode.chosen), "stats": eng.stats()}

@@ -250,3 +250,45 @@ def test_engines_over_shard_groups(worlds, scenario):
         worlds.run(4, gs.deepspeed_subgroup, "zero_init", 0.5, "stationary", timeout=300)
     else:
         worlds.run(4, getattr(gs, scenario), 0.5, "llama", "stationary", timeout=300)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_auto_mixes_per_layer_and_stationary_forwards_in_one_engine(worlds, backend):
+    import stationary_scenarios as sc
+
+    out = worlds.run(2, sc.auto_mixes_modes, backend, timeout=180)
+    for o in out:
+        assert o["policy"] == "auto", o
+        assert o["chosen"]["per-layer"] > 0 and o["chosen"]["stationary"] > 0, o
+        assert sum(o["chosen"].values()) == o["stats"]["forward_ticks"], o
+    assert out[0]["chosen"] == out[1]["chosen"]  # the same choice on every rank, every tick
+
+
+def test_cost_model_decodes_stationary_and_gathers_for_a_long_prefill():
+    """The plan of a Llama layer at hidden 1024 as 2 ranks would hold it (built in-process from the
+    layouts; the probe is local): auto's choice flips between decode and a long prefill."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardgen.backends.stationary import Stationary, gathered_cost, link_for, stationary_cost
+    from shardgen.backends.stationary.plan import Source
+
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
+                      num_attention_heads=16, num_key_value_heads=16)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+
+    class Whole(Source):  # every parameter laid out as FSDP2 would over 2 ranks; rank 0's view
+        def shard(self, module, name):
+            p = module._parameters[name]
+            starts, sizes = sh.dim0_layout(tuple(p.shape), 2)
+            return sh.FlatShard(
+                tuple(p.shape), starts, sizes, lambda p=p: p.reshape(-1), p.dtype, 0, key=id(p)
+            )
+
+    mode = Stationary.create(model, Whole(None, 0, 2, torch.device("cpu")))
+    full = sum(p.numel() * 4 for p in model.parameters())
+    per_layer = gathered_cost(4, full, 2).seconds(link_for("cpu"))  # a layer, embeddings, head, root
+    decode = stationary_cost(mode.plan, [(8, 1), (8, 1)], 0)
+    assert decode.collectives == 8 + 2 + 2  # q/k/v, o, gate/up, down: 2 each; embedding; head
+    assert decode.seconds(link_for("cpu")) < per_layer
+    assert stationary_cost(mode.plan, [(1, 4096), (1, 4096)], 0).seconds(link_for("cpu")) > per_layer
