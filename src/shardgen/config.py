@@ -125,7 +125,7 @@ class EngineConfig:
 
     backend: str = "fsdp2"
     """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
-    gather: str = "per-layer"
+    gather: str = "auto"
     """(agreed) ``per-layer`` (gather each unit on every forward), ``stationary`` (no big weight
     moves: each rank computes its rows' outputs for every rank's tokens; activations are
     exchanged), ``once`` (gather the whole model when work starts, decode without parameter

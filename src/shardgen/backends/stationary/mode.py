@@ -153,6 +153,7 @@ class Stationary:
         return lambda x, *_a, **_k: self._exchange(group, x)
 
     def _member(self, spec: LinearSpec, x: torch.Tensor) -> torch.Tensor:
+        """A group member's output, computed in its leader's exchange. Local."""
         fw = self._fw
         assert fw is not None
         got = fw.pending.pop(id(spec.module), None)
@@ -204,6 +205,8 @@ class Stationary:
 
     def _embedding_fn(self, spec: EmbeddingSpec) -> Any:
         def fn(ids: torch.Tensor, *_a: Any, **_k: Any) -> torch.Tensor:
+            """The lookup from the shards. Collective (``exchange.lookup_rows``: the ids, then the
+            rows), at this module's call, on every rank of the parameter group."""
             src = self.source
             counts, shadow = self._counts(spec, ids, ids.numel())
             flat = ids.new_zeros((0,)) if shadow else ids.reshape(-1)
