@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from ds_scenarios import _install_recorder, _param_group, _wrap, record
+from ds_scenarios import _param_group, _wrap, install_recorder, record
 from engine_scenarios import assert_lockstep
 from models import batch, hf_generate, tiny_model
 from world import rank, world_size
@@ -31,7 +31,7 @@ ARCHS = {
 
 
 def _recorder() -> None:
-    _install_recorder()
+    install_recorder()
     _wrap("all_to_all_single")
 
 
@@ -105,7 +105,7 @@ def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
     arch, over = ARCHS[name]
     b, ref = _backend(arch, backend, over)
     me, world = rank(), world_size()
-    schedule = [  # per forward: (rows, width) of every rank; (0, 0) shadows
+    schedule = [  # per forward: (rows, width) of every rank's input_ids; (0, 0) shadows
         [(2, 5)] + [(0, 0)] * (world - 1),
         [(3, 1)] + [(1, 4)] * (world - 1),
         [(0, 0)] * (world - 1) + [(1, 7)],
@@ -114,9 +114,10 @@ def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
     with record() as first:
         b.set_forward("stationary", [(1, 1)] * world)  # the first forward also gathers the kept state
         b.forward(input_ids=torch.ones((1, 1), dtype=torch.long), use_cache=False)
-    for shapes in schedule:
+    for dims in schedule:
+        shapes = [(r * w, r) for r, w in dims]  # (tokens, head rows): the head sees one position a row
         b.set_forward("stationary", shapes)
-        rows, width = shapes[me]
+        rows, width = dims[me]
         with record() as rec:
             if rows:
                 gen = torch.Generator().manual_seed(me)
@@ -259,7 +260,7 @@ def auto_mixes_modes(backend: str) -> dict:
 
     real = policy.ForwardMode.cheaper
     policy.ForwardMode.cheaper = lambda self, shapes: (
-        "stationary" if sum(r * w for r, w in shapes) <= 8 else "per-layer"
+        "stationary" if sum(t for t, _ in shapes) <= 8 else "per-layer"
     )
     try:  # the World's ranks run later scenarios: put the cost model back
         arch, over = ARCHS["llama-odd"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardgen.backends.stationary.shards as sh
-from shardgen.core.protocol import HELD_ROWS, HELD_WIDTH, NCOLS, PAUSE, ROWS, WIDTH, TickState
+from shardgen.core.protocol import HEAD_ROWS, HELD_HEAD_ROWS, HELD_TOKENS, NCOLS, PAUSE, TOKENS, TickState
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
@@ -63,9 +63,10 @@ def test_every_row_has_one_owner_and_cut_rows_assemble_exactly(monkeypatch, rows
 
 
 def test_tick_shapes_follow_the_agreed_admission():
-    def row(rows, width, held_rows, held_width, pause):
+    def row(tokens, head, held_tokens, held_head, pause):
         r = [0] * NCOLS
-        r[ROWS], r[WIDTH], r[HELD_ROWS], r[HELD_WIDTH], r[PAUSE] = rows, width, held_rows, held_width, pause
+        r[TOKENS], r[HEAD_ROWS], r[PAUSE] = tokens, head, pause
+        r[HELD_TOKENS], r[HELD_HEAD_ROWS] = held_tokens, held_head
         return r
 
     state = TickState([row(4, 9, 2, 1, 1), row(0, 0, 0, 0, 0)])
@@ -74,8 +75,14 @@ def test_tick_shapes_follow_the_agreed_admission():
     assert not state.admit and state.shapes() == [(2, 1), (3, 1)]
 
 
-def test_forward_shape_predicts_what_each_step_feeds():
-    """prefill, refill and decode: the (rows, width) the tick carries is the input_ids shape."""
+@pytest.mark.parametrize(
+    "share,max_prefill_tokens", [(False, None), (True, None), (True, 7), (False, 5)], ids=str
+)
+def test_forward_shape_predicts_what_each_step_feeds(share, max_prefill_tokens):
+    """prefill (shared, chunked), refill and decode: the (tokens, head rows) the tick carries is
+    what the forward feeds every layer and the LM head."""
+    from concurrent.futures import Future
+
     from models import tiny_model
 
     from shardgen.config import EngineConfig, SamplingParams
@@ -85,35 +92,47 @@ def test_forward_shape_predicts_what_each_step_feeds():
     from shardgen.generation.scheduler import LocalWork
 
     model = tiny_model("llama", seed=1)
-    fed = []
+    fed: list[tuple[int, int]] = []
+    head_rows: list[int] = []
+    forked: list[bool] = []  # the head saw other rows than the body: a shared prefill's fork
+    hidden = model.config.hidden_size
+    model.get_output_embeddings().register_forward_hook(  # after the decoder's own pre-hook
+        lambda _m, args, _out: head_rows.append(args[0].numel() // hidden)
+    )
 
     class Backend:
         def forward(self, **kw):
-            fed.append(tuple(kw["input_ids"].shape))
-            return model(**kw)
+            out = model(**kw)
+            fed.append((kw["input_ids"].numel(), head_rows.pop()))
+            forked.append(fed[-1][1] != kw["input_ids"].shape[0])
+            return out
 
-    cfg = EngineConfig(max_batch_size=3)
+    cfg = EngineConfig(max_batch_size=4, share_prefill=share, max_prefill_tokens=max_prefill_tokens)
     work = LocalWork(model, Backend(), torch.device("cpu"), cfg, EngineStats(), on_finished=lambda s: None)
 
     def req(n, new):
-        from concurrent.futures import Future
-
         seq = SeqState(list(range(3, 3 + n)), SamplingParams(max_new_tokens=new).resolved(), frozenset(), 0)
         r = Request.__new__(Request)
         r.seq, r.future = seq, Future()
         seq.tag = r
         return r
 
-    work.pending.extend([req(4, 2), req(6, 5), req(2, 9), req(5, 3), req(7, 4)])
+    # a group of 3 samples of one prompt, then single prompts: a shared prefill forks its rows
+    lengths = [(4, 2), (4, 6), (4, 3), (6, 5), (2, 9), (5, 3), (7, 4), (7, 2), (3, 8)]
+    work.pending.extend(req(n, new) for n, new in lengths)
     steps = 0
-    while work.pending or work.batch is not None:
+    while work.pending or work.batch is not None or work.prefilling is not None:
         admit = steps % 5 != 3  # a tick now and then without admission (everybody pausing)
-        want = {True: work.forward_shape(True), False: work.forward_shape(False)}[admit]
+        want = work.forward_shape(admit)
         n = len(fed)
         assert work.step(admit) == (want != (0, 0))
         assert (fed[n] if len(fed) > n else (0, 0)) == want, (steps, fed[n:], want)
         steps += 1
-    assert any(w > 1 for _, w in fed[1:]), "no refill ran"
+    assert any(t > h for t, h in fed[1:]), "no refill ran"
+    if share:
+        assert any(forked), "no shared prefill forked its rows"
+    if max_prefill_tokens:
+        assert work.stats.prefill_forwards > work.stats.prefills, "no prefill ran in chunks"
 
 
 # ----------------------------------------------------------------------------- gloo ranks

@@ -41,7 +41,7 @@ class Backend:
     #: The weight-stationary mode (``backends/stationary``) once :meth:`enable_stationary` built it.
     stationary: Any = None
     #: How the next forward gets its weights, ``"per-layer"`` or ``"stationary"``, and the agreed
-    #: ``(rows, width)`` of every rank's forward this tick: set by the driver before each forward.
+    #: ``(tokens, head_rows)`` of every rank's forward this tick: set by the driver before each forward.
     forward_mode: str = "per-layer"
     forward_shapes: list[tuple[int, int]] | None = None
 

@@ -29,15 +29,15 @@ from shardgen.config import EngineConfig
 from shardgen.core.policy import ForwardMode, resolve
 from shardgen.core.protocol import (
     FINGERPRINT,
-    HELD_ROWS,
-    HELD_WIDTH,
+    HEAD_ROWS,
+    HELD_HEAD_ROWS,
+    HELD_TOKENS,
     LIVE,
     NCOLS,
     OPEN,
     PAUSE,
     PENDING,
-    ROWS,
-    WIDTH,
+    TOKENS,
     ControlPlane,
     Decision,
     Fingerprint,
@@ -206,8 +206,8 @@ class Driver:
             row[LIVE], row[PENDING], row[OPEN] = self.work.live, len(self.work.pending), int(not closed)
             row[PAUSE] = int(pause)
             row[FINGERPRINT] = self.fp.value if cfg.debug_collectives else 0
-            row[ROWS], row[WIDTH] = self.work.forward_shape(True)
-            row[HELD_ROWS], row[HELD_WIDTH] = self.work.forward_shape(False)
+            row[TOKENS], row[HEAD_ROWS] = self.work.forward_shape(True)
+            row[HELD_TOKENS], row[HELD_HEAD_ROWS] = self.work.forward_shape(False)
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)

@@ -40,11 +40,12 @@ import torch
 
 from shardgen.errors import CollectiveDivergenceError
 
-# Columns of a rank's row in the tick vector. ROWS x WIDTH: the input_ids shape of the forward
-# this rank runs this tick if new requests may be admitted (``TickState.admit``), HELD_ROWS x
-# HELD_WIDTH if not ((0, 0): none, it shadows); the weight-stationary mode's exchanges size
-# every rank's share from them (``TickState.shapes``).
-LIVE, PENDING, OPEN, PAUSE, FINGERPRINT, ROWS, WIDTH, HELD_ROWS, HELD_WIDTH = range(9)
+# Columns of a rank's row in the tick vector. TOKENS, HEAD_ROWS: the shape of the forward this
+# rank runs this tick if new requests may be admitted (``TickState.admit``), HELD_TOKENS,
+# HELD_HEAD_ROWS if not ((0, 0): none, it shadows): the tokens every layer's input holds and
+# the rows the LM head's holds (``LocalWork.forward_shape``). The weight-stationary mode's
+# exchanges size every rank's share from them (``TickState.shapes``).
+LIVE, PENDING, OPEN, PAUSE, FINGERPRINT, TOKENS, HEAD_ROWS, HELD_TOKENS, HELD_HEAD_ROWS = range(9)
 NCOLS = 9
 
 
@@ -104,10 +105,10 @@ class TickState:
         return not self.all_pause
 
     def shapes(self) -> list[tuple[int, int]]:
-        """``(rows, width)`` of every rank's forward this tick (``(0, 0)``: a shadow), as the agreed
+        """``(tokens, head_rows)`` of every rank's forward this tick (``(0, 0)``: a shadow), as the agreed
         ``admit`` selects them: the same list on every rank."""
-        rows, width = (ROWS, WIDTH) if self.admit else (HELD_ROWS, HELD_WIDTH)
-        return [(row[rows], row[width]) for row in self.rows]
+        tokens, head = (TOKENS, HEAD_ROWS) if self.admit else (HELD_TOKENS, HELD_HEAD_ROWS)
+        return [(row[tokens], row[head]) for row in self.rows]
 
 
 def decide(state: TickState) -> Decision:

@@ -52,12 +52,12 @@ def _isz(dtype: torch.dtype) -> int:
 
 def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cost:
     """The collectives of one stationary forward after the first (kept parameters and cut rows
-    already held), for rank ``rank``, given every rank's agreed ``(rows, width)``."""
+    already held), for rank ``rank``, given every rank's agreed ``(tokens, head_rows)``."""
     world = len(shapes)
     cost = Cost()
     if world == 1:
         return cost
-    counts = {"body": [r * w for r, w in shapes], "rows": [r for r, _ in shapes]}
+    counts = {"body": [t for t, _ in shapes], "rows": [r for _, r in shapes]}
     wire = [0] * world
     for group in plan.groups:
         lead = group[0]

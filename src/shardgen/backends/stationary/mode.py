@@ -7,9 +7,9 @@ module's ``forward`` replaced by its exchange (``exchange.py``), the kept parame
 each fallback module gathered for its call and released after. Nothing is materialized beyond
 the kept parameters, the cut rows and one fallback module at a time.
 
-Token counts are agreed, not guessed: the driver hands each forward the ``(rows, width)`` of
-every rank's forward from the tick (``shapes``); a linear with rule ``body`` holds
-``rows * width`` tokens, one with rule ``rows`` (the LM head) ``rows``. A rank whose agreed
+Token counts are agreed, not guessed: the driver hands each forward the ``(tokens, head_rows)``
+of every rank's forward from the tick (``shapes``); a linear with rule ``body`` holds
+``tokens`` tokens, one with rule ``rows`` (the LM head) ``head_rows``. A rank whose agreed
 count is 0 is running a shadow forward: its modules contribute zero rows and return zeros,
 through the same collectives in the same order. A real forward that feeds a module another
 count than agreed raises ``RuntimeError`` before that module's first collective.
@@ -53,7 +53,7 @@ class _Forward:
     """Per-forward state: the agreed counts and the outputs of groups waiting for their members."""
 
     def __init__(self, shapes: list[tuple[int, int]]) -> None:
-        self.counts = {"body": [r * w for r, w in shapes], "rows": [r for r, _ in shapes]}
+        self.counts = {"body": [t for t, _ in shapes], "rows": [r for _, r in shapes]}
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(module) -> (input, output)
 
 
@@ -112,7 +112,7 @@ class Stationary:
     # ------------------------------------------------------------------ the forward
     def forward(self, shapes: list[tuple[int, int]], call: Any) -> Any:
         """Run ``call()`` (the model's forward) as a stationary forward with the agreed ``shapes``
-        (``(rows, width)`` per rank; ``(0, 0)`` for a shadow). Collective on the parameter group
+        (``(tokens, head_rows)`` per rank; ``(0, 0)`` for a shadow). Collective on the parameter group
         (see the module docstring): every rank, the same tick."""
         plan = self.plan
         assert len(shapes) == self.source.world, (shapes, self.source.world)
