@@ -31,7 +31,7 @@ def _workload(eng, ref, n_calls: int, seed: int) -> int:
 
 
 def _gather(gather: str | None) -> dict:
-    return {"gather": gather} if gather else {}
+    return {"gather": gather or "per-layer"}  # the shadows these scenarios count are lockstep's
 
 
 def explicit_groups(sleep_s: float, arch: str = "llama", gather: str | None = None):

@@ -43,6 +43,8 @@ def main(scenario: str) -> None:
         pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         group = pgs[rank // 2]
     gather = {"gather": os.environ["GATHER"]} if os.environ.get("GATHER") else {}
+    if scenario == "skip_forward" and not gather:
+        gather = {"gather": "per-layer"}  # the fault is a skipped per-layer gather
     engine = shardgen.Engine(
         tiny_model("llama", seed=3),
         backend=os.environ.get("BACKEND", "fsdp2"),

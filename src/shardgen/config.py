@@ -170,7 +170,7 @@ class EngineConfig:
 
     backend: str = field(default="fsdp2", metadata={"choices": BACKEND_NAMES})
     """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
-    gather: str = field(default="per-layer", metadata={"choices": GATHER_POLICIES})
+    gather: str = field(default="auto", metadata={"choices": GATHER_POLICIES})
     """(agreed) ``per-layer`` (gather each unit on every forward), ``stationary`` (no big weight
     moves: each rank computes its rows' outputs for every rank's tokens; activations are
     exchanged), ``once`` (gather the whole model when work starts, decode without parameter
