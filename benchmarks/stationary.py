@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import run_as_ranks, script_args, write_json  # noqa: E402
+from common import reset_peak, run_as_ranks, script_args, vm_hwm_mb, write_json  # noqa: E402
 
 THROUGHPUT = "stationary-fsdp2,stationary-deepspeed,per-layer-fsdp2,per-layer-deepspeed,once-fsdp2,local"
 
@@ -62,20 +62,6 @@ def _engine(kind: str, model, batch: int, tok=None):
     return shardgen.Engine(model, tok, backend=backend, gather=gather, max_batch_size=batch)
 
 
-def _vm_hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise KeyError("VmHWM")
-
-
-def _reset_peak() -> float:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _vm_hwm_mb()
-
-
 def rank_main(args: argparse.Namespace) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
@@ -105,12 +91,12 @@ def rank_main(args: argparse.Namespace) -> None:
         for rnd in range(args.rounds + 1):
             for name in methods:
                 dist.barrier()
-                base = _reset_peak() if (args.part == "memory" and rnd == 1) else None
+                base = reset_peak() if (args.part == "memory" and rnd == 1) else None
                 t0 = time.perf_counter()
                 out = run(engines[name])
                 dist.barrier()
                 if base is not None:
-                    grow[name] = _vm_hwm_mb() - base
+                    grow[name] = vm_hwm_mb() - base
                 if rnd == 0:
                     first = first if first is not None else out
                     assert out == first, f"rank {rank}: {name} differs from {methods[0]}"
