@@ -8,7 +8,8 @@
 ``big`` model: a random Llama, hidden 1024, intermediate 2816, 8 layers, 16 heads, vocabulary
 2048, fp32 (113M parameters, 453 MB). ``throughput``: each rank decodes one batch of 8 random
 8-token prompts, 24 new tokens each, no EOS; one engine per method, all built before timing,
-rounds interleaved (round 0 warms up and checks every method's tokens equal the first's).
+rounds interleaved (round 0 warms up and checks every method's tokens equal the first's); while
+one is timed the others wait in ``paused()``.
 ``memory``: one method per run; after a warm-up generation the peak is reset (``clear_refs``)
 and the growth of VmHWM over the loaded state while generating is reported, worst rank, with
 the bound of the issue (a quarter of a decoder layer + KV cache + activations). ``crossover``:
@@ -22,6 +23,7 @@ on the same backend, rounds interleaved, median ms, next to the cost model's cho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -90,11 +92,17 @@ def rank_main(args: argparse.Namespace) -> None:
         grow = {}
         for rnd in range(args.rounds + 1):
             for name in methods:
-                dist.barrier()
-                base = reset_peak() if (args.part == "memory" and rnd == 1) else None
-                t0 = time.perf_counter()
-                out = run(engines[name])
-                dist.barrier()
+                # The other engines wait in paused() (no traffic at all): an open engine's idle
+                # ticks would otherwise share the cores and the GIL with the one timed.
+                with contextlib.ExitStack() as others:
+                    for other in methods:
+                        if other != name:
+                            others.enter_context(engines[other].paused())
+                    dist.barrier()
+                    base = reset_peak() if (args.part == "memory" and rnd == 1) else None
+                    t0 = time.perf_counter()
+                    out = run(engines[name])
+                    dist.barrier()
                 if base is not None:
                     grow[name] = vm_hwm_mb() - base
                 if rnd == 0:
