@@ -30,7 +30,7 @@ lint: $(STAMP)
 # worker starts one at the end (xdist's own order puts files with few tests last).
 LONGEST := tests/test_cli_demo.py tests/test_examples_rl.py tests/test_examples.py tests/test_cli.py \
 	tests/test_cli_launcher.py tests/test_engine_multirank.py tests/test_readme.py tests/test_soak.py \
-	tests/test_clean_exit.py tests/test_faults.py
+	tests/test_stationary.py tests/test_clean_exit.py tests/test_faults.py
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder \
 		-m "not bigworld and not long" $(LONGEST) tests

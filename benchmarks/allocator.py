@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import json
 import os
 import statistics
@@ -47,7 +46,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import script_args  # noqa: E402
+from common import reset_peak, script_args, vm_hwm_mb  # noqa: E402
 
 MMAP_THRESHOLD = 128 << 10
 M_MMAP_THRESHOLD = -3
@@ -99,23 +98,6 @@ def checkpoint_mb(path: str) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------- in a rank
-def vm_hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise KeyError("VmHWM")
-
-
-def reset_peak() -> float:
-    """Free what is garbage, give free heap memory back, reset VmHWM; the baseline in MiB."""
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return vm_hwm_mb()
-
-
 def worst(value: float) -> float:
     import torch
     import torch.distributed as dist

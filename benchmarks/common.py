@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -42,3 +44,20 @@ def write_json(path: str | None, obj: Any) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
+
+
+def vm_hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise KeyError("VmHWM")
+
+
+def reset_peak() -> float:
+    """Free what is garbage, give free heap memory back, reset VmHWM; the baseline in MiB."""
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return vm_hwm_mb()

@@ -134,8 +134,8 @@ def ranks_factory():
 
     made: list[Ranks] = []
 
-    def make(scenario: str, world: int = 2, victim: int | None = None) -> Ranks:
-        r = Ranks(scenario, world, victim)
+    def make(scenario: str, world: int = 2, victim: int | None = None, env: dict | None = None) -> Ranks:
+        r = Ranks(scenario, world, victim, extra_env=env)
         made.append(r)
         return r
 

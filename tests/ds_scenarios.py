@@ -390,9 +390,10 @@ def seed_script_hangs(ds_config: dict) -> list[int]:
     return [calls]
 
 
-def seed_script_engine(user_partitioned: bool, gather: str = "per-layer") -> dict:
+def seed_script_engine(user_partitioned: bool, gather: str = "per-layer", away_s: float = 0.0) -> dict:
     """The seed script through shardgen.Engine(backend='deepspeed'): rank 0 makes 2 generate
-    calls, rank 1 makes 3, then a default-group barrier. Outputs equal HF generate."""
+    calls, rank 1 makes 3, then a default-group barrier. Outputs equal HF generate. ``away_s``:
+    rank 0 is away that long after its first call (the seed's busy rank), while rank 1 goes on."""
     install_recorder()
     from models import hf_generate
 
@@ -413,13 +414,18 @@ def seed_script_engine(user_partitioned: bool, gather: str = "per-layer") -> dic
         )
     ids, mask = batch([3, 6, 2], seed=30)
     calls = 2 if dist.get_rank() == 0 else 3
+    t0 = time.monotonic()
     for c in range(calls):
         got = eng.generate_ids((ids + c) * mask, attention_mask=mask, max_new_tokens=12)
         exp = hf_generate(ref, (ids + c) * mask, mask, max_new_tokens=12)
         assert torch.equal(got, exp), f"rank {dist.get_rank()} call {c}: {got.tolist()} != HF {exp.tolist()}"
+        if c == 0 and dist.get_rank() == 0:
+            time.sleep(away_s)
+    done_s = time.monotonic() - t0
     dist.barrier()
     eng.close()
-    return {"calls": calls, "stats": eng.stats(), "describe": eng.backend.describe()}
+    return {"calls": calls, "stats": eng.stats(), "describe": eng.backend.describe(), "done_s": done_s,
+            "policy": eng.gather_policy}  # fmt: skip
 
 
 class ToySparseMoeBlock(torch.nn.Module):

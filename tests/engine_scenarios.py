@@ -44,7 +44,7 @@ def assert_lockstep(stats: list[dict], one_forward_per_tick: bool = True) -> Non
 def fidelity(arch: str, backend: str = "fsdp2"):
     """Each rank generates its own batch of prompts of different lengths; greedy == HF."""
     ref = tiny_model(arch, seed=11)
-    eng = shardgen.Engine(tiny_model(arch, seed=11), backend=backend)
+    eng = shardgen.Engine(tiny_model(arch, seed=11), backend=backend, gather="per-layer")
     ids, mask = batch([3 + rank(), 8, 5, 1 + 2 * rank()], seed=100 + rank())
     row, step = rank() % 4, 2 + 3 * rank()
     eos = eos_after(ref, ids, mask, row=row, step=step)
@@ -65,7 +65,7 @@ def fidelity(arch: str, backend: str = "fsdp2"):
 
 def sampled_same_seed_any_rank(backend: str = "fsdp2"):
     """The same (prompt, seed) gives the same tokens on every rank, alone or inside a batch."""
-    eng = shardgen.Engine(tiny_model("llama", seed=12), backend=backend)
+    eng = shardgen.Engine(tiny_model("llama", seed=12), backend=backend, gather="per-layer")
     ids, mask = batch([5, 3, 7], seed=7)
     prompts = [ids[i][mask[i].bool()] for i in range(3)]
     opts = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_p=0.95)
@@ -83,7 +83,7 @@ def sampled_same_seed_any_rank(backend: str = "fsdp2"):
 def eos_at_different_steps(backend: str = "fsdp2"):
     """(a) rank r's single row hits EOS after 2 + 5r tokens; everybody else keeps decoding."""
     ref = tiny_model("llama", seed=13)
-    eng = shardgen.Engine(tiny_model("llama", seed=13), backend=backend)
+    eng = shardgen.Engine(tiny_model("llama", seed=13), backend=backend, gather="per-layer")
     ids, mask = batch([4, 6], seed=20 + rank())
     eos = eos_after(ref, ids, mask, row=0, step=2 + 5 * rank())
     got = _check(eng, ref, ids, mask, max_new_tokens=25, eos_token_id=eos, pad_token_id=0)
@@ -94,7 +94,7 @@ def eos_at_different_steps(backend: str = "fsdp2"):
 def seed_script(backend: str = "fsdp2"):
     """(b) The seed report: rank 0 makes two calls, rank 1 three; then a default-group barrier; close."""
     ref = tiny_model("llama", seed=14)
-    eng = shardgen.Engine(tiny_model("llama", seed=14), backend=backend)
+    eng = shardgen.Engine(tiny_model("llama", seed=14), backend=backend, gather="per-layer")
     ids, mask = batch([3, 6, 2], seed=30)
     for c in range(2 if rank() == 0 else 3):
         _check(eng, ref, (ids + c) * mask, mask, max_new_tokens=12)
@@ -106,7 +106,7 @@ def seed_script(backend: str = "fsdp2"):
 def idle_rank_only_closes(backend: str = "fsdp2"):
     """(c) rank 1 submits nothing and only closes; rank 0 generates."""
     ref = tiny_model("gpt2", seed=15)
-    eng = shardgen.Engine(tiny_model("gpt2", seed=15), backend=backend)
+    eng = shardgen.Engine(tiny_model("gpt2", seed=15), backend=backend, gather="per-layer")
     if rank() == 0:
         ids, mask = batch([4, 2, 5], seed=31)
         _check(eng, ref, ids, mask, max_new_tokens=10)
@@ -117,7 +117,7 @@ def idle_rank_only_closes(backend: str = "fsdp2"):
 def sleeper(sleep_s: float, backend: str = "fsdp2"):
     """(d) rank 1's main thread sleeps before its first call; the others finish meanwhile."""
     ref = tiny_model("qwen2", seed=16)
-    eng = shardgen.Engine(tiny_model("qwen2", seed=16), backend=backend)
+    eng = shardgen.Engine(tiny_model("qwen2", seed=16), backend=backend, gather="per-layer")
     t0 = time.monotonic()
     if rank() == 1:
         time.sleep(sleep_s)
@@ -133,7 +133,9 @@ def random_workload(case: int, arch: str = "llama", backend: str = "fsdp2"):
     """(e) Random per-rank workload: 0..3 calls, random batches, EOS, sleeps, async submits."""
     rng = random.Random(1000 * case + rank())
     ref = tiny_model(arch, seed=case)
-    eng = shardgen.Engine(tiny_model(arch, seed=case), backend=backend, max_batch_size=rng.choice([2, 4, 8]))
+    eng = shardgen.Engine(
+        tiny_model(arch, seed=case), backend=backend, max_batch_size=rng.choice([2, 4, 8]), gather="per-layer"
+    )
     futures = []
     rows = tokens = 0  # what this rank asked for and got, for the test to check the counters
     for _ in range(rng.randint(0, 3)):
@@ -189,7 +191,7 @@ def mismatched(setting: str):
 def pause_and_user_collectives():
     """Generate, pause for a 'training step' with default-group collectives, generate again."""
     ref = tiny_model("llama", seed=18)
-    eng = shardgen.Engine(tiny_model("llama", seed=18), backend="fsdp2")
+    eng = shardgen.Engine(tiny_model("llama", seed=18), backend="fsdp2", gather="per-layer")
     ids, mask = batch([3, 5], seed=50 + rank())
     _check(eng, ref, ids, mask, max_new_tokens=6)
     with eng.paused():
@@ -214,7 +216,9 @@ def pause_and_user_collectives():
 
 def fingerprint_divergence():
     """debug_collectives: a rank whose forwards gather other units is caught, not hung."""
-    eng = shardgen.Engine(tiny_model("llama", seed=19), backend="fsdp2", debug_collectives=True)
+    eng = shardgen.Engine(
+        tiny_model("llama", seed=19), backend="fsdp2", debug_collectives=True, gather="per-layer"
+    )
     if rank() == 1:
         real = eng.backend.collective_signature
         eng.backend.collective_signature = lambda: (*real(), 99)  # simulate a divergent gather sequence
@@ -232,7 +236,7 @@ def fingerprint_divergence():
 def concurrent_user_threads():
     """Several user threads on a rank submit at once; results still match HF."""
     ref = tiny_model("llama", seed=21)
-    eng = shardgen.Engine(tiny_model("llama", seed=21), backend="fsdp2", max_batch_size=3)
+    eng = shardgen.Engine(tiny_model("llama", seed=21), backend="fsdp2", max_batch_size=3, gather="per-layer")
     errors = []
 
     def work(t):
@@ -288,7 +292,7 @@ def user_wrapped_fsdp2_seed_script():
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    eng = shardgen.Engine(model, backend="fsdp2")
+    eng = shardgen.Engine(model, backend="fsdp2", gather="per-layer")
     for c in range(2 if rank() == 0 else 3):
         ids, mask = batch([3, 5], seed=80 + c)
         _check(eng, ref, ids, mask, max_new_tokens=10)
@@ -308,7 +312,7 @@ def user_wrapped_fsdp2_seed_script():
 def spinner(spin_s: float):
     """A rank whose user thread spins in pure Python: its driver still serves the peers (slower)."""
     ref = tiny_model("llama", seed=24)
-    eng = shardgen.Engine(tiny_model("llama", seed=24), backend="fsdp2")
+    eng = shardgen.Engine(tiny_model("llama", seed=24), backend="fsdp2", gather="per-layer")
     assert abs(sys.getswitchinterval() - 0.0002) < 1e-9  # the engine lowered it while open
     dist.barrier()
     t0 = time.monotonic()
@@ -332,7 +336,7 @@ def moe_routing(backend: str = "fsdp2"):
     routing really differed across ranks.
     """
     ref = tiny_model("mixtral", seed=25)
-    eng = shardgen.Engine(tiny_model("mixtral", seed=25), backend=backend)
+    eng = shardgen.Engine(tiny_model("mixtral", seed=25), backend=backend, gather="per-layer")
     counts = torch.zeros(4, dtype=torch.long)
     gate = [m for n, m in eng.model.named_modules() if n.endswith("layers.0.mlp.gate")][0]
 
@@ -351,7 +355,9 @@ def moe_routing(backend: str = "fsdp2"):
 
 def late_close(idle_s: float, stall: float):
     """Both ranks idle longer than stall_timeout, then close one second apart: no error."""
-    eng = shardgen.Engine(tiny_model("gpt2", seed=26), backend="fsdp2", stall_timeout=stall)
+    eng = shardgen.Engine(
+        tiny_model("gpt2", seed=26), backend="fsdp2", stall_timeout=stall, gather="per-layer"
+    )
     eng.generate([[5, 6, 7]], max_new_tokens=3)
     time.sleep(idle_s + rank())  # rank 1 closes a second after rank 0
     eng.close()
@@ -360,7 +366,9 @@ def late_close(idle_s: float, stall: float):
 
 def pause_alone(stall: float):
     """Only rank 0 enters paused(): it is told which rank never came, then both close normally."""
-    eng = shardgen.Engine(tiny_model("gpt2", seed=27), backend="fsdp2", stall_timeout=stall)
+    eng = shardgen.Engine(
+        tiny_model("gpt2", seed=27), backend="fsdp2", stall_timeout=stall, gather="per-layer"
+    )
     msg = "no error"
     if rank() == 0:
         try:

@@ -87,7 +87,12 @@ class Ranks:
     """N rank processes of tests/liveness_rank.py, killed by pid on exit."""
 
     def __init__(
-        self, scenario: str, world: int = 2, victim: int | None = None, script: str = "liveness_rank.py"
+        self,
+        scenario: str,
+        world: int = 2,
+        victim: int | None = None,
+        script: str = "liveness_rank.py",
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         port = free_port()
         tag = f"{scenario}-w{world}-v{victim}"
@@ -105,6 +110,7 @@ class Ranks:
                 "STALL_TIMEOUT": str(STALL),
                 "GLOO_SOCKET_IFNAME": "lo",
                 "VICTIM": str(world - 1 if victim is None else victim),
+                **(extra_env or {}),  # the scenario's settings (GATHER, BACKEND, ...)
             }
             if _FRESH:
                 out = open(self.logs[r], "w")

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 FAULTS = ("sigkill", "sigstop", "raise")
-GATHERS = ("per-layer", "once", "auto")  # EngineConfig.gather, one per schedule
+GATHERS = ("per-layer", "stationary", "once", "auto")  # EngineConfig.gather, one per schedule
 
 
 def make_schedule(seed: int, fault_share: float = 0.25, world: int | None = None) -> dict[str, Any]:

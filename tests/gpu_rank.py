@@ -1,4 +1,6 @@
-"""One rank of the 2-GPU test: ``torchrun --nproc-per-node 2 tests/gpu_rank.py`` (NCCL via shardgen.init)."""
+"""One rank of the GPU tests: ``torchrun --nproc-per-node N tests/gpu_rank.py`` (NCCL via shardgen.init).
+
+``BACKEND`` (default fsdp2) and ``GATHER`` (default: the engine's) choose the engine's setup."""
 
 from __future__ import annotations
 
@@ -16,12 +18,18 @@ import shardgen  # noqa: E402
 rank, world = shardgen.init()
 assert dist.get_backend() == "nccl", dist.get_backend()
 ref = tiny_model("llama", seed=43).cuda()
-eng = shardgen.Engine(tiny_model("llama", seed=43), backend="fsdp2")  # moves to cuda:LOCAL_RANK
+gather = {"gather": os.environ["GATHER"]} if os.environ.get("GATHER") else {}
+backend = os.environ.get("BACKEND", "fsdp2")
+eng = shardgen.Engine(tiny_model("llama", seed=43), backend=backend, **gather)  # moves to cuda:LOCAL_RANK
+if gather.get("gather") == "stationary":
+    assert eng.gather_policy == "stationary" and eng.backend.stationary is not None
 assert eng.device == torch.device("cuda", int(os.environ["LOCAL_RANK"]))
 for c in range(1 + rank):  # uneven calls
     ids, mask = batch([4, 6], seed=44 + 10 * rank + c)
     got = eng.generate_ids(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=10)
     assert torch.equal(got, hf_generate(ref, ids.cuda(), mask.cuda(), max_new_tokens=10))
+if gather.get("gather") == "stationary":
+    assert eng.backend.stationary.forwards > 0  # the forwards really ran weight-stationary, on cuda
 dist.barrier()
 eng.close()
 print(f"rank {rank}: ok", flush=True)

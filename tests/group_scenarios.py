@@ -30,7 +30,11 @@ def _workload(eng, ref, n_calls: int, seed: int) -> int:
     return n_calls
 
 
-def explicit_groups(sleep_s: float, arch: str = "llama"):
+def _gather(gather: str | None) -> dict:
+    return {"gather": gather or "per-layer"}  # the shadows these scenarios count are lockstep's
+
+
+def explicit_groups(sleep_s: float, arch: str = "llama", gather: str | None = None):
     """Two engines on explicit groups [0, 1] and [2, 3]; rank 3 is away for ``sleep_s`` first.
 
     Group A: uneven calls, an all_reduce on its own subgroup while its peer still generates,
@@ -41,7 +45,9 @@ def explicit_groups(sleep_s: float, arch: str = "llama"):
     pgs = [dist.new_group(GROUPS[0]), dist.new_group(GROUPS[1])]  # every rank, same order
     g = _mine()
     ref = tiny_model(arch, seed=21)
-    eng = shardgen.Engine(tiny_model(arch, seed=21), backend="fsdp2", group=pgs[g], stall_timeout=60)
+    eng = shardgen.Engine(
+        tiny_model(arch, seed=21), backend="fsdp2", group=pgs[g], stall_timeout=60, **_gather(gather)
+    )
     assert eng.ranks == GROUPS[g] and eng.world == 2 and eng.rank == rank()
     t0 = time.monotonic()
     if rank() == 3:
@@ -69,7 +75,7 @@ def explicit_groups(sleep_s: float, arch: str = "llama"):
     return closed_at, eng.stats()["prefills"], eng.stats()["shadow_forwards"]
 
 
-def hsdp(sleep_s: float, arch: str = "llama"):
+def hsdp(sleep_s: float, arch: str = "llama", gather: str | None = None):
     """A model the user wrapped with ``fully_shard`` on a 2-D (replicate, shard) mesh: the engine
     derives its group (the rank's shard group) by itself. Rank 1 is away for ``sleep_s``;
     group B closes without waiting for it; rank 0 sits in a world all_reduce while rank 1
@@ -83,7 +89,7 @@ def hsdp(sleep_s: float, arch: str = "llama"):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     ref = tiny_model(arch, seed=22)
-    eng = shardgen.Engine(model, backend="fsdp2", stall_timeout=60)
+    eng = shardgen.Engine(model, backend="fsdp2", stall_timeout=60, **_gather(gather))
     g = _mine()
     assert eng.ranks == GROUPS[g], eng.ranks
     t0 = time.monotonic()
@@ -103,7 +109,7 @@ def hsdp(sleep_s: float, arch: str = "llama"):
     return closed_at, eng.stats()["shadow_forwards"]
 
 
-def deepspeed_subgroup(kind: str, sleep_s: float):
+def deepspeed_subgroup(kind: str, sleep_s: float, gather: str | None = None):
     """A ZeRO-3 model partitioned over a data-parallel subgroup ([0, 1] and [2, 3]): through
     ``deepspeed.initialize(mpu=...)`` (``kind="mpu"``) or ``zero.Init(module=...,
     data_parallel_group=...)`` (``kind="zero_init"``). The engine derives its group from the
@@ -140,7 +146,7 @@ def deepspeed_subgroup(kind: str, sleep_s: float):
         model, *_ = deepspeed.initialize(model=model, config=cfg, mpu=MPU())
     else:
         deepspeed.zero.Init(module=model, data_parallel_group=pgs[g], config_dict_or_path=cfg)
-    eng = shardgen.Engine(model, backend="deepspeed", stall_timeout=60)
+    eng = shardgen.Engine(model, backend="deepspeed", stall_timeout=60, **_gather(gather))
     assert eng.ranks == GROUPS[g], eng.ranks
     t0 = time.monotonic()
     if rank() == 3:

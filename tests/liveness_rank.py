@@ -42,9 +42,13 @@ def main(scenario: str) -> None:
 
         pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         group = pgs[rank // 2]
+    gather = {"gather": os.environ["GATHER"]} if os.environ.get("GATHER") else {}
+    if scenario == "skip_forward" and not gather:
+        gather = {"gather": "per-layer"}  # the fault is a skipped per-layer gather
     engine = shardgen.Engine(
         tiny_model("llama", seed=3),
-        backend="fsdp2",
+        backend=os.environ.get("BACKEND", "fsdp2"),
+        **gather,
         stall_timeout=stall,
         init_timeout=stall if scenario == "never_constructs" else 120,  # a loaded machine starts slowly
         group=group,
@@ -61,6 +65,22 @@ def main(scenario: str) -> None:
             return real(**kw)
 
         engine.backend.forward = flaky
+
+    if scenario == "exchange_raises" and rank == victim:
+        # gather="stationary": raise between two exchanges of one forward (after an input
+        # exchange, before its outputs return), in the 4th forward's second linear group.
+        from shardgen.backends.stationary import exchange
+
+        real_return, seen = exchange.return_columns, [0]
+
+        def broken(*a, **kw):
+            seen[0] += 1
+            if seen[0] == 3 * 9 + 2:  # a tiny Llama forward returns 9 groups' outputs (8 + the head)
+                event("raising")
+                raise ValueError("injected failure between two exchanges")
+            return real_return(*a, **kw)
+
+        exchange.return_columns = broken
 
     if scenario == "driver_deadlock" and rank == victim:
         real, calls = engine.backend.forward, [0]

@@ -93,10 +93,14 @@ def scenario_load_and_generate(
     """
     if warm_path is not None:
         ids, mask = batch([3], seed=0)
-        with shardgen.Engine.from_pretrained(warm_path, backend=backend, dtype=dtype) as warm:
+        with shardgen.Engine.from_pretrained(
+            warm_path, backend=backend, dtype=dtype, gather="per-layer"
+        ) as warm:
             warm.generate_ids(ids, mask, max_new_tokens=1)
     base = reset_peak()
-    engine = shardgen.Engine.from_pretrained(path, backend=backend, dtype=dtype, max_batch_size=4, **options)
+    engine = shardgen.Engine.from_pretrained(
+        path, backend=backend, dtype=dtype, max_batch_size=4, **options, gather="per-layer"
+    )
     loaded = vm_hwm_mb() - base
     ids, mask = batch([6, 3, 5], seed=dist.get_rank())
     try:
@@ -160,7 +164,9 @@ def scenario_dtype_sequence(path: str, backend: str, dtypes: list[str], fp16_sup
     try:
         for dtype in dtypes:
             before = _process_state()
-            with shardgen.Engine.from_pretrained(path, backend=backend, dtype=dtype) as engine:
+            with shardgen.Engine.from_pretrained(
+                path, backend=backend, dtype=dtype, gather="per-layer"
+            ) as engine:
                 params = list(engine.model.parameters())
                 dtypes_seen = sorted({str(p.dtype) for p in params})
                 shards = sorted(
@@ -206,6 +212,6 @@ def scenario_hf_zero3(path: str, offload: bool, new: int = 5) -> bool:
         unset_hf_deepspeed_config()
     assert all(hasattr(p, "ds_id") for p in model.parameters()), "not partitioned at load"
     ids, mask = batch([6, 3, 5], seed=dist.get_rank())
-    with shardgen.Engine(model, backend="deepspeed", max_batch_size=4) as engine:
+    with shardgen.Engine(model, backend="deepspeed", max_batch_size=4, gather="per-layer") as engine:
         out = engine.generate_ids(ids, mask, max_new_tokens=new)
     return bool(torch.equal(out, _oracle(path, "auto", ids, mask, new)))

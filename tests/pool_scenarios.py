@@ -58,7 +58,7 @@ def allocator_untouched(backend: str) -> dict:
     before = mmapped_after_a_larger_free()
     ref = tiny_model("llama", seed=31)
     ids, mask = batch([3, 5], seed=rank())
-    with shardgen.Engine(tiny_model("llama", seed=31), backend=backend) as eng:
+    with shardgen.Engine(tiny_model("llama", seed=31), backend=backend, gather="per-layer") as eng:
         got = eng.generate_ids(ids, mask, max_new_tokens=4)
     return dict(
         before=before,
@@ -76,7 +76,7 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
     ``bucket_mb``: DeepSpeed's bucket size (tiny: one parameter per bucket)."""
     ref = tiny_model("llama", seed=32)
     options = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
-    eng = shardgen.Engine(tiny_model("llama", seed=32), backend=backend, **options)
+    eng = shardgen.Engine(tiny_model("llama", seed=32), backend=backend, **options, gather="per-layer")
     b = eng.backend
 
     def counts() -> dict:
@@ -107,7 +107,12 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
     eng.close()
     closed = counts()
     return dict(
-        first=first, second=second, paused=paused, after_pause=after_pause, closed=closed, equal=equal,
+        first=first,
+        second=second,
+        paused=paused,
+        after_pause=after_pause,
+        closed=closed,
+        equal=equal,
         calls=dict(calls),
     )
 

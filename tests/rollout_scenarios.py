@@ -127,10 +127,11 @@ def logprobs_sharded(backend: str) -> dict:
     }
 
 
-def share_on_off(backend: str, gather: str = "per-layer") -> dict:
+def share_on_off(backend: str, gather: str = "per-layer", max_prefill_tokens: int | None = None) -> dict:
     """Rollouts at n = 1, 3 and 8 with ``share_prefill`` on, then off, on a model shardgen shards,
     batches of 5 (groups split, waiting, refilled): rank 0 holds 3 prompts then 2, rank 1 one
-    prompt then none. -> {share: (rows of each rollout, prefill tokens)}."""
+    prompt then none; ``max_prefill_tokens`` for sharing on (off: one-shot prefills). ->
+    {share: (rows of each rollout, prefill tokens), "policy": the engine's gather policy}."""
     import shardgen
 
     rank = dist.get_rank()
@@ -140,6 +141,7 @@ def share_on_off(backend: str, gather: str = "per-layer") -> dict:
     for share in (True, False):
         model = tiny_model("llama", seed=7)
         kw = dict(backend=backend, gather=gather, share_prefill=share, max_batch_size=5)
+        kw["max_prefill_tokens"] = max_prefill_tokens if share else None
         with shardgen.Engine(model, **kw) as eng:
             got = [
                 rows(eng.rollout(prompts, n=n, seed=4, max_new_tokens=8, eos_token_id=EOS, temperature=0.9))
@@ -147,6 +149,7 @@ def share_on_off(backend: str, gather: str = "per-layer") -> dict:
                 for prompts in prompt_sets
             ]
         out[share] = (got, eng.stats()["prefill_tokens"])
+        out["policy"] = eng.gather_policy
     return out
 
 

@@ -1,4 +1,4 @@
-"""``shardgen bench`` at a tiny size (2 ranks, few prompts, three methods), and its pure parts."""
+"""``shardgen bench`` at a tiny size (2 ranks, few prompts, four methods), and its pure parts."""
 
 from __future__ import annotations
 
@@ -52,16 +52,16 @@ def test_summary_takes_the_slowest_rank_and_divides_by_the_floor():
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_bench_two_ranks_three_methods(tmp_path: Path):
+def test_bench_two_ranks_four_methods(tmp_path: Path):
     pytest.importorskip("matplotlib")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "shardgen", "bench", "--world-sizes", "2", "--prompts-per-rank", "4",
-           "--batch-size", "2", "--methods", "hf_synced", "sg_fsdp2", "local",
+           "--batch-size", "2", "--methods", "hf_synced", "sg_fsdp2", "sg_fsdp2_stationary", "local",
            "--json", "b.json", "--timeline", "b.png"]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads((tmp_path / "b.json").read_text())["worlds"]["2"]["methods"]
-    assert list(res) == ["hf_synced", "sg_fsdp2", "local"]
+    assert list(res) == ["hf_synced", "sg_fsdp2", "sg_fsdp2_stationary", "local"]
     for name, r in res.items():
         assert r["wrong_answers"] == 0 and r["useful_tok_s"] > 0 and r["forwards"] > 0, (name, r)
         assert set(r["spans"]) == {"0", "1"}

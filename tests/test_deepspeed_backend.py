@@ -188,20 +188,31 @@ def test_model_partitioned_on_other_ranks_is_refused(dsworld):
 
 @pytest.mark.parametrize(
     "user_partitioned, gather",
-    [(False, "per-layer"), (True, "per-layer"), (False, "once")],
-    ids=["shardgen-partitioned", "user-partitioned", "shardgen-partitioned-gather-once"],
+    [(False, "per-layer"), (True, "per-layer"), (False, "once"), (True, "stationary")],
+    ids=[
+        "shardgen-partitioned",
+        "user-partitioned",
+        "shardgen-partitioned-gather-once",
+        "user-partitioned-stationary-rank-away-8s",
+    ],
 )
 def test_seed_script_through_engine_completes(dsworld, user_partitioned, gather):
-    """The seed's uneven calls + default barrier, through shardgen.Engine(backend='deepspeed')."""
-    r0, r1 = dsworld.run(sc.seed_script_engine, user_partitioned, gather, timeout=90)
+    """The seed's uneven calls + default barrier, through shardgen.Engine(backend='deepspeed').
+    Stationary (the seed's setup: offloaded parameters, rank 0 away for 8 s after its first
+    call): rank 1's next calls finish while rank 0 is away, rank 0's driver serving them."""
+    away = 8.0 if gather == "stationary" else 0.0
+    r0, r1 = dsworld.run(sc.seed_script_engine, user_partitioned, gather, away, timeout=120)
+    assert r0["policy"] == r1["policy"] == gather
+    if away:
+        assert r1["done_s"] < away < r0["done_s"], (r0["done_s"], r1["done_s"])
     assert (r0["calls"], r1["calls"]) == (2, 3)  # outputs equal HF: asserted in the ranks
     stats = [r0["stats"], r1["stats"]]
     assert [s["prefills"] for s in stats] == [2, 3] and [s["requests"] for s in stats] == [6, 9], stats
-    if gather == "per-layer":
+    if gather in ("per-layer", "stationary"):
         assert r0["stats"]["shadow_forwards"] > 0  # rank 0 kept rank 1's third call going
     else:
         assert r0["stats"]["shadow_forwards"] == r1["stats"]["shadow_forwards"] == 0, stats
-    assert_lockstep(stats, one_forward_per_tick=gather == "per-layer")
+    assert_lockstep(stats, one_forward_per_tick=gather != "once")
     assert r0["describe"]["offload_param"] == r1["describe"]["offload_param"] == "cpu"
 
 

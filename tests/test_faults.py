@@ -109,3 +109,34 @@ def test_exception_at_5_ranks_is_named_by_every_healthy_rank(ranks_factory):
     assert code != 0 and "injected failure" in ranks.text(victim), ranks.dump()
     t_fault = ranks.events(victim, "error")[0]["t"]
     check_every_healthy_rank_names(ranks, victim, world, "exception in a forward", t_fault)
+
+
+STATIONARY = {"GATHER": "stationary"}
+
+
+STATIONARY_CASES = [
+    ("fsdp2", "SIGKILL"),
+    ("fsdp2", "SIGSTOP"),
+    ("fsdp2", "raises between two exchanges"),
+    ("deepspeed", "raises between two exchanges"),
+]
+
+
+@pytest.mark.parametrize(("backend", "fault"), STATIONARY_CASES)
+def test_stationary_faults_at_3_ranks_are_named_by_every_healthy_rank(ranks_factory, backend, fault):
+    """gather="stationary": a rank killed, stopped, or raising between two exchanges of a forward
+    (its peers wait in the next exchange) is named by both healthy ranks."""
+    env = {**STATIONARY, "BACKEND": backend, "DS_ACCELERATOR": "cpu"}
+    victim = 1
+    if fault == "raises between two exchanges":
+        ranks = ranks_factory("exchange_raises", 3, victim, env=env)
+        code, _ = ranks.wait_exit(victim, 300)
+        assert code != 0 and "injected failure between two exchanges" in ranks.text(victim), ranks.dump()
+        check_every_healthy_rank_names(ranks, victim, 3, fault, ranks.events(victim, "error")[0]["t"])
+        return
+    ranks = ranks_factory("sigkill", 3, victim, env=env)
+    ranks.wait_event(victim, "call_done", count=2, timeout=300)
+    t_fault = time.time()
+    os.kill(ranks.procs[victim].pid, getattr(signal, fault))
+    check_every_healthy_rank_names(ranks, victim, 3, f"{fault} ({backend}, stationary)", t_fault)
+    assert all(e["same_as_hf"] for e in ranks.events(0, "call_done")), ranks.dump()

@@ -34,3 +34,21 @@ def test_fsdp2_nccl_two_gpus_uneven_calls():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0: ok" in proc.stdout and "rank 1: ok" in proc.stdout
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_stationary_on_cuda_world_size_1(backend):
+    """gather="stationary" at world size 1 on a CUDA device (NCCL parameter group, gloo control
+    plane): CUDA tensors through the whole stationary forward; greedy == HF on the same device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "gpu_rank.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", str(script)]
+    env = {**os.environ, "GATHER": "stationary", "BACKEND": backend}
+    env.pop("DS_ACCELERATOR", None)  # DeepSpeed picks its CUDA accelerator
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0: ok" in proc.stdout

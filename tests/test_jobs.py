@@ -476,7 +476,7 @@ def test_help_shows_choices_defaults_and_plain_words():
     text = _help("run")
     for shown in (
         "--backend {fsdp2,deepspeed,local}",
-        "--gather {per-layer,once,auto}",
+        "--gather {per-layer,stationary,once,auto}",
         "--dtype {auto,float32,bfloat16,float16,float64}",
         "--claim-order {longest,input}",
         "--log-level {debug,info,warning,error,critical}",

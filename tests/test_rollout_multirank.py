@@ -46,12 +46,22 @@ def test_training_between_rollouts(rlworld, mode):
 
 
 @pytest.mark.parametrize(
-    "backend, gather", [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once")]
+    "backend, gather, max_prefill_tokens",
+    [
+        ("fsdp2", "per-layer", None),
+        ("deepspeed", "per-layer", None),
+        ("fsdp2", "once", None),
+        ("fsdp2", "stationary", None),
+        ("deepspeed", "stationary", 7),
+    ],
 )
-def test_shared_prefill_on_and_off_give_identical_rows(rlworld, backend, gather):
+def test_shared_prefill_on_and_off_give_identical_rows(rlworld, backend, gather, max_prefill_tokens):
     """n = 1, 3, 8; ranks holding 3 and 1 prompts, then 2 and none; batches of 5 (refills). The
-    sharded heads compute in chunks whose GEMMs depend on their input's strides: caught here."""
-    out = rlworld.run(sc.share_on_off, backend, gather, timeout=300)
+    sharded heads compute in chunks whose GEMMs depend on their input's strides: caught here.
+    Stationary: the exchanges sized from the tick's (tokens, head rows) of forked and chunked
+    prefills (7 tokens a forward: a rank's chunk beside another's decode step)."""
+    out = rlworld.run(sc.share_on_off, backend, gather, max_prefill_tokens, timeout=300)
+    assert all(res["policy"] == gather for res in out)
     for r, res in enumerate(out):
         (on, on_tokens), (off, off_tokens) = res[True], res[False]
         assert on == off, f"rank {r}"

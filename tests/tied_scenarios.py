@@ -59,14 +59,14 @@ def generate(
         if dist.get_rank() == 0 and not os.path.exists(os.path.join(ckpt, "config.json")):
             ref.save_pretrained(ckpt)
         dist.barrier()
-        engine = shardgen.Engine.from_pretrained(ckpt, backend=backend, **options)
+        engine = shardgen.Engine.from_pretrained(ckpt, backend=backend, **options, gather="per-layer")
     elif path in ("user", "user-unit"):
         engine = shardgen.Engine(
-            user_wrap(gemma(tied, plain), path == "user-unit"), backend=backend, **options
+            user_wrap(gemma(tied, plain), path == "user-unit"), backend=backend, **options, gather="per-layer"
         )
     else:
         assert path == "engine", path
-        engine = shardgen.Engine(gemma(tied, plain), backend=backend, **options)
+        engine = shardgen.Engine(gemma(tied, plain), backend=backend, **options, gather="per-layer")
     ids, mask = batch([3, 6, 2], seed=40 + dist.get_rank())
     try:
         out = engine.generate_ids(ids, attention_mask=mask, max_new_tokens=6)

@@ -23,7 +23,7 @@ LIBRARY_DEFAULTS: dict[str, Any] = {
 model's ``generation_config`` sets them."""
 
 BACKEND_NAMES = ("fsdp2", "deepspeed", "local")
-GATHER_POLICIES = ("per-layer", "once", "auto")
+GATHER_POLICIES = ("per-layer", "stationary", "once", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 CLAIM_ORDERS = ("longest", "input")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -170,10 +170,12 @@ class EngineConfig:
 
     backend: str = field(default="fsdp2", metadata={"choices": BACKEND_NAMES})
     """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
-    gather: str = field(default="per-layer", metadata={"choices": GATHER_POLICIES})
-    """(agreed) ``per-layer`` (gather each unit on every forward), ``once`` (gather the whole model
-    when work starts, decode without parameter traffic) or ``auto`` (``once`` if it fits
-    ``memory_budget_gb``)."""
+    gather: str = field(default="auto", metadata={"choices": GATHER_POLICIES})
+    """(agreed) ``per-layer`` (gather each unit on every forward), ``stationary`` (no big weight
+    moves: each rank computes its rows' outputs for every rank's tokens; activations are
+    exchanged), ``once`` (gather the whole model when work starts, decode without parameter
+    traffic) or ``auto`` (``once`` if it fits ``memory_budget_gb``, else per forward the cheaper
+    of ``stationary`` and ``per-layer`` for its token count)."""
     max_batch_size: int | None = None
     """Requests decoded together on one rank. None: sized from ``memory_budget_gb``, as many rows as
     their KV cache (2048 tokens a row, capped by the model's context) fits next to the weights a
@@ -226,7 +228,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.gather not in GATHER_POLICIES:
-            raise ValueError(f"gather must be 'per-layer', 'once' or 'auto', got {self.gather!r}")
+            names = ", ".join(map(repr, GATHER_POLICIES))
+            raise ValueError(f"gather must be one of {names}, got {self.gather!r}")
         if self.gil_switch_interval is not None and not 0 < self.gil_switch_interval < math.inf:
             raise ValueError(
                 f"gil_switch_interval must be > 0 seconds or None, got {self.gil_switch_interval}"

@@ -6,7 +6,8 @@ rank (the tick protocol guarantees it), so any collective a backend issues is
 matched on every rank of its parameter group.
 
 Collective contract, per method (all ranks of the parameter group, same order):
-- ``forward(**inputs)``: the sharded gathers of one forward pass.
+- ``forward(**inputs)``: the sharded gathers of one forward pass, or with ``forward_mode``
+  ``"stationary"`` the exchanges of ``backends/stationary`` (no big weight moves).
 - ``shadow_forward()``: exactly the gathers ``forward`` issues, without real work.
 - ``gather_all()`` / ``release_all()``: one full gather / release of every unit.
 - ``enter_pause()`` / ``exit_pause()``: no collective (attribute changes, local releases).
@@ -37,10 +38,38 @@ class Backend:
     #: while it is live, forwards run on it (no sharding hooks in the path).
     replica: Any = None
 
+    #: The weight-stationary mode (``backends/stationary``) once :meth:`enable_stationary` built it.
+    stationary: Any = None
+    #: How the next forward gets its weights, ``"per-layer"`` or ``"stationary"``, and the agreed
+    #: ``(tokens, head_rows)`` of every rank's forward this tick: set by the driver before each forward.
+    forward_mode: str = "per-layer"
+    forward_shapes: list[tuple[int, int]] | None = None
+
     def __init__(self, hf_model: torch.nn.Module, module: torch.nn.Module, device: torch.device) -> None:
         self.hf_model = hf_model
         self.module = module
         self.device = device
+
+    def enable_stationary(self) -> str | None:
+        """Build the stationary mode (``self.stationary``); None when built, else why not (forwards
+        then gather per layer). Local: classifies and probes the model, no collective."""
+        return f"backend {self.name!r} has no weight-stationary mode"
+
+    def set_forward(self, mode: str, shapes: list[tuple[int, int]] | None) -> None:
+        """The mode and agreed shapes of the next forward (real or shadow). Driver thread. Local."""
+        self.forward_mode, self.forward_shapes = mode, shapes
+
+    def stationary_forward(self, inputs: dict[str, Any]) -> Any:
+        """One forward in the stationary mode with the agreed shapes. Collective on the parameter
+        group (``backends/stationary/mode.py``): every rank, same tick."""
+        assert self.stationary is not None and self.forward_shapes is not None
+        return self.stationary.forward(self.forward_shapes, lambda: self.module(**inputs))
+
+    def per_layer_cost(self) -> Any:
+        """The collectives of one per-layer forward (``stationary.cost.Cost``), for ``auto``."""
+        from shardgen.backends.stationary.cost import gathered_cost
+
+        return gathered_cost(len(self.units()), self.full_param_bytes(), 1)
 
     def forward(self, **inputs: Any) -> Any:
         """Run one forward. Collective on the parameter group when ``lockstep``."""
@@ -71,6 +100,8 @@ class Backend:
         collective): the shards were never changed."""
         if self.replica is not None:
             self.replica.free()
+        if self.stationary is not None:
+            self.stationary.invalidate()  # its kept parameters and cut rows
         self.lockstep = True
 
     def full_param_bytes(self) -> int:

@@ -219,6 +219,7 @@ class FSDP2Backend(PooledGathers, Backend):
 
     #: The embeddings / head gathered in row chunks in shardgen's forwards (``chunked.py``), or None.
     chunked: ChunkedModules | None = None
+    param_group: Any = None
 
     @classmethod
     def create(
@@ -238,6 +239,7 @@ class FSDP2Backend(PooledGathers, Backend):
         if isinstance(model, FSDPModule) and getattr(model, "_shardgen_sharded", False):
             # Sharded by shardgen on param_group already (Engine.from_pretrained, shardgen.loading).
             backend = cls(model, model, device)
+            backend.param_group = param_group
             backend._user_reshard = backend._reshard_settings()
             backend.use_pool()
             backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
@@ -252,6 +254,7 @@ class FSDP2Backend(PooledGathers, Backend):
             ]
             move_to_group(model, param_group)
             backend = cls(model, model, device)
+            backend.param_group = param_group
             backend._user_groups = saved
             backend._private_group = param_group
             backend._user_reshard = backend._reshard_settings()
@@ -260,6 +263,7 @@ class FSDP2Backend(PooledGathers, Backend):
             return backend
         shard_model(model, DeviceMesh.from_group(param_group, device.type))
         backend = cls(model, model, device)
+        backend.param_group = param_group
         backend._user_reshard = backend._reshard_settings()
         backend.use_pool()
         backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
@@ -296,10 +300,13 @@ class FSDP2Backend(PooledGathers, Backend):
         self._free_hooks = [u.register_forward_pre_hook(drop) for u in self.units()]  # after FSDP's
 
     def forward(self, **inputs: Any) -> Any:
-        """One forward: the units' all-gathers, the chunked modules' row chunks. Collective on the
-        param group while ``lockstep`` (same order on every rank: module call order)."""
+        """One forward: the units' all-gathers, the chunked modules' row chunks (or, in the
+        stationary mode, its exchanges). Collective on the param group while ``lockstep`` (same
+        order on every rank: module call order)."""
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
+        if self.forward_mode == "stationary":
+            return self.stationary_forward(inputs)
         self._in_forward = True
         try:
             with active(self.chunked), self._pooled():
@@ -329,6 +336,28 @@ class FSDP2Backend(PooledGathers, Backend):
                 indices = getattr(pg, "_post_forward_indices", None)
                 if indices:
                     indices.clear()
+
+    def enable_stationary(self) -> str | None:
+        """The weight-stationary mode over FSDP2's dim-0 shards (``backends/stationary``). Local."""
+        from shardgen.backends.stationary import Stationary, Unsupported
+        from shardgen.backends.stationary.fsdp2 import FSDP2Source
+
+        try:
+            source = FSDP2Source(self.module, self.param_group, self.device)
+            self.stationary = Stationary.create(self.module, source)
+        except Unsupported as e:
+            return str(e)
+        return None
+
+    def per_layer_cost(self) -> Any:
+        """One all-gather per FSDP unit (the chunked ones: per row chunk), the full weights."""
+        from shardgen.backends.stationary import gathered_cost
+
+        n = len({id(u._get_fsdp_state()) for u in self.units()})
+        if self.chunked is not None:
+            n += sum(self.chunked.describe().values())  # row chunks instead of their units' gathers
+            n -= len({id(m._get_fsdp_state()) for m in self.chunked.modules})
+        return gathered_cost(n, self.full_param_bytes(), self.param_group.size())
 
     _user_groups: list[tuple[Any, Any, Any]] = []  # (mesh info, shard group, reduce-scatter group)
     _private_group: Any = None

@@ -221,4 +221,3 @@ def _quiet() -> None:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-

@@ -13,6 +13,8 @@ every ``world``-th one (a static split: the same prompts for every method). Meth
   ZeRO-3: ``GatheredParameters`` around each (padded) call, DeepSpeed's hooks removed inside.
 - ``sg_fsdp2`` / ``sg_fsdp2_once`` / ``sg_ds`` / ``sg_ds_once``: one shardgen ``generate()`` per
   rank (continuous refill), per-layer or gather-once, on each backend.
+- ``sg_fsdp2_stationary`` / ``sg_ds_stationary``: the same, weight-stationary (no weight of a
+  linear, the embeddings or the head moves; activations are exchanged).
 - ``local``: shardgen with ``backend="local"`` (an unsharded replica per rank): the floor.
 
 Every method's answers are checked against the toy task. Every function here is collective:
@@ -37,6 +39,8 @@ SG_METHODS = {  # name: (backend, gather)
     "sg_fsdp2_once": ("fsdp2", "once"),
     "sg_ds": ("deepspeed", "per-layer"),
     "sg_ds_once": ("deepspeed", "once"),
+    "sg_fsdp2_stationary": ("fsdp2", "stationary"),
+    "sg_ds_stationary": ("deepspeed", "stationary"),
     "local": ("local", "per-layer"),
 }
 METHODS = (*HF_METHODS, *SG_METHODS)
@@ -52,9 +56,12 @@ DESCRIPTIONS = {  # shown by shardgen bench --help
     "sg_fsdp2_once": "shardgen, fsdp2 backend, the whole model gathered once",
     "sg_ds": "shardgen, deepspeed backend, gathers per layer",
     "sg_ds_once": "shardgen, deepspeed backend, the whole model gathered once",
+    "sg_fsdp2_stationary": "shardgen, fsdp2 backend, weight-stationary (no weight moves; "
+    "activations are exchanged)",
+    "sg_ds_stationary": "shardgen, deepspeed backend, weight-stationary",
     "local": "shardgen, local backend: an unsharded replica per rank (the floor)",
 }
-DEEPSPEED_METHODS = ("ds_hf", "ds_gather_hf", "sg_ds", "sg_ds_once")
+DEEPSPEED_METHODS = ("ds_hf", "ds_gather_hf", "sg_ds", "sg_ds_once", "sg_ds_stationary")
 
 
 @dataclass
@@ -285,6 +292,9 @@ def _sg(name: str, work: Workload) -> tuple[Any, Run]:
         out.wasted_forwards = shadows
         if backend == "local":
             out.peak_param_bytes = work.full_bytes
+        elif gather == "stationary":  # the shard, the kept small parameters, one fallback module
+            kept = engine.backend.stationary.plan.describe()["kept_bytes"]
+            out.peak_param_bytes = work.full_bytes // world + kept
         else:
             unit = work.unit_bytes if gather == "per-layer" else work.full_bytes
             out.peak_param_bytes = work.full_bytes // world + unit

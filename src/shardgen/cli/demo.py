@@ -86,7 +86,9 @@ def cmd_demo(cfg: DemoConfig) -> int:
 
         rc = launch_job(
             job,
-            EngineConfig(backend="fsdp2", max_batch_size=cfg.batch_size),
+            # Per-layer: the demo shows sharded forwards in lockstep (the idle rank's shadow
+            # forwards), which the default `auto` skips on a model this small (a replica fits).
+            EngineConfig(backend="fsdp2", gather="per-layer", max_batch_size=cfg.batch_size),
             SamplingParams(),
             timeout=cfg.timeout,
         )

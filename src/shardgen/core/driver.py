@@ -23,17 +23,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardgen.backends import Backend
 from shardgen.config import EngineConfig
+from shardgen.core.policy import ForwardMode, resolve
 from shardgen.core.protocol import (
     FINGERPRINT,
+    HEAD_ROWS,
+    HELD_HEAD_ROWS,
+    HELD_TOKENS,
     LIVE,
     NCOLS,
     OPEN,
     PAUSE,
     PENDING,
+    TOKENS,
     ControlPlane,
     Decision,
     Fingerprint,
@@ -49,7 +53,7 @@ from shardgen.faults.liveness import Liveness, is_comm_error
 from shardgen.faults.stalls import GatherCounter
 from shardgen.generation.requests import Request, completion_of, resolve_future
 from shardgen.generation.scheduler import LocalWork
-from shardgen.loading.memory import AUTO_PROBE_ROWS, batch_rows, kv_cache_bytes, memory_budget
+from shardgen.loading.memory import batch_rows, kv_cache_bytes, memory_budget
 from shardgen.log import get_logger
 from shardgen.timeouts import Timeouts
 
@@ -107,6 +111,7 @@ class Driver:
         self.cp = ControlPlane(control, self.ranks.index(rank), world)
         self.gather_policy = self._resolve_gather_policy(hf_config)
         self.config = config = self._sized_batch(hf_config)
+        self.mode = ForwardMode(self.gather_policy, backend, self.ranks.index(rank))
         self.work = LocalWork(
             backend.hf_model, backend, device, config, self.stats, on_finished=self._finished
         )
@@ -201,6 +206,8 @@ class Driver:
             row[LIVE], row[PENDING], row[OPEN] = self.work.live, len(self.work.pending), int(not closed)
             row[PAUSE] = int(pause)
             row[FINGERPRINT] = self.fp.value if cfg.debug_collectives else 0
+            row[TOKENS], row[HEAD_ROWS] = self.work.forward_shape(True)
+            row[HELD_TOKENS], row[HELD_HEAD_ROWS] = self.work.forward_shape(False)
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
@@ -236,6 +243,7 @@ class Driver:
                 idle = min(idle + 1, 16)
             elif decision is Decision.PAUSE:
                 self._release_if_gathered()  # a training step inside would make the copies stale
+                self._drop_kept()
                 t0 = time.perf_counter()
                 self._pause_here()
                 self.timeline.since(t0, "paused")
@@ -243,6 +251,7 @@ class Driver:
             else:
                 assert decision is Decision.EXIT
                 self._release_if_gathered()  # hand the model back sharded, as it came
+                self._drop_kept()
                 self.backend.enter_pause()  # with the user's own setup (their groups outlive ours)
                 self.phase = Phase.CLOSED
                 return
@@ -257,6 +266,12 @@ class Driver:
             if self.config.debug_collectives:
                 self.fp.fold("release_all")
 
+    def _drop_kept(self) -> None:
+        """The stationary mode's kept parameters and cut rows go (a pause may change the weights;
+        the next stationary forward gathers them again). Local; every rank on the same tick."""
+        if self.backend.stationary is not None:
+            self.backend.stationary.invalidate()
+
     def _forward_tick(self, state: TickState) -> None:
         """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant).
 
@@ -266,6 +281,10 @@ class Driver:
         """
         t0 = time.perf_counter()
         lockstep = self.backend.lockstep
+        mode = "per-layer"
+        if lockstep and self.backend.stationary is not None:
+            mode = self.mode.choose(state)  # the same on every rank: from the agreed state
+            self.backend.set_forward(mode, state.shapes())
         steps = 1 if lockstep else self.config.burst_steps
         did_work = False
         t = t0
@@ -282,7 +301,7 @@ class Driver:
             self.stats.shadow_forwards += 1
         if self.config.debug_collectives:
             signature = self.backend.collective_signature()  # always drained
-            self.fp.fold("forward", signature if lockstep else ())
+            self.fp.fold("forward", signature if lockstep else (), mode)
         self.stats.forward_s += time.perf_counter() - t0
 
     def _finished(self, seq: Any) -> None:
@@ -312,27 +331,12 @@ class Driver:
                 time.sleep(0.005)
 
     def _resolve_gather_policy(self, hf_config: Any) -> str:
-        """``per-layer`` or ``once``; ``auto`` picks ``once`` only if it fits on EVERY rank.
+        """``per-layer``, ``once``, ``stationary`` or ``auto`` (``core/policy.py``: ``resolve``).
 
-        Runs in the user thread, in the collective constructor: one all-reduce on the control
-        group when the policy is ``auto`` (every rank, same point of construction).
+        Runs in the user thread, in the collective constructor: all-reduces on the control group
+        (every rank, same point of construction), as ``resolve`` says.
         """
-        policy = self.config.gather
-        if not self.backend.lockstep:
-            return "per-layer"  # nothing to gather
-        if policy != "auto":
-            return policy
-        rows = self.config.max_batch_size or AUTO_PROBE_ROWS  # unset: sized after the policy
-        need = self.backend.full_param_bytes() + kv_cache_bytes(hf_config, rows)
-        fits = need <= memory_budget(self.config.memory_budget_gb, self.device)
-        if self.world > 1:
-            flag = torch.tensor([int(fits)], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
-            fits = bool(flag.item())
-        log.info(
-            "gather='auto': %s (%.1f MB of weights + KV cache)", "once" if fits else "per-layer", need / 1e6
-        )
-        return "once" if fits else "per-layer"
+        return resolve(self.config, self.backend, hf_config, self.device, self.control, self.world)
 
     def _sized_batch(self, hf_config: Any) -> EngineConfig:
         """The config with ``max_batch_size`` set: as given, else as many rows as the memory

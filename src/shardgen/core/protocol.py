@@ -6,7 +6,8 @@ Every rank's driver runs the same sequence of ticks. A tick is:
 
 1. ``agree()``: ONE ``all_reduce(SUM)`` of a CPU int64 vector on the private
    gloo control group. Each rank writes its own row (live sequences, pending
-   requests, open, pause wanted, fingerprint) and zeros elsewhere, so
+   requests, open, pause wanted, fingerprint, the shape of its next forward
+   either way admission goes) and zeros elsewhere, so
    the sum is every rank's row: all ranks hold the same ``TickState``.
 2. ``decide(state)``: a pure function of that agreed state, hence the same
    ``Decision`` on every rank.
@@ -39,9 +40,13 @@ import torch
 
 from shardgen.errors import CollectiveDivergenceError
 
-# Columns of a rank's row in the tick vector.
-LIVE, PENDING, OPEN, PAUSE, FINGERPRINT = range(5)
-NCOLS = 5
+# Columns of a rank's row in the tick vector. TOKENS, HEAD_ROWS: the shape of the forward this
+# rank runs this tick if new requests may be admitted (``TickState.admit``), HELD_TOKENS,
+# HELD_HEAD_ROWS if not ((0, 0): none, it shadows): the tokens every layer's input holds and
+# the rows the LM head's holds (``LocalWork.forward_shape``). The weight-stationary mode's
+# exchanges size every rank's share from them (``TickState.shapes``).
+LIVE, PENDING, OPEN, PAUSE, FINGERPRINT, TOKENS, HEAD_ROWS, HELD_TOKENS, HELD_HEAD_ROWS = range(9)
+NCOLS = 9
 
 
 class Phase(str, enum.Enum):
@@ -98,6 +103,12 @@ class TickState:
     def admit(self) -> bool:
         """May ranks admit new requests this tick? Not while everybody waits to pause."""
         return not self.all_pause
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """``(tokens, head_rows)`` of every rank's forward this tick (``(0, 0)``: a shadow), as the agreed
+        ``admit`` selects them: the same list on every rank."""
+        tokens, head = (TOKENS, HEAD_ROWS) if self.admit else (HELD_TOKENS, HELD_HEAD_ROWS)
+        return [(row[tokens], row[head]) for row in self.rows]
 
 
 def decide(state: TickState) -> Decision:

@@ -76,6 +76,48 @@ class SeqState:
             self.finish_reason = "length"
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The forwards of one prefill: the rows it computes (the first row of each distinct prompt
+    when sharing, else every row), ``fork`` (row i takes computed row ``fork[i]``; None without
+    sharing) and the column ranges of its chunks. Pure: the scheduler asks it for a prefill's
+    shape before the batch exists."""
+
+    batch_rows: int
+    rows: list[int]
+    fork: list[int] | None
+    chunks: list[tuple[int, int]]
+
+    @staticmethod
+    def of(prompts: list[list[int]], share: bool, max_tokens: int | None) -> PrefillPlan:
+        """``share``: rows with the same prompt prefill it once. ``max_tokens``: most tokens (rows x
+        columns, padding included) one forward computes; None: all."""
+        first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
+        rows: list[int] = []
+        fork: list[int] = []
+        for i, p in enumerate(prompts):
+            if tuple(p) not in first:
+                first[tuple(p)] = len(rows)
+                rows.append(i)
+            fork.append(first[tuple(p)])
+        if not (share and len(rows) < len(prompts)):
+            rows, fork = list(range(len(prompts))), None  # type: ignore[assignment]
+        width = max(len(p) for p in prompts)
+        per_row = width if max_tokens is None else max(1, max_tokens // len(rows))
+        k = -(-width // per_row)  # chunks, of near-equal widths (balanced ticks)
+        chunks = [(width * j // k, width * (j + 1) // k) for j in range(k)]
+        return PrefillPlan(len(prompts), rows, fork, chunks)
+
+    def shape(self, chunk: int) -> tuple[int, int]:
+        """``(tokens, head_rows)`` of forward ``chunk``: every layer computes the computed rows'
+        columns of the chunk; the LM head one position of each computed row, or (the last chunk
+        of a shared prefill) of every row of the batch."""
+        c0, c1 = self.chunks[chunk]
+        last = chunk == len(self.chunks) - 1
+        head = self.batch_rows if last and self.fork is not None else len(self.rows)
+        return len(self.rows) * (c1 - c0), head
+
+
 class Batch:
     """Sequences decoding together: a left-padded ``[B, T]`` batch with one KV cache.
 
@@ -127,27 +169,20 @@ class Batch:
 
     def _plan_prefill(self, share: bool, max_tokens: int | None) -> None:
         """Which rows the prefill computes (one per distinct prompt when sharing) and its chunks."""
-        first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
-        rows: list[int] = []  # the first row of each distinct prompt
-        fork: list[int] = []
-        for i, s in enumerate(self.seqs):
-            if tuple(s.prompt_ids) not in first:
-                first[tuple(s.prompt_ids)] = len(rows)
-                rows.append(i)
-            fork.append(first[tuple(s.prompt_ids)])
+        plan = self._prefill = PrefillPlan.of([s.prompt_ids for s in self.seqs], share, max_tokens)
         self.fork: torch.Tensor | None = None  # row i takes the prefill of computed row fork[i]
-        if share and len(rows) < len(self.seqs):
-            self.fork = torch.tensor(fork, dtype=torch.long, device=self.device)
-        else:
-            rows = list(range(len(self.seqs)))
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if plan.fork is not None:
+            self.fork = torch.tensor(plan.fork, dtype=torch.long, device=self.device)
+        idx = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
         self._pre = (self.input_ids.index_select(0, idx), self.position_ids.index_select(0, idx))
         self._pre_mask = None if self.attention_mask is None else self.attention_mask.index_select(0, idx)
-        width = self.prompt_width
-        per_row = width if max_tokens is None else max(1, max_tokens // len(rows))
-        k = -(-width // per_row)  # chunks, of near-equal widths (balanced ticks)
-        self._chunks = [(width * j // k, width * (j + 1) // k) for j in range(k)]
+        self._chunks = plan.chunks
         self._chunk = 0
+
+    def next_prefill_shape(self) -> tuple[int, int]:
+        """``PrefillPlan.shape`` of the next ``prefill_step()``."""
+        assert self.prefilling
+        return self._prefill.shape(self._chunk)
 
     @property
     def prefilling(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shardgen.config import EngineConfig
-from shardgen.generation.decode import Batch, SeqState
+from shardgen.generation.decode import Batch, PrefillPlan, SeqState
 from shardgen.generation.requests import Request
 
 
@@ -71,19 +71,20 @@ class LocalWork:
         anything else (its rows count as live meanwhile).
         """
         t0 = time.perf_counter()
-        batch = self.batch
-        if self.prefilling is not None:
-            self._prefill_forward()
-        elif batch is None and self.pending and admit:
+        kind, n = self._next(admit)
+        if kind is Work.PREFILL and self.prefilling is not None:
+            self._prefill_forward()  # the next chunk (the phase stays the prefill's or refill's)
+        elif kind is Work.PREFILL:
             self.phase = Work.PREFILL
-            self._start(self._take(self.config.max_batch_size))
-        elif batch is not None and self.pending and admit and (take := self._refill_take(batch)):
+            self._start(self._take(n))
+        elif kind is Work.REFILL:
             self.phase = Work.REFILL
             self.stats.refills += 1
-            self._start(take)
-        elif batch is not None:
+            self._start(self._take(n))
+        elif kind is Work.DECODE:
+            assert self.batch is not None
             self.phase = Work.DECODE
-            batch.step()
+            self.batch.step()
             self.stats.decode_steps += 1
         else:
             return False
@@ -91,6 +92,39 @@ class LocalWork:
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
+
+    def _next(self, admit: bool) -> tuple[Work, int]:
+        """What ``step(admit)`` runs now, and how many pending requests it takes; no side effect,
+        so the tick can carry the shape of the forward before it runs. Local."""
+        batch = self.batch
+        if self.prefilling is not None:
+            return Work.PREFILL, 0
+        if batch is None and self.pending and admit:
+            return Work.PREFILL, self._group_take(self.config.max_batch_size)
+        if batch is not None and self.pending and admit and (n := self._refill_count(batch)):
+            return Work.REFILL, n
+        if batch is not None:
+            return Work.DECODE, 0
+        return Work.IDLE, 0
+
+    def forward_shape(self, admit: bool) -> tuple[int, int]:
+        """``(tokens, head_rows)`` of the forward ``step(admit)`` would run now, (0, 0) for none:
+        the tokens every layer's input holds (rows x columns, padding included: a prefill chunk
+        computes its distinct prompts' columns of the chunk) and the rows the LM head's input
+        holds (one position per row; the last chunk of a shared prefill forks them to every
+        row). The tick carries it, so the stationary mode's exchanges are sized from agreed
+        numbers (and checked against them). Local, no side effect."""
+        kind, n = self._next(admit)
+        if kind is Work.PREFILL and self.prefilling is not None:
+            return self.prefilling.next_prefill_shape()
+        if kind in (Work.PREFILL, Work.REFILL):
+            cfg = self.config
+            prompts = [self.pending[i].seq.prompt_ids for i in range(n)]
+            return PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens).shape(0)
+        if kind is Work.DECODE:
+            assert self.batch is not None
+            return len(self.batch.seqs), len(self.batch.seqs)
+        return 0, 0
 
     def _start(self, take: list[Request]) -> None:
         cfg = self.config
@@ -116,40 +150,45 @@ class LocalWork:
         else:
             self.batch.merge(mini, max_rows=self.config.max_batch_size)
 
-    def _take(self, room: int) -> list[Request]:
-        """Requests for ``room`` rows, first come first served, a group at a time: consecutive
-        requests with the same prompt (the ``n`` samples of a rollout) join a batch together, so
-        their prompt is prefilled once. A group that does not fit waits for free rows; one larger
-        than a whole batch is taken in parts. [] when the first group must wait."""
-        take: list[Request] = []
-        while self.pending and len(take) < room:
-            head = self.pending[0].seq.prompt_ids
+    def _group_take(self, room: int) -> int:
+        """How many requests ``_take`` takes for ``room`` rows, first come first served, a group at
+        a time: consecutive requests with the same prompt (the ``n`` samples of a rollout) join a
+        batch together, so their prompt is prefilled once. A group that does not fit waits for
+        free rows; one larger than a whole batch is taken in parts. 0 when the first group must
+        wait. Local, no side effect."""
+        pending = self.pending
+        taken, i = 0, 0
+        while i < len(pending) and taken < room:
+            head = pending[i].seq.prompt_ids
             size = 0
-            for r in self.pending:
-                if r.seq.prompt_ids != head:
-                    break
+            while i + size < len(pending) and pending[i + size].seq.prompt_ids == head:
                 size += 1
-            if size > room - len(take):
-                if take or size <= self.config.max_batch_size:
+            if size > room - taken:
+                if taken or size <= self.config.max_batch_size:
                     break
                 size = room  # a group larger than a batch: the part that fits
-            take += [self.pending.popleft() for _ in range(size)]
+            taken += size
+            i += size
+        return taken
+
+    def _take(self, n: int) -> list[Request]:
+        take = [self.pending.popleft() for _ in range(n)]
         self.stats.requests += len(take)
         return take
 
     def _free(self, batch: Batch) -> int:
         return batch.free_slots() + self.config.max_batch_size - len(batch.seqs)
 
-    def _refill_take(self, batch: Batch) -> list[Request]:
+    def _refill_count(self, batch: Batch) -> int:
         """Refill finished slots now? Each refill costs the live rows one tick (a chunk each, under
         a budget), so wait until a quarter of the slots are free, or until every waiting request
-        fits. The requests taken; [] for not now."""
+        fits. The requests to take; 0 for not now. Local, no side effect."""
         if not self.config.refill or not batch.can_refill():
-            return []
+            return 0
         free = self._free(batch)
         if free > 0 and free >= min(len(self.pending), max(1, self.config.max_batch_size // 4)):
-            return self._take(free)
-        return []
+            return self._group_take(free)
+        return 0
 
     def _collect(self) -> None:
         batch = self.batch

@@ -178,11 +178,37 @@ class DeepSpeedBackend(Backend):
     def forward(self, **inputs: Any) -> Any:
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
+        if self.forward_mode == "stationary":
+            return self.stationary_forward(inputs)  # DeepSpeed's hooks set aside there too
         with ds.lockstep_forward(), active(self.chunked):
             if self.plan is None:
                 return self.module(**inputs)
             with self.plan.forward():
                 return self.module(**inputs)
+
+    def enable_stationary(self) -> str | None:
+        """The weight-stationary mode over the flat partitions (``backends/stationary``). Local."""
+        from shardgen.backends.deepspeed.stationary import DeepSpeedSource
+        from shardgen.backends.stationary import Stationary, Unsupported
+
+        odev = self.offload_device
+        source = DeepSpeedSource(self.module, self.offload, self.param_group, self.device, odev)
+        try:
+            self.stationary = Stationary.create(self.module, source)
+        except Unsupported as e:
+            return str(e)
+        return None
+
+    def per_layer_cost(self) -> Any:
+        """One coalesced all-gather per bucket (per unit without a plan) and per row chunk."""
+        from shardgen.backends.stationary import gathered_cost
+
+        n = len(self.plan) if self.plan is not None else len(self.units())
+        if self.chunked is not None:
+            n += sum(self.chunked.describe().values())
+            if self.plan is None:  # the chunked modules are units too
+                n -= len(self.chunked.modules)
+        return gathered_cost(n, self.full_param_bytes(), dist.get_world_size(self.param_group))
 
     # ------------------------------------------------------------------ gather policy once
     def gather_all(self) -> None:

@@ -17,13 +17,13 @@ import os
 import re
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardgen.backends.stationary.plan import hooks_aside
 from shardgen.log import get_logger, quiet_deprecated_gathers
 
 log = get_logger()
@@ -340,21 +340,7 @@ def hooks_suspended(offload, root: torch.nn.Module) -> Iterator[None]:
     without them, and the originals (which DeepSpeed's handles point at) put back after.
     Other hooks keep their order. Local; the caller's thread only runs forwards meanwhile."""
     handles = [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]
-    ds_ids: dict[int, set[int]] = {}
-    for h in handles:
-        d = h.hooks_dict_ref()
-        if d is not None:
-            ds_ids.setdefault(id(d), set()).add(h.id)
-    saved = []
-    for m in root.modules():
-        for attr in ("_forward_pre_hooks", "_forward_hooks"):
-            d = getattr(m, attr)
-            drop = ds_ids.get(id(d))
-            if drop:
-                saved.append((m, attr, d))
-                setattr(m, attr, OrderedDict((k, v) for k, v in d.items() if k not in drop))
-    try:
+    # Handle ids are unique across every hook dict (one counter), so a set of them names these.
+    ids = {h.id for h in handles if h.hooks_dict_ref() is not None}
+    with hooks_aside(list(root.modules()), ids):
         yield
-    finally:
-        for m, attr, d in saved:
-            setattr(m, attr, d)

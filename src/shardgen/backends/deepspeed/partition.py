@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from shardgen.backends.deepspeed.internals import enum_str, init_class
+from shardgen.backends.moe import is_moe_block
 from shardgen.log import get_logger
 
 log = get_logger()
+__all__ = ["is_moe_block", "lockstep_config", "mark_moe_leaves", "partition"]
 
 # zero_optimization keys that decide whether the gather sequence depends on history.
 LOCKSTEP_ZERO = {
@@ -29,15 +31,6 @@ _ALIASES = {
     "stage3_param_persistence_threshold": "param_persistence_threshold",
     "stage3_max_reuse_distance": "max_reuse_distance",
 }
-_MOE_NAME_TAGS = ("SparseMoe", "MoeBlock", "MoEBlock", "MoeLayer", "MoELayer", "SparseMoE")
-
-
-def is_moe_block(module: torch.nn.Module) -> bool:
-    name = type(module).__name__
-    if any(tag in name for tag in _MOE_NAME_TAGS) or name.endswith(("MoE", "Moe")):
-        return True
-    children = dict(module.named_children())
-    return "experts" in children and ("gate" in children or "router" in children)
 
 
 def mark_moe_leaves(model: torch.nn.Module) -> list[str]:

@@ -1,0 +1,239 @@
+"""Weight-stationary forwards: no weight of a stationary linear, embedding or head ever moves.
+
+:class:`Stationary` runs one of shardgen's forwards (real or shadow) with the plan of
+``plan.py``: the backend's gathering hooks set aside (``Source.aside``), each stationary
+module's ``forward`` replaced by its exchange (``exchange.py``), the kept parameters swapped in
+(gathered once, kept until :meth:`Stationary.invalidate`: a pause may change the weights), and
+each fallback module gathered for its call and released after. Nothing is materialized beyond
+the kept parameters, the cut rows and one fallback module at a time.
+
+Token counts are agreed, not guessed: the driver hands each forward the ``(tokens, head_rows)``
+of every rank's forward from the tick (``shapes``); a linear with rule ``body`` holds
+``tokens`` tokens, one with rule ``rows`` (the LM head) ``head_rows``. A rank whose agreed
+count is 0 is running a shadow forward: its modules contribute zero rows and return zeros,
+through the same collectives in the same order. A real forward that feeds a module another
+count than agreed raises ``RuntimeError`` before that module's first collective.
+
+Collective contract of :meth:`Stationary.forward` (every rank of the parameter group, in the
+same tick, in the same order): first, once after construction or :meth:`invalidate`, one
+all-gather per dtype of the kept parameters, then one of the cut rows' fragments (if any);
+then, in module call order: two collectives per exchange group (an all-gather of the inputs,
+an all-to-all of the outputs), two per embedding call (the ids, the rows), one all-gather per
+dtype per fallback call. The call order is the module structure's (HF decoders call every
+module once per forward, whatever the batch), so a 1x1 shadow issues what any real forward does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardgen.backends.stationary import exchange as ex
+from shardgen.backends.stationary.plan import (
+    EmbeddingSpec,
+    FallbackSpec,
+    LinearSpec,
+    Plan,
+    Source,
+    classify,
+    overridden,
+    probe,
+    swapped,
+)
+from shardgen.backends.stationary.shards import CutRows, gather_full, local_rows
+from shardgen.log import get_logger
+
+log = get_logger()
+
+
+class _Forward:
+    """Per-forward state: the agreed counts and the outputs of groups waiting for their members."""
+
+    def __init__(self, shapes: list[tuple[int, int]]) -> None:
+        self.counts = {"body": [t for t, _ in shapes], "rows": [r for _, r in shapes]}
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(module) -> (input, output)
+
+
+class Stationary:
+    """The weight-stationary mode of one sharded model. Built by a backend (``create``)."""
+
+    def __init__(self, model: nn.Module, source: Source, plan: Plan) -> None:
+        self.model, self.source, self.plan = model, source, plan
+        self.cut = CutRows(
+            [s.shard for s in plan.linears.values()] + [s.shard for s in plan.embeddings.values()]
+        )
+        self.kept: list[torch.Tensor] | None = None  # full values of plan.kept, while kept
+        self._kept_at = {id(r): i for i, r in enumerate(plan.kept)}
+        world = source.world
+        # Per group: the widths of each rank's columns of each of its linears.
+        self._parts = [
+            [[b - a for a, b in (s.shard.row_ranges()[r] for s in g)] for r in range(world)]
+            for g in plan.groups
+        ]
+        self._fw: _Forward | None = None
+        self.forwards = 0
+
+    @classmethod
+    def create(cls, model: nn.Module, source: Source) -> Stationary:
+        """Classify and probe ``model`` (local, no collective); log what falls back."""
+        plan = classify(model, source)
+        probe(model, plan, source)
+        d = plan.describe()
+        log.info(
+            "shardgen: gather='stationary': %d linears in %d exchanges (shared: %s), embeddings %s, "
+            "%d small parameters kept (%.2f MB); fallback per module: %s",
+            d["linears"], d["exchanges"], d["groups"] or "none", d["embeddings"] or "none",
+            d["kept"], d["kept_bytes"] / 2**20, d["fallbacks"] or "none",
+        )  # fmt: skip
+        return cls(model, source, plan)
+
+    # ------------------------------------------------------------------ kept state
+    def invalidate(self) -> None:
+        """Drop the kept parameters and cut rows (a pause may change the weights); the next
+        stationary forward gathers them again. Local."""
+        self.kept = None
+        self.cut.clear()
+
+    def kept_bytes(self) -> int:
+        """Bytes of full parameters held between forwards (kept parameters and cut rows)."""
+        total = sum(t.numel() * t.element_size() for t in self.kept or ())
+        return total + sum(t.numel() * t.element_size() for t in (self.cut.rows or {}).values())
+
+    def _ensure(self) -> None:
+        """Collective on the parameter group when nothing is kept (see the module docstring)."""
+        src = self.source
+        if self.kept is None:
+            self.kept = gather_full([r.shard for r in self.plan.kept], src.group, src.device)
+        self.cut.ensure(src.group, src.device)
+
+    # ------------------------------------------------------------------ the forward
+    def forward(self, shapes: list[tuple[int, int]], call: Any) -> Any:
+        """Run ``call()`` (the model's forward) as a stationary forward with the agreed ``shapes``
+        (``(tokens, head_rows)`` per rank; ``(0, 0)`` for a shadow). Collective on the parameter group
+        (see the module docstring): every rank, the same tick."""
+        plan = self.plan
+        assert len(shapes) == self.source.world, (shapes, self.source.world)
+        with torch.no_grad(), self.source.aside():
+            self._ensure()
+            assert self.kept is not None
+            places = [(m, n, t) for r, t in zip(plan.kept, self.kept, strict=True) for m, n in r.places]
+            forwards = [(s.module, self._linear_fn(s)) for s in plan.linears.values()]
+            forwards += [(s.module, self._embedding_fn(s)) for s in plan.embeddings.values()]
+            forwards += [(s.module, self._fallback_fn(s)) for s in plan.fallbacks.values()]
+            self._fw = _Forward(shapes)
+            try:
+                with swapped(places), overridden(forwards):
+                    out = call()
+                assert not self._fw.pending, f"grouped outputs never used: {list(self._fw.pending)}"
+                self.forwards += 1
+                return out
+            finally:
+                self._fw = None
+
+    def _counts(self, spec: Any, x: torch.Tensor, tokens: int) -> tuple[list[int], bool]:
+        """(agreed counts, shadow) for a call of ``spec`` holding ``tokens`` tokens here."""
+        fw = self._fw
+        assert fw is not None, "stationary module called outside a stationary forward"
+        counts = fw.counts[spec.rule]
+        mine = counts[self.source.rank]
+        if mine and tokens != mine:
+            raise RuntimeError(
+                f"rank {self.source.rank}: {spec.name} got {tokens} tokens ({tuple(x.shape)}) in a "
+                f"stationary forward, the tick agreed {mine} (its shape for this rank's forward is wrong)"
+            )
+        return counts, mine == 0
+
+    def _linear_fn(self, spec: LinearSpec) -> Any:
+        group = self.plan.groups[spec.group]
+        if group[0] is not spec:
+            return lambda x, *_a, **_k: self._member(spec, x)
+        return lambda x, *_a, **_k: self._exchange(group, x)
+
+    def _member(self, spec: LinearSpec, x: torch.Tensor) -> torch.Tensor:
+        """A group member's output, computed in its leader's exchange. Local."""
+        fw = self._fw
+        assert fw is not None
+        got = fw.pending.pop(id(spec.module), None)
+        if got is None or got[0] is not x:
+            raise RuntimeError(
+                f"{spec.name} was called on another input than the linears it shares an exchange with "
+                f"({[s.name for s in self.plan.groups[spec.group]]}); the probe saw them read one input"
+            )
+        return got[1]
+
+    def _exchange(self, group: list[LinearSpec], x: torch.Tensor) -> torch.Tensor:
+        """One exchange for the linears of ``group`` reading ``x``: collective (see the module
+        docstring); returns the first linear's output, keeps the others' for their calls."""
+        src, lead = self.source, group[0]
+        cols = int(lead.shard.shape[1])
+        counts, shadow = self._counts(lead, x, x.numel() // cols)
+        rows = x.new_zeros((0, cols)) if shadow else x.reshape(-1, cols)
+        every = ex.gather_rows(rows, counts, src.rank, src.group)
+        mine = [self._columns(s, every) for s in group]
+        y = mine[0] if len(mine) == 1 else torch.cat(mine, dim=1)
+        parts = self._parts[lead.group]
+        blocks = ex.return_columns(y, counts, [sum(p) for p in parts], src.rank, src.group)
+        outs = ex.split_columns(blocks, parts)
+        results = []
+        for s, out in zip(group, outs, strict=True):
+            width = int(s.shard.shape[0])
+            res = x.new_zeros((*x.shape[:-1], width)) if shadow else out.view(*x.shape[:-1], width)
+            results.append(res)
+        fw = self._fw
+        assert fw is not None
+        for s, res in zip(group[1:], results[1:], strict=True):
+            fw.pending[id(s.module)] = (x, res)
+        return results[0]
+
+    def _columns(self, spec: LinearSpec, every: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of ``spec`` for every token: ``[T, b - a]``. Local."""
+        blocks = local_rows(spec.shard, self.cut)
+        if not blocks:
+            return every.new_zeros((every.shape[0], 0))
+        bias = None
+        if spec.bias is not None:
+            assert self.kept is not None
+            bias = self.kept[self._kept_at[id(spec.bias)]]
+        outs = []
+        for first, w in blocks:
+            b = bias[first : first + w.shape[0]] if bias is not None else None
+            outs.append(F.linear(every, w.to(spec.shard.dtype), b))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _embedding_fn(self, spec: EmbeddingSpec) -> Any:
+        def fn(ids: torch.Tensor, *_a: Any, **_k: Any) -> torch.Tensor:
+            """The lookup from the shards. Collective (``exchange.lookup_rows``: the ids, then the
+            rows), at this module's call, on every rank of the parameter group."""
+            src = self.source
+            counts, shadow = self._counts(spec, ids, ids.numel())
+            flat = ids.new_zeros((0,)) if shadow else ids.reshape(-1)
+            cols = int(spec.shard.shape[1])
+            blocks = local_rows(spec.shard, self.cut)
+            out = ex.lookup_rows(
+                flat, counts, spec.shard.row_ranges(), blocks, cols, spec.shard.dtype, src.rank, src.group
+            )
+            if shadow:
+                return out.new_zeros((*ids.shape, cols))
+            return out.view(*ids.shape, cols)
+
+        return fn
+
+    def _fallback_fn(self, spec: FallbackSpec) -> Any:
+        orig = type(spec.module).forward.__get__(spec.module)
+        prev = spec.module.__dict__.get("forward")
+        if prev is not None:
+            orig = prev
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            """Gather the module's parameters, run it, release them. Collective (one all-gather
+            per dtype of its parameters' pieces, on the parameter group)."""
+            src = self.source
+            full = gather_full([r.shard for r in spec.refs], src.group, src.device)
+            places = [(m, n, t) for r, t in zip(spec.refs, full, strict=True) for m, n in r.places]
+            with swapped(places):
+                return orig(*args, **kwargs)
+
+        return fn

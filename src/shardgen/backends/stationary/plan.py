@@ -1,0 +1,343 @@
+"""The weight-stationary plan of one model: what each module does in a stationary forward.
+
+Built once per engine from the module structure and one local probe forward, the same on
+every rank (no data, no rank's history goes in):
+
+* **stationary linears**: plain ``nn.Linear`` (not a subclass: quantized and custom linears
+  fall back) whose weight rows stay in their shards (``exchange.py``); linears that read the
+  same input one after another in the probe (q/k/v, gate/up) share one exchange (a *group*);
+* **stationary embeddings**: plain ``nn.Embedding`` (no ``max_norm``) looked up from the shards;
+* **kept** parameters: the 1-D ones (norms, biases) of modules that are neither, gathered once
+  and kept until the next pause or close;
+* **fallbacks**: MoE blocks (whole), and any other module owning a parameter of 2 or more
+  dimensions (GPT-2's ``Conv1D``, positional tables of another class, ...), or a linear fed a
+  token count the tick cannot predict: gathered per call, in call order, released after.
+
+The probe (:func:`probe`) runs the model once on a ``[2, 3]`` batch, with the keyword arguments
+the decoder passes, every stationary module returning zeros and every other parameter replaced
+by zeros of its full shape (a fallback's only for its call): it records which linears are
+called, with which input tensor and how many tokens: ``rows x width`` (``"body"``) or ``rows``
+(``"rows"``: the LM head after ``logits_to_keep=1``, which the decoder also passes when the
+model takes it). No collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardgen.backends.chunked import plain_type
+from shardgen.backends.stationary.shards import FlatShard
+from shardgen.log import get_logger
+
+log = get_logger()
+
+PROBE_ROWS, PROBE_WIDTH = 2, 3  # rows, width and rows * width tell the token rules apart
+
+
+class Unsupported(Exception):
+    """A parameter whose layout the mode cannot read (the whole model then gathers per layer)."""
+
+
+class Source:
+    """What a backend tells the mode about its model: the parameter group and, per parameter,
+    where its elements lie. Subclasses implement :meth:`shard` and :meth:`aside`."""
+
+    def __init__(self, group: Any, rank: int, world: int, device: torch.device) -> None:
+        self.group, self.rank, self.world, self.device = group, rank, world, device
+
+    def shard(self, module: nn.Module, name: str) -> FlatShard:
+        """The layout of ``module``'s parameter ``name``; ``Unsupported`` if it cannot be read."""
+        raise NotImplementedError
+
+    def aside(self) -> contextlib.AbstractContextManager:
+        """Around a stationary (or probe) forward: the backend's own gathering hooks set aside. Local."""
+        return contextlib.nullcontext()
+
+    def is_block(self, module: nn.Module) -> bool:
+        """Modules computed whole as a fallback (MoE blocks)."""
+        from shardgen.backends.moe import is_moe_block
+
+        return is_moe_block(module)
+
+
+@dataclass(eq=False)
+class Ref:
+    """One parameter at every place it is registered (tied weights: several)."""
+
+    shard: FlatShard
+    places: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class LinearSpec:
+    name: str
+    module: nn.Module
+    weight: Ref
+    bias: Ref | None = None
+    rule: str = "body"  # which agreed token count its input holds: "body" or "rows"
+    group: int = -1  # index into Plan.groups
+    calls: int = 0  # calls per forward (probe)
+
+    @property
+    def shard(self) -> FlatShard:
+        return self.weight.shard
+
+
+@dataclass(eq=False)
+class EmbeddingSpec:
+    name: str
+    module: nn.Module
+    weight: Ref
+    rule: str = "body"
+    calls: int = 0
+    bias: Ref | None = None  # never: the same fields as a linear
+
+    @property
+    def shard(self) -> FlatShard:
+        return self.weight.shard
+
+
+@dataclass(eq=False)
+class FallbackSpec:
+    name: str
+    module: nn.Module
+    refs: list[Ref]
+    why: str
+    calls: int = 0
+
+
+@dataclass
+class Plan:
+    linears: dict[int, LinearSpec] = field(default_factory=dict)  # id(module) -> spec
+    embeddings: dict[int, EmbeddingSpec] = field(default_factory=dict)
+    fallbacks: dict[int, FallbackSpec] = field(default_factory=dict)
+    kept: list[Ref] = field(default_factory=list)
+    groups: list[list[LinearSpec]] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        """What goes where (logs, tests)."""
+        return {
+            "linears": len(self.linears),
+            "exchanges": len(self.groups),
+            "groups": [[s.name for s in g] for g in self.groups if len(g) > 1],
+            "embeddings": [s.name for s in self.embeddings.values()],
+            "kept": sum(len(r.places) for r in self.kept),
+            "kept_bytes": sum(r.shard.numel * _itemsize(r.shard.dtype) for r in self.kept),
+            "fallbacks": {s.name: s.why for s in self.fallbacks.values()},
+        }
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def classify(model: nn.Module, source: Source) -> Plan:
+    """Sort the model's modules (see the module docstring). Local; raises ``Unsupported``."""
+    plan = Plan()
+    refs: dict[Any, Ref] = {}
+
+    def ref(module: nn.Module, pname: str) -> Ref:
+        shard = source.shard(module, pname)
+        r = refs.setdefault(shard.key, Ref(shard))
+        r.places.append((module, pname))
+        return r
+
+    roots: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if m is not model and source.is_block(m) and not any(name.startswith(n + ".") for n, _ in roots):
+            roots.append((name, m))
+    inside = {id(c) for _, m in roots for c in m.modules()}
+    for name, m in roots:
+        places = [ref(sub, p) for sub in m.modules() for p, v in sub._parameters.items() if v is not None]
+        plan.fallbacks[id(m)] = FallbackSpec(name, m, list(dict.fromkeys(places)), "mixture of experts")
+    kept: dict[int, Ref] = {}
+    for name, m in model.named_modules():
+        own = [p for p, v in m._parameters.items() if v is not None]
+        if id(m) in inside or not own:
+            continue
+        shards = {p: ref(m, p) for p in own}
+        kind = plain_type(m)
+        weight = shards.get("weight")
+        if kind is nn.Linear and weight is not None and len(weight.shard.shape) == 2:
+            bias = shards.get("bias")
+            plan.linears[id(m)] = LinearSpec(name, m, weight, bias)
+            if bias is not None:
+                kept[id(bias)] = bias
+        elif kind is nn.Embedding and getattr(m, "max_norm", None) is None and set(own) == {"weight"}:
+            plan.embeddings[id(m)] = EmbeddingSpec(name, m, weight)
+        elif all(len(r.shard.shape) <= 1 for r in shards.values()):
+            kept.update((id(r), r) for r in shards.values())
+        else:
+            why = f"{type(m).__name__}: not a plain nn.Linear / nn.Embedding"
+            plan.fallbacks[id(m)] = FallbackSpec(name, m, list(shards.values()), why)
+    plan.kept = list(kept.values())
+    return plan
+
+
+@contextlib.contextmanager
+def swapped(places: list[tuple[nn.Module, str, Any]]) -> Iterator[None]:
+    """``module._parameters[name] = value`` for each place for the duration, then the originals
+    back. Local."""
+    saved = [(m, n, m._parameters[n]) for m, n, _ in places]
+    for m, n, v in places:
+        m._parameters[n] = v
+    try:
+        yield
+    finally:
+        for m, n, v in saved:
+            m._parameters[n] = v
+
+
+@contextlib.contextmanager
+def overridden(forwards: list[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
+    """Each module's ``forward`` replaced (an instance attribute) for the duration; whatever
+    instance attribute it had is put back. Local."""
+    saved = [(m, m.__dict__.get("forward")) for m, _ in forwards]
+    for m, fn in forwards:
+        m.forward = fn
+    try:
+        yield
+    finally:
+        for m, prev in saved:
+            if prev is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = prev
+
+
+@contextlib.contextmanager
+def hooks_aside(modules: list[nn.Module], ids: set[int]) -> Iterator[None]:
+    """The forward hooks with these handle ids set aside on ``modules`` for the duration (the hook
+    dicts swapped for copies without them, the originals put back after); other hooks keep their
+    order. Local."""
+    saved = []
+    for m in modules:
+        for attr in ("_forward_pre_hooks", "_forward_hooks"):
+            d = getattr(m, attr)
+            if any(k in ids for k in d):
+                saved.append((m, attr, d))
+                setattr(m, attr, OrderedDict((k, v) for k, v in d.items() if k not in ids))
+    try:
+        yield
+    finally:
+        for m, attr, d in saved:
+            setattr(m, attr, d)
+
+
+def probe(model: nn.Module, plan: Plan, source: Source) -> None:
+    """Run the probe forward and finish ``plan``: token rules, exchange groups, call counts;
+    linears and embeddings fed an unpredictable token count become fallbacks. Local."""
+    calls: list[tuple[Any, torch.Tensor, int]] = []  # (spec, input, tokens); inputs kept alive
+    dev = source.device
+
+    def linear(spec: LinearSpec) -> Callable[..., Any]:
+        def fn(x: torch.Tensor, *_a: Any, **_k: Any) -> torch.Tensor:
+            calls.append((spec, x, x.numel() // max(1, x.shape[-1])))
+            return x.new_zeros((*x.shape[:-1], int(spec.shard.shape[0])))
+
+        return fn
+
+    def embedding(spec: EmbeddingSpec) -> Callable[..., Any]:
+        def fn(ids: torch.Tensor, *_a: Any, **_k: Any) -> torch.Tensor:
+            calls.append((spec, ids, ids.numel()))
+            return torch.zeros(
+                (*ids.shape, int(spec.shard.shape[1])), dtype=spec.shard.dtype, device=ids.device
+            )
+
+        return fn
+
+    def fallback(spec: FallbackSpec) -> Callable[..., Any]:
+        orig = spec.module.__dict__.get("forward") or type(spec.module).forward.__get__(spec.module)
+
+        def fn(*args: Any, **kwargs: Any) -> Any:  # zeros of the full shapes, for this call only
+            spec.calls += 1
+            zeros = [
+                (m, n, torch.zeros(r.shard.shape, dtype=r.shard.dtype, device=dev))
+                for r in spec.refs
+                for m, n in r.places
+            ]
+            with swapped(zeros):
+                return orig(*args, **kwargs)
+
+        return fn
+
+    places = [
+        (m, n, torch.zeros(r.shard.shape, dtype=r.shard.dtype, device=dev))
+        for r in plan.kept
+        for m, n in r.places
+    ]
+    for fb in plan.fallbacks.values():
+        fb.calls = 0
+    forwards = [(s.module, linear(s)) for s in plan.linears.values()]
+    forwards += [(s.module, embedding(s)) for s in plan.embeddings.values()]
+    forwards += [(s.module, fallback(s)) for s in plan.fallbacks.values()]
+    params = inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if "logits_to_keep" in params:  # as the decoder passes them (generation/decode.py)
+        kwargs["logits_to_keep"] = 1
+    if "position_ids" in params:
+        kwargs["position_ids"] = torch.arange(PROBE_WIDTH, device=dev).expand(PROBE_ROWS, PROBE_WIDTH)
+    ids = torch.zeros((PROBE_ROWS, PROBE_WIDTH), dtype=torch.long, device=dev)
+    with torch.no_grad(), source.aside(), swapped(places), overridden(forwards):
+        model(input_ids=ids, **kwargs)
+    _finish(plan, calls)
+
+
+def _finish(plan: Plan, calls: list[tuple[Any, torch.Tensor, int]]) -> None:
+    rules = {PROBE_ROWS * PROBE_WIDTH: "body", PROBE_ROWS: "rows"}
+    seen: dict[int, tuple[Any, list[int]]] = {}
+    for spec, _, n in calls:
+        seen.setdefault(id(spec), (spec, []))[1].append(n)
+    odd: dict[int, str] = {}
+    for spec, counts in seen.values():
+        spec.calls = len(counts)
+        found = {rules.get(n) for n in counts}
+        if len(found) == 1 and None not in found:
+            spec.rule = found.pop()
+        else:
+            odd[id(spec)] = f"fed {sorted(set(counts))} tokens for a {PROBE_ROWS}x{PROBE_WIDTH} batch"
+    for table in (plan.linears, plan.embeddings):
+        for key, spec in list(table.items()):
+            if id(spec) not in odd:
+                continue
+            del table[key]
+            refs = [r for r in (spec.weight, spec.bias) if r is not None]
+            plan.kept = [r for r in plan.kept if r is not spec.bias]
+            plan.fallbacks[key] = FallbackSpec(spec.name, spec.module, refs, odd[id(spec)], spec.calls)
+    # Groups: consecutive calls of once-called linears on the very same input tensor.
+    groups: list[list[LinearSpec]] = []
+    prev: tuple[Any, torch.Tensor] | None = None
+    for spec, x, _ in calls:
+        if not isinstance(spec, LinearSpec) or id(spec.module) not in plan.linears:
+            prev = None
+            continue
+        if spec.group >= 0:  # called again: its own exchange per call
+            prev = None
+            continue
+        lead = groups[-1][0] if prev is not None else None
+        if (
+            lead is not None
+            and prev[1] is x
+            and spec.calls == 1
+            and lead.calls == 1
+            and lead.rule == spec.rule
+            and lead.shard.shape[1] == spec.shard.shape[1]
+        ):
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+        spec.group = len(groups) - 1
+        prev = (spec, x)
+    for spec in plan.linears.values():
+        if spec.group < 0:  # never called in the probe: an exchange of its own if it ever is
+            groups.append([spec])
+            spec.group = len(groups) - 1
+    plan.groups = groups

@@ -1,0 +1,97 @@
+"""The gather policy: how the engine's forwards get their weights (docs: DESIGN.md section 3.3).
+
+``per-layer`` (each unit gathered in every forward), ``stationary`` (no big weight moves:
+``backends/stationary``), ``once`` (the whole model gathered when work starts) and ``auto``:
+``once`` where the replica fits on every rank, else per forward the cheaper of ``stationary``
+and ``per-layer`` by the cost model of ``backends/stationary/cost.py``, from the tick's agreed
+shapes (so every rank chooses the same).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardgen.backends import Backend
+from shardgen.backends.stationary import link_for, stationary_cost
+from shardgen.config import EngineConfig
+from shardgen.core.protocol import TickState
+from shardgen.loading.memory import AUTO_PROBE_ROWS, kv_cache_bytes, memory_budget
+from shardgen.log import get_logger
+
+log = get_logger()
+
+
+def _all(flag: bool, control: Any, world: int) -> bool:
+    """Whether ``flag`` holds on every rank. Collective on ``control`` when ``world > 1``: one
+    all-reduce, every rank at the same point of construction."""
+    if world == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return bool(t.item())
+
+
+def resolve(
+    config: EngineConfig, backend: Backend, hf_config: Any, device: torch.device, control: Any, world: int
+) -> str:
+    """The engine's policy: ``per-layer``, ``once``, ``stationary`` or ``auto`` (per forward).
+
+    Runs in the user thread, in the collective constructor: ``auto`` all-reduces whether the
+    replica fits; ``stationary`` and ``auto`` (when it does not fit) all-reduce whether the
+    stationary mode could be built (``Backend.enable_stationary``, local), so every rank
+    resolves the same policy. Each all-reduce: every rank, the same point of construction."""
+    policy = config.gather
+    if not backend.lockstep:
+        return "per-layer"  # nothing to gather
+    if policy == "auto":
+        rows = config.max_batch_size or AUTO_PROBE_ROWS  # unset: sized after the policy
+        need = backend.full_param_bytes() + kv_cache_bytes(hf_config, rows)
+        fits = _all(need <= memory_budget(config.memory_budget_gb, device), control, world)
+        log.info(
+            "gather='auto': %s (%.1f MB of weights + KV cache)",
+            "fits" if fits else "does not fit",
+            need / 1e6,
+        )
+        if fits:
+            return "once"
+    if policy in ("stationary", "auto"):
+        why = backend.enable_stationary()
+        ok = _all(why is None, control, world)
+        if not ok:
+            backend.stationary = None
+            log.warning(
+                "gather=%r: no weight-stationary mode (%s); gathering per layer", policy, why or "a peer"
+            )
+            return "per-layer"
+    return policy
+
+
+class ForwardMode:
+    """Per tick: the mode of the forward every rank runs (the engine's policy, or ``auto``'s choice)."""
+
+    def __init__(self, policy: str, backend: Backend, rank: int) -> None:
+        self.policy, self.backend, self.rank = policy, backend, rank
+        self.link = link_for(backend.device)
+        self._per_layer_s: float | None = None
+        self.chosen = {"per-layer": 0, "stationary": 0}
+
+    def choose(self, state: TickState) -> str:
+        """``stationary`` or ``per-layer`` for this tick's forward. Local: a function of the agreed
+        state (and of the model), the same on every rank."""
+        if self.policy == "stationary":
+            mode = "stationary"
+        elif self.policy == "auto":
+            mode = self.cheaper(state.shapes())
+        else:
+            mode = "per-layer"
+        self.chosen[mode] += 1
+        return mode
+
+    def cheaper(self, shapes: list[tuple[int, int]]) -> str:
+        if self._per_layer_s is None:
+            self._per_layer_s = self.backend.per_layer_cost().seconds(self.link)
+        st = stationary_cost(self.backend.stationary.plan, shapes, self.rank).seconds(self.link)
+        return "stationary" if st <= self._per_layer_s else "per-layer"

@@ -1,0 +1,313 @@
+"""gather="stationary": weight-stationary forwards on FSDP2 and DeepSpeed (backends/stationary).
+
+In-process: the layouts and the cut-row assembly; the tick's shapes; the decoder's forward
+shape prediction. Gloo ranks (one World of 2 and one of 3 for the module, DeepSpeed's CPU
+accelerator set): greedy token equality with HF on every tiny architecture (tied and untied,
+sizes no world size divides, biases, GPT-2's Conv1D and Mixtral's MoE falling back), uneven work
+(a rank prefilling while another decodes, refills, a rank with no requests); the collectives of
+real and shadow forwards, recorded and against the plan's count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardgen.backends.stationary.shards as sh
+from shardgen.core.protocol import HEAD_ROWS, HELD_HEAD_ROWS, HELD_TOKENS, NCOLS, PAUSE, TOKENS, TickState
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+# ----------------------------------------------------------------------------- in-process
+LAYOUTS = [(101, 36, 2), (101, 36, 3), (7, 5, 4), (3, 40, 8), (96, 32, 3), (2, 9, 3), (50, 1, 4)]
+
+
+@pytest.mark.parametrize("rows,cols,world", LAYOUTS)
+@pytest.mark.parametrize("flat", [True, False], ids=["deepspeed", "fsdp2"])
+def test_every_row_has_one_owner_and_cut_rows_assemble_exactly(monkeypatch, rows, cols, world, flat):
+    full = torch.randn(rows, cols)
+    numel = rows * cols
+    if flat:
+        starts, sizes = sh.flat_layout(numel, -(-numel // world), world)
+    else:
+        starts, sizes = sh.dim0_layout((rows, cols), world)
+    assert sum(sizes) == numel and all(
+        starts[r] + sizes[r] == starts[r + 1] for r in range(world - 1) if sizes[r + 1]
+    )
+    flatw = full.reshape(-1)
+
+    def fake_gather(items, group, rank, world_, device, dtypes):  # every rank's piece, read from `full`
+        out = []
+        for (piece_sizes, _), shard in zip(items, shards_now, strict=True):
+            out.append([flatw[shard.starts[r] : shard.starts[r] + piece_sizes[r]] for r in range(world_)])
+        return out
+
+    monkeypatch.setattr(sh, "gather_pieces", fake_gather)
+    owned = torch.zeros(rows, dtype=torch.long)
+    for r in range(world):
+        part = torch.zeros(max(sizes))
+        part[: sizes[r]] = flatw[starts[r] : starts[r] + sizes[r]]
+        shard = sh.FlatShard((rows, cols), starts, sizes, lambda p=part: p, full.dtype, r)
+        shards_now = [shard]
+        assert flat or not shard.has_cut_rows  # FSDP2 never cuts a row
+        cut = sh.CutRows([shard])
+        cut.ensure(None, torch.device("cpu"))
+        a, b = shard.row_ranges()[r]
+        got = sh.local_rows(shard, cut)
+        assert sum(blk.shape[0] for _, blk in got) == b - a
+        for first, blk in got:
+            assert torch.equal(blk, full[first : first + blk.shape[0]])
+            owned[first : first + blk.shape[0]] += 1
+    assert owned.tolist() == [1] * rows
+
+
+def test_tick_shapes_follow_the_agreed_admission():
+    def row(tokens, head, held_tokens, held_head, pause):
+        r = [0] * NCOLS
+        r[TOKENS], r[HEAD_ROWS], r[PAUSE] = tokens, head, pause
+        r[HELD_TOKENS], r[HELD_HEAD_ROWS] = held_tokens, held_head
+        return r
+
+    state = TickState([row(4, 9, 2, 1, 1), row(0, 0, 0, 0, 0)])
+    assert state.admit and state.shapes() == [(4, 9), (0, 0)]
+    state = TickState([row(4, 9, 2, 1, 1), row(3, 1, 3, 1, 1)])
+    assert not state.admit and state.shapes() == [(2, 1), (3, 1)]
+
+
+@pytest.mark.parametrize(
+    "share,max_prefill_tokens", [(False, None), (True, None), (True, 7), (False, 5)], ids=str
+)
+def test_forward_shape_predicts_what_each_step_feeds(share, max_prefill_tokens):
+    """prefill (shared, chunked), refill and decode: the (tokens, head rows) the tick carries is
+    what the forward feeds every layer and the LM head."""
+    from concurrent.futures import Future
+
+    from models import tiny_model
+
+    from shardgen.config import EngineConfig, SamplingParams
+    from shardgen.core.shared import EngineStats
+    from shardgen.generation.decode import SeqState
+    from shardgen.generation.requests import Request
+    from shardgen.generation.scheduler import LocalWork
+
+    model = tiny_model("llama", seed=1)
+    fed: list[tuple[int, int]] = []
+    head_rows: list[int] = []
+    forked: list[bool] = []  # the head saw other rows than the body: a shared prefill's fork
+    hidden = model.config.hidden_size
+    model.get_output_embeddings().register_forward_hook(  # after the decoder's own pre-hook
+        lambda _m, args, _out: head_rows.append(args[0].numel() // hidden)
+    )
+
+    class Backend:
+        def forward(self, **kw):
+            out = model(**kw)
+            fed.append((kw["input_ids"].numel(), head_rows.pop()))
+            forked.append(fed[-1][1] != kw["input_ids"].shape[0])
+            return out
+
+    cfg = EngineConfig(max_batch_size=4, share_prefill=share, max_prefill_tokens=max_prefill_tokens)
+    work = LocalWork(model, Backend(), torch.device("cpu"), cfg, EngineStats(), on_finished=lambda s: None)
+
+    def req(n, new):
+        seq = SeqState(list(range(3, 3 + n)), SamplingParams(max_new_tokens=new).resolved(), frozenset(), 0)
+        r = Request.__new__(Request)
+        r.seq, r.future = seq, Future()
+        seq.tag = r
+        return r
+
+    # a group of 3 samples of one prompt, then single prompts: a shared prefill forks its rows
+    lengths = [(4, 2), (4, 6), (4, 3), (6, 5), (2, 9), (5, 3), (7, 4), (7, 2), (3, 8)]
+    work.pending.extend(req(n, new) for n, new in lengths)
+    steps = 0
+    while work.pending or work.batch is not None or work.prefilling is not None:
+        admit = steps % 5 != 3  # a tick now and then without admission (everybody pausing)
+        want = work.forward_shape(admit)
+        n = len(fed)
+        assert work.step(admit) == (want != (0, 0))
+        assert (fed[n] if len(fed) > n else (0, 0)) == want, (steps, fed[n:], want)
+        steps += 1
+    assert any(t > h for t, h in fed[1:]), "no refill ran"
+    if share:
+        assert any(forked), "no shared prefill forked its rows"
+    if max_prefill_tokens:
+        assert work.stats.prefill_forwards > work.stats.prefills, "no prefill ran in chunks"
+
+
+# ----------------------------------------------------------------------------- gloo ranks
+class _Worlds:
+    def __init__(self) -> None:
+        self._worlds: dict = {}
+
+    def run(self, n: int, fn, *args, timeout: float = 120.0):
+        from ds_scenarios import warm_up
+        from world import World
+
+        w = self._worlds.get(n)
+        if w is None or w.broken:
+            if w is not None:
+                w.close()
+            w = self._worlds[n] = World(n, env=ENV, start_timeout=120.0)
+            w.run(warm_up, timeout=300)
+        return w.run(fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        for w in self._worlds.values():
+            w.close()
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    handle = _Worlds()
+    yield handle
+    handle.close()
+
+
+ALL = ["llama-odd", "llama-tied", "qwen2", "gpt2", "mixtral", "opt"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+@pytest.mark.parametrize("world,archs", [(2, ALL), (3, ["llama-odd", "mixtral"])], ids=["w2", "w3"])
+def test_greedy_matches_hf(worlds, backend, world, archs):
+    import stationary_scenarios as sc
+
+    out = worlds.run(world, sc.greedy_matches_hf, archs, backend, timeout=300)
+    for name in archs:
+        per = [o[name] for o in out]
+        assert all(p["policy"] == "stationary" for p in per)
+        # every forward was stationary, and ranks shadowed for each other (no work on rank 2)
+        assert all(p["chosen"] == {"per-layer": 0, "stationary": p["stats"]["forward_ticks"]} for p in per)
+        assert per[0]["stats"]["shadow_forwards"] > 0 and per[1]["stats"]["refills"] > 0
+        if world == 3:
+            assert per[2]["stats"]["forwards"] == 0 and per[2]["stats"]["shadow_forwards"] > 0
+        plan = per[0]["plan"]
+        if name == "gpt2":
+            assert any("Conv1D" in why for why in plan["fallbacks"].values()), plan
+        elif name == "opt":
+            assert list(plan["fallbacks"]) == ["model.decoder.embed_positions"] and len(plan["groups"]) == 2
+        elif name == "mixtral":
+            assert sorted(plan["fallbacks"]) == ["model.layers.0.mlp", "model.layers.1.mlp"], plan
+            assert plan["groups"] and plan["linears"] == 9, plan  # q/k/v/o and the head stay
+        else:
+            assert plan["fallbacks"] == {} and len(plan["groups"]) == 4, plan  # q/k/v and gate/up per layer
+        if name == "llama-odd":
+            assert per[0]["cut"] == (backend == "deepspeed"), per[0]  # rows cut across partitions
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+@pytest.mark.parametrize("world,arch", [(2, "llama-odd"), (3, "llama-odd"), (3, "mixtral")])
+def test_real_and_shadow_forwards_issue_the_planned_collectives(worlds, backend, world, arch):
+    import stationary_scenarios as sc
+
+    out = worlds.run(world, sc.collectives_real_vs_shadow, arch, backend, timeout=180)
+    for r, o in enumerate(out):
+        assert all(d <= 1e-5 for d in o["diffs"]), (r, o["diffs"])
+        assert o["first"] and all(c[0] == "all_gather_into_tensor" for c in o["first"][:1])
+        for i, seq in enumerate(o["seqs"]):
+            assert seq and {c[1] for c in seq} == {"param"}, seq
+            # the same collectives, in the same order, on every rank: real and shadow alike
+            assert [c[:2] for c in seq] == [c[:2] for c in out[0]["seqs"][i]], (r, i)
+            gathers = [c for c in seq if c[0] == "all_gather_into_tensor"]
+            assert gathers == [c for c in out[0]["seqs"][i] if c[0] == "all_gather_into_tensor"]
+            assert (len(seq), sum(c[2] for c in seq)) == o["plans"][i], (r, i, o["plans"][i])
+        assert o["kept_bytes"] == 0  # closed: nothing kept
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["fsdp2-user", "deepspeed-init"])
+def test_user_sharded_models_match_hf(worlds, kind):
+    import stationary_scenarios as sc
+
+    for o in worlds.run(2, sc.user_sharded_greedy, kind, timeout=180):
+        assert o["stats"]["forwards"] > 0 and o["plan"]["exchanges"] == 9, o
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    from loading_scenarios import write_checkpoint
+
+    return write_checkpoint(
+        str(tmp_path_factory.mktemp("stationary") / "odd"), tied=False, shards=True, vocab=101
+    )
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_from_pretrained_matches_hf(worlds, ckpt, backend):
+    import stationary_scenarios as sc
+
+    for o in worlds.run(2, sc.pretrained_greedy, ckpt, backend, timeout=180):
+        assert o["policy"] == "stationary" and o["forwards"] > 0, o
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["fsdp2-user", "fsdp2", "deepspeed"])
+def test_training_between_rollouts(worlds, mode):
+    """Losses identical with and without the engine; after every training step the rollout's
+    logprobs are the trained model's: the kept parameters were gathered again (with the stale
+    ones, ``train_between(refresh=False)``, the diffs after a step were 2e-4 to 1e-2; fresh: <= 5e-7)."""
+    import stationary_scenarios as sc
+
+    for r, o in enumerate(worlds.run(2, sc.train_between, mode, timeout=240)):
+        assert o["losses"] == o["base"], (r, o)
+        assert len(o["diffs"]) == 3 and all(d < 1e-5 for d in o["diffs"]), (r, o["diffs"])
+        assert o["stationary"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scenario", ["explicit_groups", "hsdp", "deepspeed_subgroup"])
+def test_engines_over_shard_groups(worlds, scenario):
+    """4 ranks, one engine per shard group of 2 (explicit groups as ``--shard-size 2`` makes them,
+    an HSDP mesh, a DeepSpeed data-parallel subgroup), all stationary: greedy == HF (asserted in
+    the ranks), each engine's exchanges on its own group."""
+    import group_scenarios as gs
+
+    if scenario == "deepspeed_subgroup":
+        worlds.run(4, gs.deepspeed_subgroup, "zero_init", 0.5, "stationary", timeout=300)
+    else:
+        worlds.run(4, getattr(gs, scenario), 0.5, "llama", "stationary", timeout=300)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_auto_mixes_per_layer_and_stationary_forwards_in_one_engine(worlds, backend):
+    import stationary_scenarios as sc
+
+    out = worlds.run(2, sc.auto_mixes_modes, backend, timeout=180)
+    for o in out:
+        assert o["policy"] == "auto", o
+        assert o["chosen"]["per-layer"] > 0 and o["chosen"]["stationary"] > 0, o
+        assert sum(o["chosen"].values()) == o["stats"]["forward_ticks"], o
+    assert out[0]["chosen"] == out[1]["chosen"]  # the same choice on every rank, every tick
+
+
+def test_cost_model_decodes_stationary_and_gathers_for_a_long_prefill():
+    """The plan of a Llama layer at hidden 1024 as 2 ranks would hold it (built in-process from the
+    layouts; the probe is local): auto's choice flips between decode and a long prefill."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardgen.backends.stationary import Stationary, gathered_cost, link_for, stationary_cost
+    from shardgen.backends.stationary.plan import Source
+
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
+                      num_attention_heads=16, num_key_value_heads=16)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+
+    class Whole(Source):  # every parameter laid out as FSDP2 would over 2 ranks; rank 0's view
+        def shard(self, module, name):
+            p = module._parameters[name]
+            starts, sizes = sh.dim0_layout(tuple(p.shape), 2)
+            return sh.FlatShard(
+                tuple(p.shape), starts, sizes, lambda p=p: p.reshape(-1), p.dtype, 0, key=id(p)
+            )
+
+    mode = Stationary.create(model, Whole(None, 0, 2, torch.device("cpu")))
+    full = sum(p.numel() * 4 for p in model.parameters())
+    per_layer = gathered_cost(4, full, 2).seconds(link_for("cpu"))  # a layer, embeddings, head, root
+    decode = stationary_cost(mode.plan, [(8, 1), (8, 1)], 0)
+    assert decode.collectives == 8 + 2 + 2  # q/k/v, o, gate/up, down: 2 each; embedding; head
+    assert decode.seconds(link_for("cpu")) < per_layer
+    assert stationary_cost(mode.plan, [(1, 4096), (1, 4096)], 0).seconds(link_for("cpu")) > per_layer
