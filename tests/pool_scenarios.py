@@ -74,6 +74,17 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
     """Generate twice (the second run must allocate no gather memory), pause (the pools are empty
     during a training step), generate again, close (empty again); outputs equal HF's throughout.
     ``bucket_mb``: DeepSpeed's bucket size (tiny: one parameter per bucket)."""
+    import shardgen.backends.deepspeed as ds_backend
+    import shardgen.backends.fsdp2_pool as fsdp2_pool
+
+    trims = [0]  # malloc_trim calls: at close only (a trim at a pause costs the next step)
+
+    def counted() -> bool:
+        trims[0] += 1
+        return True
+
+    saved = ds_backend.trim_heap, fsdp2_pool.trim_heap
+    ds_backend.trim_heap = fsdp2_pool.trim_heap = counted  # put back before returning
     ref = tiny_model("llama", seed=32)
     options = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
     eng = shardgen.Engine(tiny_model("llama", seed=32), backend=backend, **options, gather="per-layer")
@@ -102,10 +113,12 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
     second = counts()
     with eng.paused():
         paused = counts()
+        trims_paused = trims[0]
     gen()
     after_pause = counts()
     eng.close()
     closed = counts()
+    ds_backend.trim_heap, fsdp2_pool.trim_heap = saved
     return dict(
         first=first,
         second=second,
@@ -114,6 +127,7 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
         closed=closed,
         equal=equal,
         calls=dict(calls),
+        trims=(trims_paused, trims[0]),
     )
 
 
@@ -127,6 +141,7 @@ def check_pools(r: int, res: dict) -> None:
     assert res["paused"]["pool"][2:] == (0, 0), (r, res)  # empty while the user trains
     assert res["after_pause"]["pool"][2] > 0, (r, res)  # refilled by the next forwards
     assert res["closed"]["pool"][2:] == (0, 0), (r, res)
+    assert res["trims"] == (0, 1), (r, res)  # the heap is trimmed at close, not at the pause
     if "storages" in res["first"]:  # FSDP2's unsharded parameters
         (sa1, su1, _), (sa2, su2, _) = res["first"]["storages"], res["second"]["storages"]
         assert sa1 > 0 and sa2 == sa1 and su2 > su1, (r, res)

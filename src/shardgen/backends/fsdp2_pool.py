@@ -49,6 +49,7 @@ class PooledGathers:
     pool: BufferPool | None = None
     #: On a CPU device: the memory of the unsharded parameters in shardgen's forwards, or None.
     storages: StoragePool | None = None
+    _untrimmed = False  # pool memory freed (at a pause) and not yet given back (at close)
 
     _pooled_groups: list[Any] = []  # FSDP param groups whose all-gathers use the pool in our forwards
     _pooled_comm: Any = None
@@ -137,8 +138,9 @@ class PooledGathers:
             for fp in params:
                 del fp.init_all_gather_outputs, fp.alloc_all_gather_outputs, fp.free_unsharded_param
 
-    def release_buffers(self) -> None:
-        """Empty the pools and give the freed heap back to the OS (``pool.trim_heap``). Local."""
+    def release_buffers(self, trim: bool = True) -> None:
+        """Empty the pools; with ``trim``, give the freed heap back to the OS (``pool.trim_heap``).
+        Local."""
         held = (len(self.pool) if self.pool is not None else 0) + (
             self.storages.nbytes() if self.storages is not None else 0
         )
@@ -146,5 +148,7 @@ class PooledGathers:
             self.pool.clear()
         if self.storages is not None:
             self.storages.clear()
-        if held:
+        self._untrimmed = self._untrimmed or bool(held)  # freed since the last trim
+        if trim and self._untrimmed:
             trim_heap()
+            self._untrimmed = False

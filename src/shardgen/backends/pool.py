@@ -14,10 +14,11 @@ outputs of FSDP2's unit all-gathers, of the embedding / head row chunks (``chunk
 and of DeepSpeed's bucket gathers (``deepspeed/buckets.py``), and a :class:`StoragePool`
 the unsharded FSDP2 parameters that FSDP2 copies out into (``fsdp2.py``). A buffer is
 allocated the first time one is needed, reused once nothing refers to it, and kept until
-``clear``: the backends empty both pools when a training pause starts and at close, and
-then give the freed heap back (:func:`trim_heap`). A steady-state forward allocates no
-gather memory; the pools hold what one forward has in flight at once (a decoder layer's
-gather and its unsharded parameters for FSDP2, two or three buckets for DeepSpeed).
+``clear``: the backends empty both pools when a training pause starts and at close, and at
+close give the freed heap back (:func:`trim_heap`; not at a pause: the step reuses it). A
+steady-state forward allocates no gather memory; the pools hold what one forward has in flight
+at once (a decoder layer's gather and its unsharded parameters for FSDP2, two or three buckets
+for DeepSpeed).
 
 Gloo's all-gather would still allocate an output-sized temporary per call in its worker
 threads (``newLikeFlat``: it gathers into a flat tensor of its own, then copies out), and
@@ -198,7 +199,7 @@ class StoragePool:
 
 def trim_heap() -> bool:
     """Give the process's free heap memory back to the OS now (glibc's ``malloc_trim(0)``). An
-    action, not a setting: called when generation stops (pause, close), never per forward.
+    action, not a setting: called at close (and after loading), never per forward.
     Returns False where there is no glibc."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)

@@ -60,6 +60,7 @@ def default_bucket_bytes(device: torch.device) -> int:
 
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
+    _untrimmed = False  # pool memory freed (at a pause) and not yet given back (at close)
 
     def __init__(self, hf_model, module, device, *, offload, param_group, offload_device: str, created: bool):
         super().__init__(hf_model, module, device)
@@ -262,9 +263,9 @@ class DeepSpeedBackend(Backend):
 
     def enter_pause(self) -> None:
         """A model from ``deepspeed.initialize`` gets its own groups, coordinator (prefetch,
-        reuse) and persistence back for training (``pause.py``); the pooled gather buffers go
-        back to the OS. Not collective."""
-        self.release_buffers()
+        reuse) and persistence back for training (``pause.py``); the pooled gather buffers are
+        freed, not trimmed (see ``FSDP2Backend.enter_pause``). Not collective."""
+        self.release_buffers(trim=False)
         if self._user_setup is not None and self._gen_setup is None:
             self._gen_setup = pause.switch(self.offload, self.module, self._user_setup)
 
@@ -293,11 +294,15 @@ class DeepSpeedBackend(Backend):
         self.release_all()
         self.release_buffers()
 
-    def release_buffers(self) -> None:
-        """Empty the pool and give the freed heap back to the OS (``pool.trim_heap``). Local."""
+    def release_buffers(self, trim: bool = True) -> None:
+        """Empty the pool; with ``trim``, give the freed heap back to the OS (``pool.trim_heap``).
+        Local."""
         if self.pool is not None and len(self.pool):
             self.pool.clear()
+            self._untrimmed = True  # freed since the last trim
+        if trim and self._untrimmed:
             trim_heap()
+            self._untrimmed = False
 
 
 def chunk_vocab(
