@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from example_runs import RUN_TIMEOUT_S
 
 from shardgen.bench import command as bench
 from shardgen.core import timeline
@@ -58,7 +59,8 @@ def test_bench_two_ranks_four_methods(tmp_path: Path):
     cmd = [sys.executable, "-m", "shardgen", "bench", "--world-sizes", "2", "--prompts-per-rank", "4",
            "--batch-size", "2", "--methods", "hf_synced", "sg_fsdp2", "sg_fsdp2_stationary", "local",
            "--json", "b.json", "--timeline", "b.png"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    # the bound of every launched run here: 120 s was too short beside two busy processes
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads((tmp_path / "b.json").read_text())["worlds"]["2"]["methods"]
     assert list(res) == ["hf_synced", "sg_fsdp2", "sg_fsdp2_stationary", "local"]
