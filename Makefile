@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,plot,trl]"
+	# DeepSpeed JIT-builds its CPU communication op at its first init (about half a minute):
+	# build it here, once, so no test's timeout can kill ranks mid-build (torch's build lock
+	# would stay behind, and every later DeepSpeed init wait on it).
+	DS_ACCELERATOR=cpu timeout 900 $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 install: $(STAMP)
