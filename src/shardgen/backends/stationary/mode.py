@@ -172,7 +172,7 @@ class Stationary:
         counts, shadow = self._counts(lead, x, x.numel() // cols)
         rows = x.new_zeros((0, cols)) if shadow else x.reshape(-1, cols)
         every = ex.gather_rows(rows, counts, src.rank, src.group)
-        mine = [self._columns(s, every) for s in group]
+        mine = [self._columns(s, every, counts) for s in group]
         y = mine[0] if len(mine) == 1 else torch.cat(mine, dim=1)
         parts = self._parts[lead.group]
         blocks = ex.return_columns(y, counts, [sum(p) for p in parts], src.rank, src.group)
@@ -188,8 +188,12 @@ class Stationary:
             fw.pending[id(s.module)] = (x, res)
         return results[0]
 
-    def _columns(self, spec: LinearSpec, every: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of ``spec`` for every token: ``[T, b - a]``. Local."""
+    def _columns(self, spec: LinearSpec, every: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's columns of ``spec`` for every token: ``[T, b - a]``. Local.
+
+        One product per source rank's tokens (``counts``), not one over all of them: a GEMM's
+        last bits can depend on its row count, so a rank's outputs then depend on its own
+        tokens only, never on how many other ranks brought this tick (which depends on timing)."""
         blocks = local_rows(spec.shard, self.cut)
         if not blocks:
             return every.new_zeros((every.shape[0], 0))
@@ -197,10 +201,14 @@ class Stationary:
         if spec.bias is not None:
             assert self.kept is not None
             bias = self.kept[self._kept_at[id(spec.bias)]]
+        sizes = [c for c in counts if c]
+        parts = list(every.split(sizes)) if sizes and sum(sizes) == every.shape[0] else [every]
         outs = []
         for first, w in blocks:
             b = bias[first : first + w.shape[0]] if bias is not None else None
-            outs.append(F.linear(every, w.to(spec.shard.dtype), b))
+            w = w.to(spec.shard.dtype)
+            y = [F.linear(p, w, b) for p in parts]
+            outs.append(y[0] if len(y) == 1 else torch.cat(y, dim=0))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _embedding_fn(self, spec: EmbeddingSpec) -> Any:
