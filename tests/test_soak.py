@@ -32,7 +32,7 @@ def _job(n: int, tmp_path) -> None:
     # The short job on the default gather (a replica of the toy model) takes seconds: sample
     # often enough to see a trend after the warm-up.
     res = soak.job_soak(
-        n, workdir=tmp_path, timeout=SHORT_TIMEOUT if short else LONG_TIMEOUT, interval=0.1 if short else 0.5
+        n, workdir=tmp_path, timeout=SHORT_TIMEOUT if short else LONG_TIMEOUT, interval=0.05 if short else 0.5
     )
     bound = soak.job_bound(n)
     print("\n".join(soak.job_lines(res, bound)))
