@@ -43,17 +43,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardgen.backends.pool import BufferPool, gather_in_place
+from shardgen.backends.pool import BufferPool, all_gather_single, gather_in_place
 from shardgen.log import get_logger
 
 log = get_logger()
-
-
-def _all_gather_single() -> Any:
-    """``dist.all_gather_single`` (torch >= 2.13, which deprecates ``all_gather_into_tensor`` with
-    a warning), else ``all_gather_into_tensor``: looked up at each call, as a wrapper installed on
-    ``torch.distributed`` later (the collective recorders of the tests) must see it."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def chunk_rows(rows_per_rank: int, cols: int, itemsize: int, world: int, chunk_bytes: int) -> int:
@@ -123,7 +116,7 @@ class FlatWeight:
         if self.pool is not None:  # in place: no gloo temporary (pool.gather_in_place)
             gather_in_place(out, send, self.group).wait()
         else:
-            _all_gather_single()(out, send, group=self.group)
+            all_gather_single()(out, send, group=self.group)
         if pooled is not None and self.pool is not None:
             self.pool.release(pooled)  # gathered: gloo is done with it
         return out

@@ -51,6 +51,13 @@ class InPlaceGather:
             w.wait()
 
 
+def all_gather_single() -> Any:
+    """``dist.all_gather_single`` (torch >= 2.13, which deprecates ``all_gather_into_tensor`` with
+    a warning), else ``all_gather_into_tensor``: looked up at each call, as a wrapper installed on
+    ``torch.distributed`` later (the collective recorders of the tests) must see it."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_in_place(out: torch.Tensor, inp: torch.Tensor, group: Any) -> InPlaceGather:
     """``all_gather_into_tensor(out, inp, group)`` written in place: rank ``r``'s ``inp`` lands in
     ``out``'s ``r``-th slice of ``inp.numel()`` elements, by one broadcast per rank of ``group``

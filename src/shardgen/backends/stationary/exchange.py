@@ -5,7 +5,7 @@ Rank ``r`` holds ``T_r`` tokens of a forward (agreed in the tick: every rank kno
 same input, like q/k/v):
 
 1. :func:`gather_rows`: every rank gets every rank's input rows, ``X = [T, in]``
-   (``T = sum T_r``): one ``all_gather_into_tensor`` of ``[max T_r, in]`` pieces, each rank's
+   (``T = sum T_r``): one all-gather (``all_gather_single``) of ``[max T_r, in]`` pieces, each rank's
    padded with zeros (exact: padding is dropped, never computed with);
 2. each rank computes its own columns ``Y_r = X @ W[a_r:b_r].T`` for every token;
 3. :func:`return_columns`: one ``all_to_all_single`` in which rank ``s`` sends rank ``r`` the
@@ -32,11 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardgen.backends.pool import all_gather_single
+
 
 def gather_rows(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> torch.Tensor:
     """``[sum(counts), k]``: every rank's rows of ``x`` (``[counts[rank], k]`` here), in rank order.
 
-    Collective on ``group``: one ``all_gather_into_tensor`` of ``[max(counts), k]`` per rank,
+    Collective on ``group``: one all-gather (``all_gather_single``) of ``[max(counts), k]`` per rank,
     whatever this rank's own count (none in a group of one rank, or when no rank has a token:
     every rank knows both)."""
     world, k = len(counts), x.shape[-1]
@@ -48,7 +50,7 @@ def gather_rows(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> to
         send = x.new_zeros((top, k))
         send[: counts[rank]] = x
     buf = x.new_empty((world * top, k))
-    dist.all_gather_into_tensor(buf, send.contiguous(), group=group)
+    all_gather_single()(buf, send.contiguous(), group=group)
     if all(c == top for c in counts):
         return buf
     return torch.cat([buf[r * top : r * top + c] for r, c in enumerate(counts) if c])

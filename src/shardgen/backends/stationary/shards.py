@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from shardgen.backends.pool import all_gather_single
 
 
 @dataclass
@@ -121,7 +122,7 @@ def gather_pieces(
     tensor of at least ``sizes[rank]`` elements, or None when that is 0); ``dtypes[i]`` its dtype.
     Returns, per item, the ``world`` pieces (views of one buffer per dtype).
 
-    Collective on ``group``: one ``all_gather_into_tensor`` per distinct dtype, in the order the
+    Collective on ``group``: one all-gather (``all_gather_single``) per distinct dtype, in the order the
     dtypes first appear in ``items``. Every rank calls it with the same sizes and dtypes (they
     are functions of the parameters' shapes and the group size only), in the same order."""
     out: list[list[torch.Tensor]] = [[] for _ in items]
@@ -138,7 +139,7 @@ def gather_pieces(
             pos += n
         if world > 1 and width:
             buf = torch.empty(world * width, dtype=dtype, device=device)
-            dist.all_gather_into_tensor(buf, send, group=group)
+            all_gather_single()(buf, send, group=group)
         else:
             buf = send
         for r in range(world):
