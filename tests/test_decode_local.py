@@ -122,3 +122,80 @@ def test_text_prompts_with_a_tokenizer():
         out = eng.generate(["count from 3 to 7 :", "count from 10 to 12 :"], max_new_tokens=24)
     assert out[0].text.strip() == "3 4 5 6 7" and out[1].text.strip() == "10 11 12"
     assert all(c.finish_reason == "eos" for c in out)
+
+
+def _buffers_per_layer(monkeypatch) -> dict[int, set[int]]:
+    """Record, per cache layer, the K buffers its updates wrote into."""
+    from shardgen.generation import decode
+
+    seen: dict[int, set[int]] = {}
+    orig = decode.ReservedLayer.update
+
+    def update(self, k, v, *a, **kw):
+        out = orig(self, k, v, *a, **kw)
+        seen.setdefault(id(self), set()).add(self._kb.data_ptr())
+        return out
+
+    monkeypatch.setattr(decode.ReservedLayer, "update", update)
+    return seen
+
+
+def test_cache_layers_write_each_step_in_place(monkeypatch):
+    """A plain cache layer allocates its keys/values once for a batch whose rows' budget fits the
+    reserve; every step writes its column in place (DynamicLayer concatenates a new copy one
+    column longer per step, which the CPU heap keeps: docs/PERFORMANCE.md section 15)."""
+    model = tiny_model("llama", seed=6)
+    seen = _buffers_per_layer(monkeypatch)
+    ids, mask = batch([5, 9, 3], seed=7)
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate_ids(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(got, hf_generate(model, ids, mask, max_new_tokens=12, pad_token_id=0))
+    assert len(seen) == model.config.num_hidden_layers and all(len(b) == 1 for b in seen.values()), seen
+
+
+def test_cache_reserve_grows_in_steps_and_matches_hf(monkeypatch, arch_model):
+    """Past the reserve the buffer is copied into a larger one, RESERVE_COLUMNS at a time: with a
+    reserve of 4 columns, 12 new tokens after the prompt take three buffers, outputs equal HF's."""
+    from shardgen.generation import decode
+
+    arch, model = arch_model
+    monkeypatch.setattr(decode, "RESERVE_COLUMNS", 4)
+    seen = _buffers_per_layer(monkeypatch)
+    ids, mask = batch([5, 9, 3, 7], seed=8)
+    expected = hf_generate(model, ids, mask, max_new_tokens=12, pad_token_id=0)
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate_ids(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(got, expected), f"{arch}: engine {got.tolist()} != HF {expected.tolist()}"
+    # prefill: width 9 + 4; then 9 + 12 - 1 = 20 columns at the last step: 13 -> 17 -> 20
+    assert seen and all(len(b) == 3 for b in seen.values()), (arch, seen)
+
+
+def test_reserved_layer_holds_what_dynamic_layer_holds():
+    """Random updates, row selections and leading-column cuts (what a fork, dropped rows and a
+    merge do to a layer) applied to a ReservedLayer and a DynamicLayer give equal keys/values."""
+    from transformers.cache_utils import DynamicLayer
+
+    from shardgen.generation.decode import ReservedLayer
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        res, dyn = ReservedLayer(), DynamicLayer()
+        res.reserve = int(torch.randint(0, 40, (1,), generator=g))
+        rows = 3
+        for _ in range(15):
+            op = int(torch.randint(0, 5, (1,), generator=g))
+            if op == 0 and dyn.is_initialized and rows > 1:  # drop rows / fork
+                idx = torch.randint(0, rows, (rows - 1,), generator=g)
+                for layer in (res, dyn):
+                    layer.keys = layer.keys.index_select(0, idx)
+                    layer.values = layer.values.index_select(0, idx)
+                rows -= 1
+            elif op == 1 and dyn.is_initialized and dyn.keys.shape[-2] > 1:  # leading columns cut
+                for layer in (res, dyn):
+                    layer.keys, layer.values = layer.keys[..., 1:, :], layer.values[..., 1:, :]
+            else:
+                n = int(torch.randint(1, 4, (1,), generator=g))
+                k, v = torch.randn(rows, 2, n, 4, generator=g), torch.randn(rows, 2, n, 4, generator=g)
+                a, b = res.update(k, v), dyn.update(k.clone(), v.clone())
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), trial
+        assert torch.equal(res.keys, dyn.keys) and torch.equal(res.values, dyn.values), trial
