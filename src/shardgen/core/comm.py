@@ -12,7 +12,9 @@ import contextlib
 import datetime
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -248,6 +250,20 @@ def group_names(*groups: Any) -> list[str]:
 
     names = getattr(c10d._world, "pg_names", {})
     return [str(names[g]) for g in groups if g is not None and g in names]
+
+
+def bounded(fn: Callable[..., Any], args: tuple, timeout_s: float, what: str) -> bool:
+    """``fn(*args)`` on a daemon thread of its own, waited for at most ``timeout_s``; True when it
+    ended. For store calls that are not needed for correctness: a stopped store host blocks them
+    whatever the store's timeout (its client waits for an answer that never comes), and a rank
+    whose work is done must not wait for it. Not collective."""
+    t = threading.Thread(target=fn, args=args, name=f"shardgen-{fn.__name__}", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("%s: the store did not answer within %.1fs; left as it is", what, timeout_s)
+        return False
+    return True
 
 
 def forget_engine(

@@ -303,7 +303,8 @@ class Engine:
         self._control = self._params = None
         if self._store is not None:  # once (close() may be called again): the keys go with the last rank
             store, self._store = self._store, None
-            comm.forget_engine(store, self._driver.key_prefix, self.ranks, self._shared.pauses_entered, names)
+            args = (store, self._driver.key_prefix, self.ranks, self._shared.pauses_entered, names)
+            comm.bounded(comm.forget_engine, args, self.timeouts.store_call, f"rank {self.rank}: close")
 
 
 def build_backend(cfg: EngineConfig, model: Any, *, param_group: Any, device: torch.device) -> Backend:

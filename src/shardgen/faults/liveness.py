@@ -161,11 +161,18 @@ class Liveness:
         """Stop beating and watching (after the engine closed or failed). Not collective.
 
         Joins the threads (a daemon thread still inside a store call at interpreter exit can
-        abort the process), except one blocked on an unreachable store."""
+        abort the process), within 10 s in all, except one blocked on an unreachable store: once
+        no round of store calls has completed for ``stall_timeout`` (the watchdog's own
+        criterion, past a round's interval), it is left. The store's host may stop right after
+        the engine's last tick, while this rank closes."""
         self._stop.set()
+        deadline = time.monotonic() + 10.0
         for t in (self._thread, self._watchdog):
-            if t is not threading.current_thread() and t.is_alive():
-                t.join(self.interval + 1.0 if time.monotonic() - self._alive_t > self.stall_timeout else 10)
+            while t is not threading.current_thread() and t.is_alive():
+                now = time.monotonic()
+                if now >= deadline or now - self._alive_t > self.stall_timeout + self.interval:
+                    break
+                t.join(0.05)
 
     def record(self, phase: str | None = None) -> dict[str, Any]:
         """This rank's heartbeat: where its driver is, and who it is."""
