@@ -242,9 +242,10 @@ class Batch:
         """Tell the cache layers how many columns the rows can reach: the batch's width now plus
         the most tokens a live row may still generate."""
         left = max((s.params.max_new_tokens - len(s.tokens) for s in self.seqs if not s.finished), default=0)
+        reach = self.input_ids.shape[1] + left
         for layer in getattr(self.cache, "layers", None) or []:
             if isinstance(layer, ReservedLayer):
-                layer.reserve = self.input_ids.shape[1] + left
+                layer.reserve = reach
 
     def _plan_prefill(self, share: bool, max_tokens: int | None) -> None:
         """Which rows the prefill computes (one per distinct prompt when sharing) and its chunks."""
