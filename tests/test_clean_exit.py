@@ -9,9 +9,13 @@ finalization is how a clean job ends in ``terminate called without an active exc
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 from two_agents import run_once
 
 from shardgen import toy
@@ -30,3 +34,32 @@ def test_two_agent_job_exits_zero_with_no_thread_left(tmp_path: Path):
         assert res["rows"] == 12, out
         assert sum(t.count("EXIT-THREADS") for t in res["outputs"]) >= 4, out  # 2 agents + 2 ranks reported
         assert not res["threads_at_exit"], out
+
+
+def test_last_collectives_right_before_exit_do_not_abort():
+    """The exit guard gives the GIL to gloo's workers before the interpreter finalizes
+    (core/process.py): a rank whose last collectives finish just before it exits exits 0."""
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here.parent / "src"), str(here)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    for attempt in range(3):
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(here / "exit_gil_rank.py"), str(r), "2", str(port)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            for r in range(2)
+        ]
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=120)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+        codes = [p.returncode for p in procs]
+        text = "\n".join(outs)
+        assert codes == [0, 0] and "terminate called" not in text, (attempt, codes, text[-3000:])
+        assert text.count(" done") == 2, text

@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import os
 import sys
+import time
 import weakref
 from typing import Any
 
@@ -43,12 +44,27 @@ def closed(driver: Any) -> None:
         sys.setswitchinterval(_SAVED_SWITCH.pop())
 
 
+#: How long the exit guard gives the GIL away before the interpreter finalizes (see below).
+EXIT_GIL_HANDOFF_S = 0.05
+
+
 @atexit.register
 def _exit_guard() -> None:
     """At interpreter exit, a failed engine may leave gloo work that never completes (a driver
     stuck in a gather, or a tick's all-reduce abandoned when the verdict came): the groups'
     destructors would join gloo's worker threads until the group timeout. Leave at once,
-    non-zero, instead (after rank 0's ``liveness.linger``, registered later, so run first)."""
+    non-zero, instead (after rank 0's ``liveness.linger``, registered later, so run first).
+
+    Otherwise, give the GIL away for a moment before the interpreter finalizes. A gloo worker
+    thread drops a finished collective's work object after the caller's ``wait()`` returned;
+    dropping the work's tensors takes the GIL. When the last collective came just before exit
+    (a tick's all-reduce, a script's final barrier), the worker can ask for the GIL while the
+    main thread finalizes: Python then ends the worker with ``pthread_exit``, whose unwinding
+    through gloo's ``noexcept`` destructor calls ``std::terminate``, and a rank whose work was
+    done exits with SIGABRT ("terminate called without an active exception"; seen in a core
+    dump here: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``PyThread_exit_thread``). A worker
+    waiting for the GIL takes it as soon as the main thread sleeps."""
     for drv in list(_DRIVERS):
         failed = drv.shared.failed
         if failed is not None:
@@ -57,3 +73,5 @@ def _exit_guard() -> None:
                 with contextlib.suppress(Exception):
                     h.flush()
             os._exit(1)
+    if "torch.distributed" in sys.modules:
+        time.sleep(EXIT_GIL_HANDOFF_S)
