@@ -4,9 +4,10 @@ Rank ``r`` holds ``T_r`` tokens of a forward (agreed in the tick: every rank kno
 ``T_r``) and owns rows ``[a_r, b_r)`` of each weight. For a linear (or several that read the
 same input, like q/k/v):
 
-1. :func:`gather_rows`: every rank gets every rank's input rows, ``X = [T, in]``
-   (``T = sum T_r``): one all-gather (``all_gather_single``) of ``[max T_r, in]`` pieces, each rank's
-   padded with zeros (exact: padding is dropped, never computed with);
+1. :func:`gather_rows` (or :func:`start_gather`, which returns before the rows arrive):
+   every rank gets every rank's input rows, ``X = [T, in]`` (``T = sum T_r``): one all-gather
+   (``all_gather_single``) of ``[max T_r, in]`` pieces, each rank's padded with zeros (exact:
+   padding is dropped, never computed with);
 2. each rank computes its own columns ``Y_r = X @ W[a_r:b_r].T`` for every token;
 3. :func:`return_columns`: one ``all_to_all_single`` in which rank ``s`` sends rank ``r`` the
    block ``Y_s[tokens of r]`` (``T_r x o_s``) and receives its own tokens' columns from every
@@ -41,19 +42,41 @@ def gather_rows(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> to
     Collective on ``group``: one all-gather (``all_gather_single``) of ``[max(counts), k]`` per rank,
     whatever this rank's own count (none in a group of one rank, or when no rank has a token:
     every rank knows both)."""
+    parts = start_gather(x, counts, rank, group).wait()
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class Gathering:
+    """The handle of :func:`start_gather`: ``wait()`` returns each rank's rows, in rank order
+    (the ranks with none left out)."""
+
+    def __init__(self, work: Any, buf: torch.Tensor, counts: list[int], top: int) -> None:
+        self.work, self.buf, self.counts, self.top = work, buf, counts, top
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        top, buf = self.top, self.buf
+        if top is None:  # no collective: one rank, or no rank has a token
+            return [buf] if any(self.counts) else []
+        return [buf[r * top : r * top + c] for r, c in enumerate(self.counts) if c]
+
+
+def start_gather(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> Gathering:
+    """:func:`gather_rows` issued without waiting (``async_op``): this rank can compute with its
+    own rows while the others' arrive. Collective on ``group`` exactly as :func:`gather_rows`."""
     world, k = len(counts), x.shape[-1]
     top = max(counts)
     if world == 1 or top == 0:
-        return x
+        return Gathering(None, x, counts, None)
     send = x
     if counts[rank] != top:
         send = x.new_zeros((top, k))
         send[: counts[rank]] = x
     buf = x.new_empty((world * top, k))
-    all_gather_single()(buf, send.contiguous(), group=group)
-    if all(c == top for c in counts):
-        return buf
-    return torch.cat([buf[r * top : r * top + c] for r, c in enumerate(counts) if c])
+    work = all_gather_single()(buf, send.contiguous(), group=group, async_op=True)
+    return Gathering(work, buf, counts, top)
 
 
 def return_columns(

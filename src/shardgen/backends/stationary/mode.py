@@ -18,7 +18,8 @@ Collective contract of :meth:`Stationary.forward` (every rank of the parameter g
 same tick, in the same order): first, once after construction or :meth:`invalidate`, one
 all-gather per dtype of the kept parameters, then one of the cut rows' fragments (if any);
 then, in module call order: two collectives per exchange group (an all-gather of the inputs,
-an all-to-all of the outputs), two per embedding call (the ids, the rows), one all-gather per
+issued without waiting so that this rank's own tokens' columns are computed meanwhile, and
+waited before the all-to-all of the outputs), two per embedding call (the ids, the rows), one all-gather per
 dtype per fallback call. The call order is the module structure's (HF decoders call every
 module once per forward, whatever the batch), so a 1x1 shadow issues what any real forward does.
 """
@@ -171,9 +172,15 @@ class Stationary:
         cols = int(lead.shard.shape[1])
         counts, shadow = self._counts(lead, x, x.numel() // cols)
         rows = x.new_zeros((0, cols)) if shadow else x.reshape(-1, cols)
-        every = ex.gather_rows(rows, counts, src.rank, src.group)
-        mine = [self._columns(s, every, counts) for s in group]
-        y = mine[0] if len(mine) == 1 else torch.cat(mine, dim=1)
+        gathering = ex.start_gather(rows, counts, src.rank, src.group)
+        # This rank's own tokens' columns are computed while the other ranks' rows arrive.
+        own = self._columns(group, rows) if counts[src.rank] else None
+        blocks_in = []
+        for r, p in zip((r for r, c in enumerate(counts) if c), gathering.wait(), strict=True):
+            blocks_in.append(own if r == src.rank and own is not None else self._columns(group, p))
+        if not blocks_in:  # no rank has a token: nothing crosses, every rank knows
+            blocks_in.append(self._columns(group, rows))
+        y = blocks_in[0] if len(blocks_in) == 1 else torch.cat(blocks_in)
         parts = self._parts[lead.group]
         blocks = ex.return_columns(y, counts, [sum(p) for p in parts], src.rank, src.group)
         outs = ex.split_columns(blocks, parts)
@@ -188,27 +195,24 @@ class Stationary:
             fw.pending[id(s.module)] = (x, res)
         return results[0]
 
-    def _columns(self, spec: LinearSpec, every: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """This rank's columns of ``spec`` for every token: ``[T, b - a]``. Local.
+    def _columns(self, group: list[LinearSpec], p: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of every linear of ``group`` for the tokens ``p`` (one source rank's
+        rows): ``[len(p), sum of this rank's widths]``. Local.
 
-        One product per source rank's tokens (``counts``), not one over all of them: a GEMM's
-        last bits can depend on its row count, so a rank's outputs then depend on its own
-        tokens only, never on how many other ranks brought this tick (which depends on timing)."""
-        blocks = local_rows(spec.shard, self.cut)
-        if not blocks:
-            return every.new_zeros((every.shape[0], 0))
-        bias = None
-        if spec.bias is not None:
-            assert self.kept is not None
-            bias = self.kept[self._kept_at[id(spec.bias)]]
-        sizes = [c for c in counts if c]
-        parts = list(every.split(sizes)) if sizes and sum(sizes) == every.shape[0] else [every]
+        One product per source rank's tokens, not one over all of them: a GEMM's last bits can
+        depend on its row count, so a rank's outputs then depend on its own tokens only, never on
+        how many other ranks brought this tick (which depends on timing)."""
         outs = []
-        for first, w in blocks:
-            b = bias[first : first + w.shape[0]] if bias is not None else None
-            w = w.to(spec.shard.dtype)
-            y = [F.linear(p, w, b) for p in parts]
-            outs.append(y[0] if len(y) == 1 else torch.cat(y, dim=0))
+        for spec in group:
+            bias = None
+            if spec.bias is not None:
+                assert self.kept is not None
+                bias = self.kept[self._kept_at[id(spec.bias)]]
+            for first, w in local_rows(spec.shard, self.cut):
+                b = bias[first : first + w.shape[0]] if bias is not None else None
+                outs.append(F.linear(p, w.to(spec.shard.dtype), b))
+        if not outs:
+            return p.new_zeros((p.shape[0], 0))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _embedding_fn(self, spec: EmbeddingSpec) -> Any:
