@@ -72,6 +72,9 @@ def rank_main(args: argparse.Namespace) -> None:
     import shardgen
 
     torch.set_num_threads(1)
+    if args.pin:
+        # Before any process group exists: gloo's worker threads inherit the main thread's CPU.
+        os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % os.cpu_count()})
     shardgen.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {"world": world, "config": vars(args), "part": args.part}
@@ -256,6 +259,12 @@ def main() -> None:
     p.add_argument("--backend", default="fsdp2", help="crossover: the backend")
     p.add_argument("--tokens", default="1,8,32,64,128,256,512", help="crossover: tokens per rank per forward")
     p.add_argument("--prompts", type=int, default=32, help="toy: prompts per rank")
+    p.add_argument(
+        "--pin", action="store_true",
+        help="pin rank r (and its threads) to CPU r mod cores, every method alike: on a 2-core VM the "
+        "scheduler's placement of the ranks' compute and gloo threads otherwise swings stationary's "
+        "tokens/s by 2x between runs",
+    )  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
     run_as_ranks(__file__, args.world, rank_main, args)

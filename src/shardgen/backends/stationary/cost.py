@@ -65,11 +65,11 @@ def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cos
         calls, cols, isz = max(lead.calls, 0), int(lead.shard.shape[1]), _isz(lead.shard.dtype)
         widths = [sum(b - a for a, b in (s.shard.row_ranges()[r] for s in group)) for r in range(world)]
         for _ in range(calls):
-            if max(c):
+            if max(c):  # the inputs: each rank receives every other rank's rows
                 cost.collectives += 1
-                cost.elements += world * max(c) * cols
+                cost.elements += (sum(c) - c[rank]) * cols
                 for r in range(world):
-                    wire[r] += (world - 1) * max(c) * cols * isz
+                    wire[r] += (sum(c) - c[r]) * cols * isz
             if sum(c):
                 cost.collectives += 1
                 cost.elements += c[rank] * sum(widths)
@@ -80,9 +80,9 @@ def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cos
         for _ in range(emb.calls):
             if max(c):
                 cost.collectives += 2
-                cost.elements += world * max(c) + c[rank] * cols
+                cost.elements += sum(c) - c[rank] + c[rank] * cols
                 for r in range(world):
-                    wire[r] += (world - 1) * max(c) * 8 + c[r] * cols * isz  # at most all its rows
+                    wire[r] += (sum(c) - c[r]) * 8 + c[r] * cols * isz  # at most all its rows
     for fb in plan.fallbacks.values():
         by_dtype: dict[torch.dtype, list[int]] = {}
         for ref in fb.refs:

@@ -5,9 +5,8 @@ Rank ``r`` holds ``T_r`` tokens of a forward (agreed in the tick: every rank kno
 same input, like q/k/v):
 
 1. :func:`gather_rows` (or :func:`start_gather`, which returns before the rows arrive):
-   every rank gets every rank's input rows, ``X = [T, in]`` (``T = sum T_r``): one all-gather
-   (``all_gather_single``) of ``[max T_r, in]`` pieces, each rank's padded with zeros (exact:
-   padding is dropped, never computed with);
+   every rank gets every rank's input rows, ``X = [T, in]`` (``T = sum T_r``): one
+   ``all_to_all_single`` in which each rank sends its ``[T_r, in]`` rows to every other rank;
 2. each rank computes its own columns ``Y_r = X @ W[a_r:b_r].T`` for every token;
 3. :func:`return_columns`: one ``all_to_all_single`` in which rank ``s`` sends rank ``r`` the
    block ``Y_s[tokens of r]`` (``T_r x o_s``) and receives its own tokens' columns from every
@@ -33,50 +32,67 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardgen.backends.pool import all_gather_single
-
 
 def gather_rows(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> torch.Tensor:
     """``[sum(counts), k]``: every rank's rows of ``x`` (``[counts[rank], k]`` here), in rank order.
 
-    Collective on ``group``: one all-gather (``all_gather_single``) of ``[max(counts), k]`` per rank,
-    whatever this rank's own count (none in a group of one rank, or when no rank has a token:
-    every rank knows both)."""
+    Collective on ``group``: one ``all_to_all_single`` (:func:`start_gather`; none in a group of
+    one rank, or when no rank has a token: every rank knows both)."""
     parts = start_gather(x, counts, rank, group).wait()
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Gathering:
     """The handle of :func:`start_gather`: ``wait()`` returns each rank's rows, in rank order
-    (the ranks with none left out)."""
+    (the ranks with none left out; this rank's own are its input, never copied)."""
 
-    def __init__(self, work: Any, buf: torch.Tensor, counts: list[int], top: int) -> None:
-        self.work, self.buf, self.counts, self.top = work, buf, counts, top
+    def __init__(
+        self, work: Any, got: torch.Tensor | None, x: torch.Tensor, counts: list[int], rank: int
+    ) -> None:
+        self.work, self.got, self.x, self.counts, self.rank = work, got, x, counts, rank
 
     def wait(self) -> list[torch.Tensor]:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        top, buf = self.top, self.buf
-        if top is None:  # no collective: one rank, or no rank has a token
-            return [buf] if any(self.counts) else []
-        return [buf[r * top : r * top + c] for r, c in enumerate(self.counts) if c]
+        k, parts, pos = self.x.shape[-1], [], 0
+        for r, c in enumerate(self.counts):
+            if not c:
+                continue
+            if r == self.rank:
+                parts.append(self.x)
+            else:
+                assert self.got is not None
+                parts.append(self.got[pos : pos + c * k].view(c, k))
+                pos += c * k
+        return parts
 
 
 def start_gather(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> Gathering:
     """:func:`gather_rows` issued without waiting (``async_op``): this rank can compute with its
-    own rows while the others' arrive. Collective on ``group`` exactly as :func:`gather_rows`."""
+    own rows while the others' arrive.
+
+    Collective on ``group``: one ``all_to_all_single`` in which every rank sends its rows to
+    every other rank and receives exactly theirs (uneven counts need no padding; gloo's all-gather
+    would also allocate an output-sized temporary per call), skipped in a group of one rank or
+    when no rank has a token (every rank knows both)."""
     world, k = len(counts), x.shape[-1]
-    top = max(counts)
-    if world == 1 or top == 0:
-        return Gathering(None, x, counts, None)
-    send = x
-    if counts[rank] != top:
-        send = x.new_zeros((top, k))
-        send[: counts[rank]] = x
-    buf = x.new_empty((world * top, k))
-    work = all_gather_single()(buf, send.contiguous(), group=group, async_op=True)
-    return Gathering(work, buf, counts, top)
+    if world == 1 or max(counts) == 0:
+        return Gathering(None, None, x, counts, rank)
+    mine = counts[rank]
+    send = x.contiguous().view(-1)
+    if world > 2 and mine:
+        send = send.repeat(world - 1)  # one copy of this rank's rows for each other rank
+    got = x.new_empty((sum(counts) - mine) * k)
+    work = dist.all_to_all_single(
+        got,
+        send,
+        output_split_sizes=[0 if r == rank else c * k for r, c in enumerate(counts)],
+        input_split_sizes=[0 if r == rank else mine * k for r in range(world)],
+        group=group,
+        async_op=True,
+    )
+    return Gathering(work, got, x, counts, rank)
 
 
 def return_columns(

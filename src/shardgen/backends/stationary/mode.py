@@ -17,11 +17,12 @@ count than agreed raises ``RuntimeError`` before that module's first collective.
 Collective contract of :meth:`Stationary.forward` (every rank of the parameter group, in the
 same tick, in the same order): first, once after construction or :meth:`invalidate`, one
 all-gather per dtype of the kept parameters, then one of the cut rows' fragments (if any);
-then, in module call order: two collectives per exchange group (an all-gather of the inputs,
-issued without waiting so that this rank's own tokens' columns are computed meanwhile, and
-waited before the all-to-all of the outputs), two per embedding call (the ids, the rows), one all-gather per
-dtype per fallback call. The call order is the module structure's (HF decoders call every
-module once per forward, whatever the batch), so a 1x1 shadow issues what any real forward does.
+then, in module call order: two collectives per exchange group (an all-to-all that brings
+every rank every other rank's input rows, issued without waiting so that this rank's own
+tokens' columns are computed meanwhile, and waited before the all-to-all of the outputs),
+two per embedding call (the ids, the rows), one all-gather per dtype per fallback call. The
+call order is the module structure's (HF decoders call every module once per forward, whatever
+the batch), so a 1x1 shadow issues what any real forward does.
 """
 
 from __future__ import annotations
