@@ -1,6 +1,6 @@
 """A two-agent torchrun job (as on two nodes) exits 0 by itself, with no C++ ``terminate``.
 
-Each run is ~10-50 s on a 2-core machine, so two runs here; ``make fuzz`` runs ten in a
+Each run is ~10-50 s on a 2-core machine, so one run here; ``make fuzz`` runs ten in a
 row (tests/two_agents.py). Every process also reports the Python threads still alive at
 interpreter exit: none may be (a daemon thread inside a store or gloo call at
 finalization is how a clean job ends in ``terminate called without an active exception``).
@@ -26,14 +26,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 def test_two_agent_job_exits_zero_with_no_thread_left(tmp_path: Path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in toy.make_prompts(12, seed=2)))
-    for _ in range(2):
-        res = run_once(tmp_path, prompts)
-        out = "\n".join(t[-3000:] for t in res["outputs"])
-        assert res["codes"] == [0, 0], out
-        assert not res["terminate"], out
-        assert res["rows"] == 12, out
-        assert sum(t.count("EXIT-THREADS") for t in res["outputs"]) >= 4, out  # 2 agents + 2 ranks reported
-        assert not res["threads_at_exit"], out
+    res = run_once(tmp_path, prompts)  # one run; make fuzz runs ten (tests/two_agents.py)
+    out = "\n".join(t[-3000:] for t in res["outputs"])
+    assert res["codes"] == [0, 0], out
+    assert not res["terminate"], out
+    assert res["rows"] == 12, out
+    assert sum(t.count("EXIT-THREADS") for t in res["outputs"]) >= 4, out  # 2 agents + 2 ranks reported
+    assert not res["threads_at_exit"], out
 
 
 def test_last_collectives_right_before_exit_do_not_abort():
@@ -42,7 +41,7 @@ def test_last_collectives_right_before_exit_do_not_abort():
     here = Path(__file__).parent
     path = os.pathsep.join([str(here.parent / "src"), str(here)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    for attempt in range(3):
+    for attempt in range(2):  # without the guard, 4 of 5 such runs aborted: both pass by chance 4%
         port = free_port()
         procs = [
             subprocess.Popen(
