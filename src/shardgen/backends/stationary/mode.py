@@ -178,7 +178,7 @@ class Stationary:
         own = self._columns(group, rows) if counts[src.rank] else None
         blocks_in = []
         for r, p in zip((r for r, c in enumerate(counts) if c), gathering.wait(), strict=True):
-            blocks_in.append(own if r == src.rank and own is not None else self._columns(group, p))
+            blocks_in.append(own if r == src.rank else self._columns(group, p))  # own: counts[rank] > 0
         if not blocks_in:  # no rank has a token: nothing crosses, every rank knows
             blocks_in.append(self._columns(group, rows))
         y = blocks_in[0] if len(blocks_in) == 1 else torch.cat(blocks_in)
