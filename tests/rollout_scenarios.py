@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -235,3 +236,56 @@ def _user_setup_in_place(eng, mode: str) -> bool:
         and all(p.ds_process_group is not eng.backend.param_group for p in params)
         and any(p.ds_persist for p in params)
     )
+
+
+def _hooks(model) -> int:
+    """Forward hooks and pre-hooks on every module of ``model``."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def engines_leave_the_model(mode: str, engines: int = 4) -> dict:
+    """``engines`` engines opened on one user-sharded model (``fsdp2-user`` or ``deepspeed``), one
+    after the other, each with a rollout and a training step inside ``paused()``, every other one
+    with ``debug_collectives`` (its own hooks), then closed: the model keeps no hook of theirs,
+    nothing keeps a closed engine's backend (and so its groups and their gloo threads) alive,
+    and the native threads come back to their count before the first."""
+    import gc
+    import weakref
+
+    import shardgen
+
+    rank = dist.get_rank()
+    model = tiny_model("llama", seed=7).train()
+    ids = batch([6, 6], seed=100 + rank)[0]
+    if mode == "deepspeed":
+        step_model = target = _ds_initialize(model, 0.1)
+        opt, module = None, step_model.module
+    else:
+        step_model = target = module = _user_fsdp2(model)
+        opt = torch.optim.SGD(step_model.parameters(), lr=0.1)
+    backend = "deepspeed" if mode == "deepspeed" else "fsdp2"
+    prompts = id_prompts([5, 3] if rank == 0 else [4], seed=rank)
+
+    def one(debug: bool) -> Any:
+        eng = shardgen.Engine(target, backend=backend, debug_collectives=debug)
+        eng.rollout(prompts, n=2, seed=5, max_new_tokens=4, eos_token_id=EOS, temperature=0.8)
+        with eng.paused():
+            _train_step(step_model, opt, ids, mode == "deepspeed")
+        eng.close()
+        return weakref.ref(eng.backend)
+
+    one(False)  # warm-up: what stays by design (torch's lazy state) exists before the baseline
+    gc.collect()
+    hooks, threads = _hooks(module), len(os.listdir("/proc/self/task"))
+    backends = [one(debug=i % 2 == 1) for i in range(engines)]
+    gc.collect()
+    deadline = time.monotonic() + 5.0  # a peer's sockets close a moment after its own collection
+    while len(os.listdir("/proc/self/task")) != threads and time.monotonic() < deadline:
+        time.sleep(0.1)
+    loss = _train_step(step_model, opt, ids, mode == "deepspeed")  # on the user's setup, after all
+    return {
+        "hooks": (hooks, _hooks(module)),
+        "threads": (threads, len(os.listdir("/proc/self/task"))),
+        "alive": [b() is not None for b in backends],
+        "loss": loss,
+    }

@@ -67,3 +67,16 @@ def test_shared_prefill_on_and_off_give_identical_rows(rlworld, backend, gather,
         assert on == off, f"rank {r}"
         assert on_tokens < off_tokens, f"rank {r}: {on_tokens} prefill tokens shared, {off_tokens} not"
     assert any(len(rows) == 24 for rows in out[0][True][0])  # rank 0: 3 prompts x 8 samples
+
+
+@pytest.mark.parametrize("mode", ["fsdp2-user", "deepspeed"])
+def test_engines_opened_and_closed_on_a_user_model_leave_nothing_on_it(rlworld, mode):
+    """An engine per rollout on the user's own sharded model: after close the model keeps none of
+    the engine's hooks (each would keep the closed engine, its groups and their gloo threads
+    alive, and run on every later forward, training steps included), and the threads come back."""
+    out = rlworld.run(sc.engines_leave_the_model, mode, timeout=240)
+    for r, res in enumerate(out):
+        before, after = res["hooks"]
+        assert after == before, f"rank {r}: {after - before} hooks left on the model by closed engines"
+        assert not any(res["alive"]), f"rank {r}: closed engines' backends still alive: {res['alive']}"
+        assert res["threads"][1] == res["threads"][0], f"rank {r}: native threads {res['threads']}"

@@ -120,8 +120,16 @@ class Backend:
     def instrument(self) -> None:
         """Record which units each forward gathers (``debug_collectives``)."""
         self._gathered: list[int] = []
-        for i, unit in enumerate(self.units()):
+        self._instrument_hooks = [
             unit.register_forward_pre_hook(lambda _m, _a, i=i: self._gathered.append(i))
+            for i, unit in enumerate(self.units())
+        ]
+
+    def uninstrument(self) -> None:
+        """Remove :meth:`instrument`'s hooks (at close: a user's model outlives the engine). Local."""
+        for h in getattr(self, "_instrument_hooks", ()):
+            h.remove()
+        self._instrument_hooks = []
 
     def collective_signature(self) -> tuple[int, ...]:
         """The units gathered since the last call, in order; resets the record."""

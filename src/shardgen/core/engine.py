@@ -296,6 +296,9 @@ class Engine:
         if self._driver.live is not None:
             self._driver.live.stop()
         process.closed(self._driver)
+        if self._driver.gathers is not None:
+            self._driver.gathers.remove()
+        self.backend.uninstrument()
         self.backend.close()
         whole = not dist.is_initialized() or len(self.ranks) == dist.get_world_size()
         names = comm.group_names(self._params, self._control) if whole else []  # a subgroup's are pooled

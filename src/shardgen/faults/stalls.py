@@ -31,12 +31,20 @@ class GatherCounter:
     def __init__(self, backend: Any) -> None:
         self.count = 0
         self._backend = backend
-        for unit in backend.units():
-            unit.register_forward_pre_hook(self._entered, prepend=True)
+        units = backend.units()
+        self._hooks = [u.register_forward_pre_hook(self._entered, prepend=True) for u in units]
 
     def _entered(self, _module: torch.nn.Module, _args: Any) -> None:
         if self._backend.lockstep:
             self.count += 1
+
+    def remove(self) -> None:
+        """Take the hooks off the units (at close). A model the user sharded outlives the engine:
+        a hook left on it would keep the backend, its groups and their gloo threads alive, and
+        run on every later forward, one more per engine opened. Idempotent."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 #: Phases in which a rank may legitimately sit still while its peers wait (or no one waits).
