@@ -146,6 +146,8 @@ class Bench:
         self.forwards = 0  # top-level forwards of the HF methods
         self.ds.module.register_forward_pre_hook(lambda *_: self._count())
         kw = {} if args.batch is None else {"max_batch_size": args.batch}
+        if args.gather is not None:
+            kw["gather"] = args.gather
         self.sg_tok = tok if hasattr(tok, "decode") else None  # a real tokenizer, for the texts
         self.sg = shardgen.Engine(self.ds, self.sg_tok, backend="deepspeed", **kw)
         self.sg_batch = self.sg.config.max_batch_size
@@ -330,7 +332,8 @@ def rank_main(args: argparse.Namespace) -> None:
         bench = make()
         oracle = oracle_model() if "medium" not in work else None
         if rank == 0:
-            lines.append(f"\nshardgen max_batch_size: {bench.sg_batch} (per rank)")
+            policy = bench.sg.gather_policy
+            lines.append(f"\nshardgen max_batch_size: {bench.sg_batch} (per rank), gather: {policy}")
         if "hybrid" in methods and not results.get("shared_prefill_tried"):
             results["shared_prefill_tried"] = True
             try:
@@ -388,6 +391,7 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=[*HF_METHODS, "shardgen"], help="toy and long")
     p.add_argument("--medium-methods", nargs="+", default=["hybrid", "shardgen"])
     p.add_argument("--batch", type=int, default=None, help="shardgen max_batch_size (default: the engine's)")
+    p.add_argument("--gather", default=None, help="shardgen's gather policy (default: the engine's, auto)")
     p.add_argument("--hidden", type=int, default=512, help="medium model")
     p.add_argument("--medium-prompts", type=int, default=64, help="medium: prompts per rank (n = 4)")
     p.add_argument("--medium-tokens", type=int, default=64, help="medium: most new tokens")
