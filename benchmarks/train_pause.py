@@ -78,6 +78,9 @@ def rank_main(args: argparse.Namespace) -> None:
                 "zero_allow_untested_optimizer": True,
                 "zero_optimization": {"stage": 3},
             }
+            if args.ds_persistence_threshold is not None:
+                zero = ds_cfg["zero_optimization"]
+                zero["stage3_param_persistence_threshold"] = args.ds_persistence_threshold
             eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
             return eng, None
         from torch.distributed.fsdp import fully_shard
@@ -283,6 +286,10 @@ def main() -> None:
         choices=list(EXTRA_ARMS),
         help="diagnostic arms to add (described at the top of this file)",
     )
+    ap.add_argument(
+        "--ds-persistence-threshold", type=int, default=None,
+        help="deepspeed: stage3_param_persistence_threshold (default: DeepSpeed's, 1e5 elements)",
+    )  # fmt: skip
     ap.add_argument("--print-every", type=int, default=5, help="a progress line every N rounds")
     ap.add_argument("--json", default=None, help="write every step time and ratio here")
     args = ap.parse_args(script_args())
