@@ -314,6 +314,13 @@ def spinner(spin_s: float):
     ref = tiny_model("llama", seed=24)
     eng = shardgen.Engine(tiny_model("llama", seed=24), backend="fsdp2", gather="per-layer")
     assert abs(sys.getswitchinterval() - 0.0002) < 1e-9  # the engine lowered it while open
+    with eng.paused():
+        inside = sys.getswitchinterval()
+    deadline = time.monotonic() + 10.0  # the driver leaves the pause once every rank's block has
+    while abs(sys.getswitchinterval() - 0.0002) > 1e-9 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert abs(inside - 0.005) < 1e-9, inside  # the interpreter's own while every engine is paused
+    assert abs(sys.getswitchinterval() - 0.0002) < 1e-9, sys.getswitchinterval()  # lowered again
     dist.barrier()
     t0 = time.monotonic()
     if rank() == 1:

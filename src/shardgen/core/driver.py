@@ -26,6 +26,7 @@ import torch
 
 from shardgen.backends import Backend
 from shardgen.config import EngineConfig
+from shardgen.core import process
 from shardgen.core.policy import ForwardMode, resolve
 from shardgen.core.protocol import (
     FINGERPRINT,
@@ -315,9 +316,13 @@ class Driver:
         sh = self.shared
         self.phase = Phase.PAUSED
         self.backend.enter_pause()  # the model as the user set it up, for training
+        process.paused(self, True)  # and the interpreter's switch interval
         pause = sh.enter_pause()
-        while not sh.wait_block_left(pause, 0.05):
-            pass
+        try:
+            while not sh.wait_block_left(pause, 0.05):
+                pass
+        finally:
+            process.paused(self, False)
         self.backend.exit_pause()  # back to the generation settings before the next tick
         if self.store is not None:
             # Peers may stay inside their block for long (a training step): wait on the store,

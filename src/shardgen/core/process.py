@@ -18,6 +18,8 @@ from shardgen.log import get_logger
 
 log = get_logger()
 _DRIVERS: weakref.WeakSet[Any] = weakref.WeakSet()  # the drivers of open engines
+_LOWERED: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()  # driver -> its interval
+_PAUSED: weakref.WeakSet[Any] = weakref.WeakSet()  # drivers inside a pause (no forward to pace)
 _SAVED_SWITCH: list[float] = []
 
 
@@ -30,18 +32,42 @@ def opened(driver: Any, gil_switch_interval: float | None) -> None:
     _DRIVERS.add(driver)
     if gil_switch_interval is None:
         return
-    current = sys.getswitchinterval()
     if not _SAVED_SWITCH:
-        _SAVED_SWITCH.append(current)
-    if gil_switch_interval < current:
-        sys.setswitchinterval(gil_switch_interval)
+        _SAVED_SWITCH.append(sys.getswitchinterval())
+    _LOWERED[driver] = gil_switch_interval
+    _apply()
+
+
+def paused(driver: Any, inside: bool) -> None:
+    """``driver`` enters (``inside``) or leaves a pause. While every open engine is paused no
+    driver has a forward to pace, so the interpreter's own switch interval is back: the user's
+    training step is not made to hand the GIL to every waking thread within 0.2 ms."""
+    if inside:
+        _PAUSED.add(driver)
+    else:
+        _PAUSED.discard(driver)
+    _apply()
+
+
+def _apply() -> None:
+    if not _SAVED_SWITCH:
+        return
+    saved = _SAVED_SWITCH[0]
+    running = [v for d, v in list(_LOWERED.items()) if d in _DRIVERS and d not in _PAUSED]
+    want = min([saved, *running])
+    if sys.getswitchinterval() != want:
+        sys.setswitchinterval(want)
 
 
 def closed(driver: Any) -> None:
     """An engine was torn down; the last one restores the switch interval."""
     _DRIVERS.discard(driver)
+    _PAUSED.discard(driver)
+    _LOWERED.pop(driver, None)
     if not _DRIVERS and _SAVED_SWITCH:
         sys.setswitchinterval(_SAVED_SWITCH.pop())
+    else:
+        _apply()
 
 
 #: How long the exit guard gives the GIL away before the interpreter finalizes (see below).
