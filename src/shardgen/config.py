@@ -188,7 +188,8 @@ class EngineConfig:
     gil_switch_interval: float | None = 0.0002
     """While an engine is open, Python's thread switch interval (s) is lowered to this, so a user
     thread busy in pure Python cannot starve the driver (in lockstep, one slow driver paces every
-    rank). Restored when the last engine closes; None leaves the interpreter's setting alone."""
+    rank). Restored while every open engine is paused (no driver has a forward to pace) and when
+    the last engine closes; None leaves the interpreter's setting alone."""
     idle_sleep_max: float = 0.005
     """Longest sleep (s) between ticks when no rank has work: bounds the latency of a new request."""
     init_timeout: float = 300.0
