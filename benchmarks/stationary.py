@@ -168,7 +168,7 @@ def _crossover(args, rank: int, world: int) -> list[dict]:
     assert b.enable_stationary() is None
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
-        shapes = [(1, tokens)] * world
+        shapes = [(tokens, 1)] * world  # (tokens, head rows) per rank, as the tick agrees them
         ids = torch.randint(3, 2048, (1, tokens), generator=torch.Generator().manual_seed(rank))
         ms = {"per-layer": [], "stationary": []}
         for rnd in range(args.rounds + 1):
