@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="call deepspeed.initialize (stage 3) here and pass its engine to shardgen",
     )
-    p.add_argument("--gather", choices=("per-layer", "once", "auto"), default="per-layer")
+    p.add_argument("--gather", choices=("per-layer", "once", "stationary", "auto"), default="per-layer")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     p.add_argument("--uneven", action="store_true", help="rank r runs loops + r batches")
     p.add_argument("--away-rank", type=int, default=None, help="this rank does something else first")

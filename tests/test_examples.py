@@ -15,7 +15,7 @@ from shardgen import toy
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
-ZI_ARGS = ["--uneven", "--away-rank", "1", "--away-s", "3", "--loops", "2", "--gen-len", "8"]
+ZI_ARGS = ["--uneven", "--away-rank", "1", "--away-s", "5", "--loops", "2", "--gen-len", "8"]
 
 
 def _check_zero_inference(rc: int, out: str) -> None:
@@ -26,8 +26,11 @@ def _check_zero_inference(rc: int, out: str) -> None:
         )
     # --uneven --loops 2: rank r runs 2 + r batches; the away rank still does all of its own.
     assert "per-rank batches done: rank 0: 2, rank 1: 3" in out, out
-    assert "rank 1: away for 3 s" in out, out
+    assert "rank 1: away for 5 s" in out, out
     assert out.count("Summary (rank 0, last batch):") == 1, f"summary not printed by rank 0 only\n{out}"
+    # Rank 0 is done before the away rank even starts: it never waited for it.
+    done = dict(re.findall(r"rank (\d): \d+ batches done at \+([\d.]+) s", out))
+    assert float(done["0"]) < 5.0, f"rank 0 waited for the away rank (5 s away): {done}\n{out}"
 
 
 def test_basic_torchrun():
@@ -45,9 +48,12 @@ def test_zero_inference_torchrun():
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_zero_inference_user_partitioned_cpu_offload():
+@pytest.mark.parametrize("gather", ["per-layer", "stationary"])
+def test_zero_inference_user_partitioned_cpu_offload(gather):
     """The seed report's setup, under the DeepSpeed launcher: deepspeed.initialize at stage 3 with
-    offload_param cpu, by the user (shardgen-partitioned models: tests/test_deepspeed_backend.py)."""
-    rc, out, _ = run(deepspeed_launcher("zero_inference.py", "--user-partitioned", "--cpu-offload", *ZI_ARGS))
+    offload_param cpu, by the user (shardgen-partitioned models: tests/test_deepspeed_backend.py),
+    with per-layer gathers and weight-stationary (no weight moves): the away rank holds no one up."""
+    args = ("--user-partitioned", "--cpu-offload", "--gather", gather, *ZI_ARGS)
+    rc, out, _ = run(deepspeed_launcher("zero_inference.py", *args))
     _check_zero_inference(rc, out)
     assert "backend deepspeed (user-partitioned), offload_param cpu" in out, out
