@@ -49,6 +49,12 @@ def test_summary_takes_the_slowest_rank_and_divides_by_the_floor():
     assert s["local"]["x_floor"] == 1.0 and s["sg_ds"] == {"error": "x"}
     table = bench.format_table({"worlds": {"2": {"methods": s}}})
     assert "n/a: x" in table and "4.00" in table
+    # A name wider than the column's default keeps every row's columns under the header's.
+    s["sg_fsdp2_stationary"] = dict(s["local"])
+    lines = bench.format_table({"worlds": {"2": {"methods": s}}}).splitlines()
+    head = next(x for x in lines if x.startswith("method"))
+    rows = [x for x in lines if x.startswith(("local", "sg_fsdp2_stationary"))]
+    assert len(rows) == 2 and all(len(x) == len(head) for x in rows), "\n".join(lines)
 
 
 @pytest.mark.slow

@@ -173,18 +173,20 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 
 def format_table(results: dict[str, Any]) -> str:
     """A plain-text table, one block per world size."""
-    head = f"{'method':15} {'useful tok/s':>12} {'wall s':>8} {'forwards':>9} {'wasted':>8} "
+    names = [n for res in results["worlds"].values() for n in res["methods"]]
+    w = max([15, *map(len, names)])  # the widest method name (sg_fsdp2_stationary is 19)
+    head = f"{'method':{w}} {'useful tok/s':>12} {'wall s':>8} {'forwards':>9} {'wasted':>8} "
     head += f"{'param MiB/rank':>14} {'x floor':>8} {'wrong':>6}"
     lines = []
     for world, res in results["worlds"].items():
         lines += [f"{world} ranks (gloo, CPU)", head, "-" * len(head)]
         for name, r in res["methods"].items():
             if "error" in r:
-                lines.append(f"{name:15} n/a: {r['error'][:90]}")
+                lines.append(f"{name:{w}} n/a: {r['error'][:90]}")
                 continue
             x = f"{r['x_floor']:.2f}" if "x_floor" in r else "-"
             lines.append(
-                f"{name:15} {r['useful_tok_s']:12.1f} {r['wall_s']:8.2f} {r['forwards']:9d} "
+                f"{name:{w}} {r['useful_tok_s']:12.1f} {r['wall_s']:8.2f} {r['forwards']:9d} "
                 f"{r['wasted_forwards']:8d} {r['peak_param_mib']:14.2f} {x:>8} {r['wrong_answers']:6d}"
             )
         lines.append("")
