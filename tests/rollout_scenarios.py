@@ -282,10 +282,9 @@ def engines_leave_the_model(mode: str, engines: int = 4) -> dict:
     deadline = time.monotonic() + 5.0  # a peer's sockets close a moment after its own collection
     while len(os.listdir("/proc/self/task")) != threads and time.monotonic() < deadline:
         time.sleep(0.1)
-    loss = _train_step(step_model, opt, ids, mode == "deepspeed")  # on the user's setup, after all
+    _train_step(step_model, opt, ids, mode == "deepspeed")  # still trains on the user's setup
     return {
         "hooks": (hooks, _hooks(module)),
         "threads": (threads, len(os.listdir("/proc/self/task"))),
         "alive": [b() is not None for b in backends],
-        "loss": loss,
     }

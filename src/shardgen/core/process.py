@@ -53,7 +53,7 @@ def _apply() -> None:
     if not _SAVED_SWITCH:
         return
     saved = _SAVED_SWITCH[0]
-    running = [v for d, v in list(_LOWERED.items()) if d in _DRIVERS and d not in _PAUSED]
+    running = [v for d, v in list(_LOWERED.items()) if d not in _PAUSED]  # closed() drops a driver
     want = min([saved, *running])
     if sys.getswitchinterval() != want:
         sys.setswitchinterval(want)
