@@ -26,7 +26,8 @@ ARCHS = {
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "gpt2": ("gpt2", {}),  # Conv1D everywhere (fallback), tied head
     "mixtral": ("mixtral", {}),  # an MoE block in the middle of each layer (fallback)
-    "opt": ("opt", {}),  # biases, LayerNorms, learned positions of an nn.Embedding subclass (fallback)
+    "opt": ("opt", {}),  # biases, LayerNorms, learned positions: an nn.Embedding subclass's own forward
+    "gemma": ("gemma", {}),  # a scaled-embedding subclass of nn.Embedding, tied to the head
 }
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import shardgen.backends.stationary.shards as sh
+from shardgen.backends.stationary.plan import Source
 from shardgen.core.protocol import HEAD_ROWS, HELD_HEAD_ROWS, HELD_TOKENS, NCOLS, PAUSE, TOKENS, TickState
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -164,7 +165,7 @@ def worlds():
     handle.close()
 
 
-ALL = ["llama-odd", "llama-tied", "qwen2", "gpt2", "mixtral", "opt"]
+ALL = ["llama-odd", "llama-tied", "qwen2", "gpt2", "mixtral", "opt", "gemma"]
 
 
 @pytest.mark.multirank
@@ -185,13 +186,15 @@ def test_greedy_matches_hf(worlds, backend, world, archs):
         plan = per[0]["plan"]
         if name == "gpt2":
             assert any("Conv1D" in why for why in plan["fallbacks"].values()), plan
-        elif name == "opt":
-            assert list(plan["fallbacks"]) == ["model.decoder.embed_positions"] and len(plan["groups"]) == 2
+        elif name == "opt":  # its learned positions (an nn.Embedding subclass) are looked up from the shards
+            assert plan["fallbacks"] == {} and len(plan["groups"]) == 2, plan
+            assert plan["embeddings"] == ["model.decoder.embed_tokens", "model.decoder.embed_positions"], plan
         elif name == "mixtral":
             assert sorted(plan["fallbacks"]) == ["model.layers.0.mlp", "model.layers.1.mlp"], plan
             assert plan["groups"] and plan["linears"] == 9, plan  # q/k/v/o and the head stay
         else:
             assert plan["fallbacks"] == {} and len(plan["groups"]) == 4, plan  # q/k/v and gate/up per layer
+            assert plan["embeddings"] == ["model.embed_tokens"], plan  # gemma: its scaled subclass too
         if name == "llama-odd":
             assert per[0]["cut"] == (backend == "deepspeed"), per[0]  # rows cut across partitions
 
@@ -203,7 +206,7 @@ _GATHERS = ("all_gather_single", "all_gather_into_tensor")
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-@pytest.mark.parametrize("world,arch", [(2, "llama-odd"), (3, "llama-odd"), (3, "mixtral")])
+@pytest.mark.parametrize("world,arch", [(2, "llama-odd"), (3, "llama-odd"), (3, "mixtral"), (3, "opt")])
 def test_real_and_shadow_forwards_issue_the_planned_collectives(worlds, backend, world, arch):
     import stationary_scenarios as sc
 
@@ -289,27 +292,79 @@ def test_auto_mixes_per_layer_and_stationary_forwards_in_one_engine(worlds, back
     assert out[0]["chosen"] == out[1]["chosen"]  # the same choice on every rank, every tick
 
 
+class _Whole(Source):
+    """Every parameter laid out as FSDP2 would over ``world`` ranks, rank 0's view; a shard reads a
+    copy taken when the plan is built, so a module's own weight can be cleared to show what reads it."""
+
+    def shard(self, module, name):
+        p = module._parameters[name]
+        starts, sizes = sh.dim0_layout(tuple(p.shape), self.world)
+        v = p.detach().clone().reshape(-1)
+        return sh.FlatShard(tuple(p.shape), starts, sizes, lambda v=v: v, p.dtype, 0, key=id(p))
+
+
+def test_embedding_subclasses_look_up_from_the_shards_unless_they_read_their_weight_otherwise():
+    """An ``nn.Embedding`` subclass's own forward runs with its lookups (``F.embedding``,
+    ``torch.embedding``) taken from the shards: Gemma's scaled embedding, two lookups in one call.
+    One that indexes its weight falls back (gathered for its call). The modules' own weights are
+    zeroed after the plan is built, so an output equal to the reference came from the shards."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from shardgen.backends.stationary import Stationary
+
+    class Scaled(nn.Embedding):  # Gemma's pattern
+        def forward(self, ids):
+            return super().forward(ids) * torch.tensor(2.5).to(self.weight.dtype)
+
+    class Twice(nn.Embedding):
+        def forward(self, ids):
+            return F.embedding(ids, self.weight) + torch.embedding(self.weight, ids.flip(-1))
+
+    class Indexed(nn.Embedding):
+        def forward(self, ids):
+            return self.weight[ids]
+
+    class Net(nn.Module):
+        def __init__(self, emb):
+            super().__init__()
+            self.emb, self.head = emb, nn.Linear(8, 11, bias=False)
+
+        def forward(self, input_ids, **_):
+            return self.head(self.emb(input_ids))
+
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+    for cls, calls, why in [(Scaled, 1, None), (Twice, 2, None), (Indexed, 1, "__getitem__")]:
+        torch.manual_seed(0)
+        net = Net(cls(11, 8)).eval()
+        with torch.no_grad():
+            exp = net(ids)
+        mode = Stationary.create(net, _Whole(None, 0, 1, torch.device("cpu")))
+        plan = mode.plan.describe()
+        if why is None:
+            assert plan["embeddings"] == ["emb"] and plan["fallbacks"] == {}, plan
+            assert [(s.subclass, s.calls) for s in mode.plan.embeddings.values()] == [(True, calls)]
+        else:
+            assert plan["embeddings"] == [] and why in plan["fallbacks"]["emb"], plan
+            assert [s.calls for s in mode.plan.fallbacks.values()] == [calls]
+        with torch.no_grad():
+            for p in net.parameters():
+                p.zero_()
+        assert torch.equal(mode.forward([(10, 10)], lambda net=net: net(ids)), exp), cls.__name__
+
+
 def test_cost_model_decodes_stationary_and_gathers_for_a_long_prefill():
     """The plan of a Llama layer at hidden 1024 as 2 ranks would hold it (built in-process from the
     layouts; the probe is local): auto's choice flips between decode and a long prefill."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from shardgen.backends.stationary import Stationary, gathered_cost, link_for, stationary_cost
-    from shardgen.backends.stationary.plan import Source
 
     cfg = LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=1,
                       num_attention_heads=16, num_key_value_heads=16)  # fmt: skip
     model = LlamaForCausalLM(cfg).eval()
 
-    class Whole(Source):  # every parameter laid out as FSDP2 would over 2 ranks; rank 0's view
-        def shard(self, module, name):
-            p = module._parameters[name]
-            starts, sizes = sh.dim0_layout(tuple(p.shape), 2)
-            return sh.FlatShard(
-                tuple(p.shape), starts, sizes, lambda p=p: p.reshape(-1), p.dtype, 0, key=id(p)
-            )
-
-    mode = Stationary.create(model, Whole(None, 0, 2, torch.device("cpu")))
+    mode = Stationary.create(model, _Whole(None, 0, 2, torch.device("cpu")))
     full = sum(p.numel() * 4 for p in model.parameters())
     per_layer = gathered_cost(4, full, 2).seconds(link_for("cpu"))  # a layer, embeddings, head, root
     decode = stationary_cost(mode.plan, [(8, 1), (8, 1)], 0)

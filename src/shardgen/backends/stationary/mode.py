@@ -38,10 +38,12 @@ from shardgen.backends.stationary.plan import (
     EmbeddingSpec,
     FallbackSpec,
     LinearSpec,
+    Lookups,
     Plan,
     Source,
     classify,
     overridden,
+    own_forward,
     probe,
     swapped,
 )
@@ -232,13 +234,25 @@ class Stationary:
                 return out.new_zeros((*ids.shape, cols))
             return out.view(*ids.shape, cols)
 
-        return fn
+        if not spec.subclass:
+            return fn
+        orig = own_forward(spec.module)
+
+        def other(func: Any, *_: Any) -> Any:
+            raise RuntimeError(
+                f"rank {self.source.rank}: {spec.name} ({type(spec.module).__name__}) used its weight in "
+                f"{getattr(func, '__name__', func)} in a stationary forward; the probe saw only lookups"
+            )
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            """The subclass's own forward, its lookups from the shards (each collective, as ``fn``)."""
+            with Lookups(spec.module._parameters["weight"], fn, other):
+                return orig(*args, **kwargs)
+
+        return wrapped
 
     def _fallback_fn(self, spec: FallbackSpec) -> Any:
-        orig = type(spec.module).forward.__get__(spec.module)
-        prev = spec.module.__dict__.get("forward")
-        if prev is not None:
-            orig = prev
+        orig = own_forward(spec.module)
 
         def fn(*args: Any, **kwargs: Any) -> Any:
             """Gather the module's parameters, run it, release them. Collective (one all-gather

@@ -6,7 +6,10 @@ every rank (no data, no rank's history goes in):
 * **stationary linears**: plain ``nn.Linear`` (not a subclass: quantized and custom linears
   fall back) whose weight rows stay in their shards (``exchange.py``); linears that read the
   same input one after another in the probe (q/k/v, gate/up) share one exchange (a *group*);
-* **stationary embeddings**: plain ``nn.Embedding`` (no ``max_norm``) looked up from the shards;
+* **stationary embeddings**: ``nn.Embedding`` (no ``max_norm``) looked up from the shards; a
+  subclass (Gemma's scaled embedding, OPT's learned positions) runs its own forward with its
+  lookups of its weight taken from the shards (:class:`Lookups`), unless the probe sees it use
+  the weight otherwise;
 * **kept** parameters: the 1-D ones (norms, biases) of modules that are neither, gathered once
   and kept until the next pause or close;
 * **fallbacks**: MoE blocks (whole), and any other module owning a parameter of 2 or more
@@ -31,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from shardgen.backends.chunked import plain_type
 from shardgen.backends.stationary.shards import FlatShard
@@ -99,6 +104,7 @@ class EmbeddingSpec:
     rule: str = "body"
     calls: int = 0
     bias: Ref | None = None  # never: the same fields as a linear
+    subclass: bool = False  # its own forward runs, its lookups intercepted (Lookups)
 
     @property
     def shard(self) -> FlatShard:
@@ -171,8 +177,8 @@ def classify(model: nn.Module, source: Source) -> Plan:
             plan.linears[id(m)] = LinearSpec(name, m, weight, bias)
             if bias is not None:
                 kept[id(bias)] = bias
-        elif kind is nn.Embedding and getattr(m, "max_norm", None) is None and set(own) == {"weight"}:
-            plan.embeddings[id(m)] = EmbeddingSpec(name, m, weight)
+        elif issubclass(kind, nn.Embedding) and m.max_norm is None and set(own) == {"weight"}:
+            plan.embeddings[id(m)] = EmbeddingSpec(name, m, weight, subclass=kind is not nn.Embedding)
         elif all(len(r.shard.shape) <= 1 for r in shards.values()):
             kept.update((id(r), r) for r in shards.values())
         else:
@@ -180,6 +186,47 @@ def classify(model: nn.Module, source: Source) -> Plan:
             plan.fallbacks[id(m)] = FallbackSpec(name, m, list(shards.values()), why)
     plan.kept = list(kept.values())
     return plan
+
+
+class Lookups(TorchFunctionMode):
+    """While an ``nn.Embedding`` subclass's own forward runs: each lookup of ``weight`` (``F.embedding``
+    or ``torch.embedding``, no ``max_norm``) is ``lookup(ids)``; any other use of ``weight`` that is
+    not a metadata read (``.dtype``, ``.shape``: a getter returning no tensor) is ``other(func,
+    args, kwargs)``. Torch's mode stack is per thread: other threads' forwards are untouched. Local."""
+
+    def __init__(
+        self,
+        weight: Any,
+        lookup: Callable[[torch.Tensor], torch.Tensor],
+        other: Callable[[Any, tuple, dict], Any],
+    ) -> None:
+        super().__init__()
+        self.weight, self.lookup, self.other = weight, lookup, other
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        w = self.weight
+        if func is F.embedding or func is torch.embedding:
+            names = ("input", "weight", "padding_idx", "max_norm")
+            if func is torch.embedding:
+                names = ("weight", "indices")
+            bound = dict(zip(names, args, strict=False)) | kwargs
+            ids = bound.get("input", bound.get("indices"))
+            if bound.get("weight") is w and bound.get("max_norm") is None and ids is not None:
+                return self.lookup(ids)
+        if not any(a is w for a in (*args, *kwargs.values())):
+            return func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__get__":  # a property of the weight
+            out = func(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                return out
+        return self.other(func, args, kwargs)
+
+
+def own_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward ``module`` runs now (an instance attribute, else its class's), bound. Local."""
+    prev = module.__dict__.get("forward")
+    return prev if prev is not None else type(module).forward.__get__(module)
 
 
 @contextlib.contextmanager
@@ -236,6 +283,8 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
     """Run the probe forward and finish ``plan``: token rules, exchange groups, call counts;
     linears and embeddings fed an unpredictable token count become fallbacks. Local."""
     calls: list[tuple[Any, torch.Tensor, int]] = []  # (spec, input, tokens); inputs kept alive
+    bad: dict[int, str] = {}  # id(spec) -> why an embedding subclass cannot stay stationary
+    entered: dict[int, int] = {}  # id(spec) -> calls of an embedding subclass's own forward
     dev = source.device
 
     def linear(spec: LinearSpec) -> Callable[..., Any]:
@@ -252,10 +301,27 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
                 (*ids.shape, int(spec.shard.shape[1])), dtype=spec.shard.dtype, device=ids.device
             )
 
-        return fn
+        if not spec.subclass:
+            return fn
+        orig = own_forward(spec.module)
+
+        def other(func: Any, args: tuple, kwargs: dict) -> Any:  # noted; computed on zeros
+            w = spec.module._parameters["weight"]
+            use = getattr(func, "__name__", repr(func))
+            bad.setdefault(id(spec), f"{type(spec.module).__name__} uses its weight in {use}, not a lookup")
+            zeros = torch.zeros(spec.shard.shape, dtype=spec.shard.dtype, device=dev)
+            args = tuple(zeros if a is w else a for a in args)
+            return func(*args, **{k: zeros if v is w else v for k, v in kwargs.items()})
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            entered[id(spec)] = entered.get(id(spec), 0) + 1
+            with Lookups(spec.module._parameters["weight"], fn, other):
+                return orig(*args, **kwargs)
+
+        return wrapped
 
     def fallback(spec: FallbackSpec) -> Callable[..., Any]:
-        orig = spec.module.__dict__.get("forward") or type(spec.module).forward.__get__(spec.module)
+        orig = own_forward(spec.module)
 
         def fn(*args: Any, **kwargs: Any) -> Any:  # zeros of the full shapes, for this call only
             spec.calls += 1
@@ -288,10 +354,15 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
     ids = torch.zeros((PROBE_ROWS, PROBE_WIDTH), dtype=torch.long, device=dev)
     with torch.no_grad(), source.aside(), swapped(places), overridden(forwards):
         model(input_ids=ids, **kwargs)
-    _finish(plan, calls)
+    _finish(plan, calls, bad, entered)
 
 
-def _finish(plan: Plan, calls: list[tuple[Any, torch.Tensor, int]]) -> None:
+def _finish(
+    plan: Plan, calls: list[tuple[Any, torch.Tensor, int]], bad: dict[int, str], entered: dict[int, int]
+) -> None:
+    """Token rules, call counts and exchange groups from the probe's ``calls``; the modules it
+    could not predict (or, ``bad``, embedding subclasses using their weight otherwise: called
+    ``entered`` times) become fallbacks. Local."""
     rules = {PROBE_ROWS * PROBE_WIDTH: "body", PROBE_ROWS: "rows"}
     seen: dict[int, tuple[Any, list[int]]] = {}
     for spec, _, n in calls:
@@ -304,6 +375,7 @@ def _finish(plan: Plan, calls: list[tuple[Any, torch.Tensor, int]]) -> None:
             spec.rule = found.pop()
         else:
             odd[id(spec)] = f"fed {sorted(set(counts))} tokens for a {PROBE_ROWS}x{PROBE_WIDTH} batch"
+    odd.update(bad)
     for table in (plan.linears, plan.embeddings):
         for key, spec in list(table.items()):
             if id(spec) not in odd:
@@ -311,7 +383,8 @@ def _finish(plan: Plan, calls: list[tuple[Any, torch.Tensor, int]]) -> None:
             del table[key]
             refs = [r for r in (spec.weight, spec.bias) if r is not None]
             plan.kept = [r for r in plan.kept if r is not spec.bias]
-            plan.fallbacks[key] = FallbackSpec(spec.name, spec.module, refs, odd[id(spec)], spec.calls)
+            n = entered.get(id(spec), spec.calls)  # a fallback gathers per call of the module
+            plan.fallbacks[key] = FallbackSpec(spec.name, spec.module, refs, odd[id(spec)], n)
     # Groups: consecutive calls of once-called linears on the very same input tensor.
     groups: list[list[LinearSpec]] = []
     prev: tuple[Any, torch.Tensor] | None = None
