@@ -6,7 +6,8 @@
     python benchmarks/stationary.py --part toy --world 2             # latency-bound toy: auto vs per-layer
 
 ``big`` model: a random Llama, hidden 1024, intermediate 2816, 8 layers, 16 heads, vocabulary
-2048, fp32 (113M parameters, 453 MB). ``throughput``: each rank decodes one batch of 8 random
+2048, fp32 (113M parameters, 453 MB); ``--arch gemma`` the same sizes as a Gemma (its scaled
+embedding, an ``nn.Embedding`` subclass, tied to the head), ``--vocab`` its vocabulary. ``throughput``: each rank decodes one batch of 8 random
 8-token prompts, 24 new tokens each, no EOS; one engine per method, all built before timing,
 rounds interleaved (round 0 warms up and checks every method's tokens equal the first's); while
 one is timed the others wait in ``paused()``.
@@ -37,15 +38,18 @@ THROUGHPUT = "stationary-fsdp2,stationary-deepspeed,per-layer-fsdp2,per-layer-de
 
 def _big(args):
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=2048,
+    # Gemma: its scaled embedding (an nn.Embedding subclass) tied to the head
+    config_class = {"llama": LlamaConfig, "gemma": GemmaConfig}[args.arch]
+    cfg = config_class(
+        vocab_size=args.vocab,
         hidden_size=1024,
         intermediate_size=2816,
         num_hidden_layers=args.layers,
         num_attention_heads=16,
         num_key_value_heads=16,
+        head_dim=64,
         max_position_embeddings=1024,
     )
     torch.manual_seed(0)
@@ -253,6 +257,8 @@ def main() -> None:
         "--methods", default=THROUGHPUT, help="throughput/memory: comma list of GATHER-BACKEND, local"
     )
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--arch", choices=["llama", "gemma"], default="llama", help="throughput/memory/crossover")
+    p.add_argument("--vocab", type=int, default=2048, help="the big model's vocabulary (at least 2048)")
     p.add_argument("--batch", type=int, default=8, help="prompts per rank (one batch)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=2)
