@@ -7,10 +7,11 @@
 
 ``big`` model: a random Llama, hidden 1024, intermediate 2816, 8 layers, 16 heads, vocabulary
 2048, fp32 (113M parameters, 453 MB); ``--arch gemma`` the same sizes as a Gemma (its scaled
-embedding, an ``nn.Embedding`` subclass, tied to the head), ``--vocab`` its vocabulary. ``throughput``: each rank decodes one batch of 8 random
-8-token prompts, 24 new tokens each, no EOS; one engine per method, all built before timing,
-rounds interleaved (round 0 warms up and checks every method's tokens equal the first's); while
-one is timed the others wait in ``paused()``.
+embedding, an ``nn.Embedding`` subclass, tied to the head), ``--vocab`` its vocabulary.
+``throughput``: each rank decodes one batch of 8 random 8-token prompts, 24 new tokens each,
+no EOS; one engine per method, all built before timing, rounds interleaved (round 0 warms up
+and checks every method's tokens equal the first's); while one is timed the others wait in
+``paused()``.
 ``memory``: one method per run; after a warm-up generation the peak is reset (``clear_refs``)
 and the growth of VmHWM over the loaded state while generating is reported, worst rank, with
 the bound of the issue (a quarter of a decoder layer + KV cache + activations). ``crossover``:

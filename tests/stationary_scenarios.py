@@ -154,13 +154,14 @@ def _uneven_greedy(eng, ref, vocab: int = 96) -> int:
     return calls
 
 
-def user_sharded_greedy(kind: str) -> dict:
+def user_sharded_greedy(kind: str, name: str = "llama-odd") -> dict:
     """A model the user sharded (``fully_shard`` on the default group) or partitioned
     (``deepspeed.initialize`` at ZeRO-3, no optimizer), in the stationary mode: greedy == HF."""
     from rollout_scenarios import _user_fsdp2
 
-    ref = tiny_model("llama", seed=23, **ODD)
-    model = tiny_model("llama", seed=23, **ODD)
+    arch, over = ARCHS[name]
+    ref = tiny_model(arch, seed=23, **over)
+    model = tiny_model(arch, seed=23, **over)
     if kind == "fsdp2-user":
         target, backend = _user_fsdp2(model), "fsdp2"
     else:
@@ -172,7 +173,7 @@ def user_sharded_greedy(kind: str) -> dict:
         )
         backend = "deepspeed"
     eng = shardgen.Engine(target, backend=backend, gather="stationary")
-    calls = _uneven_greedy(eng, ref, vocab=ODD["vocab_size"])
+    calls = _uneven_greedy(eng, ref, vocab=ref.config.vocab_size)
     eng.close()
     return {"calls": calls, "stats": eng.stats(), "plan": eng.backend.stationary.plan.describe()}
 

@@ -226,11 +226,13 @@ def test_real_and_shadow_forwards_issue_the_planned_collectives(worlds, backend,
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["fsdp2-user", "deepspeed-init"])
-def test_user_sharded_models_match_hf(worlds, kind):
+@pytest.mark.parametrize("name", ["llama-odd", "gemma"])  # gemma: its scaled embedding, tied
+def test_user_sharded_models_match_hf(worlds, kind, name):
     import stationary_scenarios as sc
 
-    for o in worlds.run(2, sc.user_sharded_greedy, kind, timeout=180):
+    for o in worlds.run(2, sc.user_sharded_greedy, kind, name, timeout=180):
         assert o["stats"]["forwards"] > 0 and o["plan"]["exchanges"] == 9, o
+        assert o["plan"]["embeddings"] == ["model.embed_tokens"] and o["plan"]["fallbacks"] == {}, o
 
 
 @pytest.fixture(scope="module")
