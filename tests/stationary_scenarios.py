@@ -178,6 +178,41 @@ def user_sharded_greedy(kind: str, name: str = "llama-odd") -> dict:
     return {"calls": calls, "stats": eng.stats(), "plan": eng.backend.stationary.plan.describe()}
 
 
+def mixed_precision_greedy(gather: str, name: str = "llama-odd") -> dict:
+    """A model the user sharded with FSDP2 mixed precision (``param_dtype=bfloat16`` over fp32
+    parameters, as torchtitan and TRL do): greedy == HF on the model with its parameters cast to
+    bfloat16 and its buffers (rotary frequencies) left fp32, which is what FSDP2 computes with."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    arch, over = ARCHS[name]
+    ref = tiny_model(arch, seed=25, **over)
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model = tiny_model(arch, seed=25, **over)
+    mesh = init_device_mesh("cpu", (world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    eng = shardgen.Engine(model, backend="fsdp2", gather=gather)
+    calls = _uneven_greedy(eng, ref, vocab=ref.config.vocab_size)
+    # The log-probabilities too, bit for bit: a forward in fp32 would mostly pick the same tokens.
+    prompt = batch([5 + rank()], seed=310 + rank(), vocab=ref.config.vocab_size)[0][0]
+    got = eng.submit(prompt, max_new_tokens=4, logprobs=True, pad_token_id=0).result(timeout=120)
+    with torch.no_grad():
+        hf = ref.generate(prompt[None], max_new_tokens=4, do_sample=False, synced_gpus=False, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    assert got.token_ids == hf.sequences[0, prompt.numel() :].tolist()
+    steps = zip(hf.logits, got.token_ids, strict=True)
+    exp = [torch.log_softmax(lg.float(), -1)[0, t].item() for lg, t in steps]
+    assert got.logprobs == exp, (got.logprobs, exp)
+    eng.close()
+    model.reshard()  # FSDP2 keeps the root unit unsharded (in bfloat16) after a forward
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the user's fp32 masters stay
+    return {"calls": calls, "stats": eng.stats(), "policy": eng.gather_policy}
+
+
 def pretrained_greedy(path: str, backend: str) -> dict:
     """``Engine.from_pretrained`` (loaded straight into shards) in the stationary mode: == HF."""
     from transformers import AutoModelForCausalLM

@@ -235,6 +235,16 @@ def test_user_sharded_models_match_hf(worlds, kind, name):
         assert o["plan"]["embeddings"] == ["model.embed_tokens"] and o["plan"]["fallbacks"] == {}, o
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("gather", ["stationary", "per-layer", "once"])
+@pytest.mark.parametrize("name", ["llama-odd", "gemma"])
+def test_fsdp2_mixed_precision_matches_hf_in_bf16(worlds, gather, name):
+    import stationary_scenarios as sc
+
+    for o in worlds.run(2, sc.mixed_precision_greedy, gather, name, timeout=180):
+        assert o["policy"] == gather and o["stats"]["forwards"] > 0, o
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     from loading_scenarios import write_checkpoint

@@ -45,6 +45,7 @@ from shardgen.backends.stationary.plan import (
     overridden,
     own_forward,
     probe,
+    stand_in,
     swapped,
 )
 from shardgen.backends.stationary.shards import CutRows, gather_full, local_rows
@@ -244,9 +245,11 @@ class Stationary:
                 f"{getattr(func, '__name__', func)} in a stationary forward; the probe saw only lookups"
             )
 
+        w = stand_in(spec.shard, self.source.device)
+
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             """The subclass's own forward, its lookups from the shards (each collective, as ``fn``)."""
-            with Lookups(spec.module._parameters["weight"], fn, other):
+            with swapped([(spec.module, "weight", w)]), Lookups(w, fn, other):
                 return orig(*args, **kwargs)
 
         return wrapped

@@ -223,6 +223,13 @@ class Lookups(TorchFunctionMode):
         return self.other(func, args, kwargs)
 
 
+def stand_in(shard: FlatShard, device: torch.device) -> torch.Tensor:
+    """What an embedding subclass's own forward sees as its ``weight``: the full shape, the compute
+    dtype (FSDP2's ``param_dtype``: Gemma scales by ``embed_scale.to(self.weight.dtype)``) and the
+    device, no storage (one element expanded); :class:`Lookups` answers its lookups. Local."""
+    return torch.empty((), dtype=shard.dtype, device=device).expand(shard.shape)
+
+
 def own_forward(module: nn.Module) -> Callable[..., Any]:
     """The forward ``module`` runs now (an instance attribute, else its class's), bound. Local."""
     prev = module.__dict__.get("forward")
@@ -305,8 +312,9 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
             return fn
         orig = own_forward(spec.module)
 
+        w = stand_in(spec.shard, dev)
+
         def other(func: Any, args: tuple, kwargs: dict) -> Any:  # noted; computed on zeros
-            w = spec.module._parameters["weight"]
             use = getattr(func, "__name__", repr(func))
             bad.setdefault(id(spec), f"{type(spec.module).__name__} uses its weight in {use}, not a lookup")
             zeros = torch.zeros(spec.shard.shape, dtype=spec.shard.dtype, device=dev)
@@ -315,7 +323,7 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             entered[id(spec)] = entered.get(id(spec), 0) + 1
-            with Lookups(spec.module._parameters["weight"], fn, other):
+            with swapped([(spec.module, "weight", w)]), Lookups(w, fn, other):
                 return orig(*args, **kwargs)
 
         return wrapped
