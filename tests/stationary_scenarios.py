@@ -178,24 +178,34 @@ def user_sharded_greedy(kind: str, name: str = "llama-odd") -> dict:
     return {"calls": calls, "stats": eng.stats(), "plan": eng.backend.stationary.plan.describe()}
 
 
-def mixed_precision_greedy(gather: str, name: str = "llama-odd") -> dict:
-    """A model the user sharded with FSDP2 mixed precision (``param_dtype=bfloat16`` over fp32
-    parameters, as torchtitan and TRL do): greedy == HF on the model with its parameters cast to
-    bfloat16 and its buffers (rotary frequencies) left fp32, which is what FSDP2 computes with."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+def mixed_precision_greedy(kind: str, gather: str, name: str = "llama-odd") -> dict:
+    """A model the user set to compute in bfloat16 over fp32 weights (``fsdp2``: ``fully_shard``
+    with ``MixedPrecisionPolicy(param_dtype=bfloat16)``, as torchtitan and TRL do; ``deepspeed``:
+    ``deepspeed.initialize`` at ZeRO-3 with ``bf16`` enabled): greedy tokens and their
+    log-probabilities == HF on the model with its parameters cast to bfloat16 and its buffers
+    (rotary frequencies) left fp32, which is what both compute with."""
     arch, over = ARCHS[name]
     ref = tiny_model(arch, seed=25, **over)
     for p in ref.parameters():
         p.data = p.data.to(torch.bfloat16)
     model = tiny_model(arch, seed=25, **over)
-    mesh = init_device_mesh("cpu", (world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    eng = shardgen.Engine(model, backend="fsdp2", gather=gather)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        target = model
+    else:
+        import deepspeed
+
+        zero = {"stage": 3, "memory_efficient_linear": False}
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": True}}
+        target, *_ = deepspeed.initialize(model=model, config=config)
+    eng = shardgen.Engine(target, backend=kind, gather=gather)
     calls = _uneven_greedy(eng, ref, vocab=ref.config.vocab_size)
     # The log-probabilities too, bit for bit: a forward in fp32 would mostly pick the same tokens.
     prompt = batch([5 + rank()], seed=310 + rank(), vocab=ref.config.vocab_size)[0][0]
@@ -208,8 +218,9 @@ def mixed_precision_greedy(gather: str, name: str = "llama-odd") -> dict:
     exp = [torch.log_softmax(lg.float(), -1)[0, t].item() for lg, t in steps]
     assert got.logprobs == exp, (got.logprobs, exp)
     eng.close()
-    model.reshard()  # FSDP2 keeps the root unit unsharded (in bfloat16) after a forward
-    assert all(p.dtype == torch.float32 for p in model.parameters())  # the user's fp32 masters stay
+    if kind == "fsdp2":
+        model.reshard()  # FSDP2 keeps the root unit unsharded (in bfloat16) after a forward
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # the user's fp32 masters stay
     return {"calls": calls, "stats": eng.stats(), "policy": eng.gather_policy}
 
 

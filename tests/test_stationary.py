@@ -5,7 +5,9 @@ shape prediction. Gloo ranks (one World of 2 and one of 3 for the module, DeepSp
 accelerator set): greedy token equality with HF on every tiny architecture (tied and untied,
 sizes no world size divides, biases, GPT-2's Conv1D and Mixtral's MoE falling back), uneven work
 (a rank prefilling while another decodes, refills, a rank with no requests); the collectives of
-real and shadow forwards, recorded and against the plan's count.
+real and shadow forwards, recorded and against the plan's count; bfloat16 compute over fp32
+weights (FSDP2 mixed precision, DeepSpeed's bf16) in every gather mode, tokens and
+log-probabilities bit for bit.
 """
 
 from __future__ import annotations
@@ -236,12 +238,13 @@ def test_user_sharded_models_match_hf(worlds, kind, name):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["fsdp2", "deepspeed"])
 @pytest.mark.parametrize("gather", ["stationary", "per-layer", "once"])
 @pytest.mark.parametrize("name", ["llama-odd", "gemma"])
-def test_fsdp2_mixed_precision_matches_hf_in_bf16(worlds, gather, name):
+def test_bf16_over_fp32_weights_matches_hf(worlds, kind, gather, name):
     import stationary_scenarios as sc
 
-    for o in worlds.run(2, sc.mixed_precision_greedy, gather, name, timeout=180):
+    for o in worlds.run(2, sc.mixed_precision_greedy, kind, gather, name, timeout=180):
         assert o["policy"] == gather and o["stats"]["forwards"] > 0, o
 
 
