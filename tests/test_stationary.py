@@ -368,6 +368,36 @@ def test_embedding_subclasses_look_up_from_the_shards_unless_they_read_their_wei
         assert torch.equal(mode.forward([(10, 10)], lambda net=net: net(ids)), exp), cls.__name__
 
 
+def test_a_stationary_forward_on_the_cpu_gives_the_freed_heap_back(monkeypatch):
+    """Each stationary forward on the CPU ends with ``pool.trim_heap`` (glibc's ``malloc_trim``,
+    looked up once): its temporaries would otherwise stay on a fragmented heap (PERFORMANCE 15)."""
+    from torch import nn
+
+    import shardgen.backends.pool as pool
+    from shardgen.backends.stationary import Stationary
+    from shardgen.backends.stationary import mode as mode_module
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(11, 8), nn.Linear(8, 11, bias=False)
+
+        def forward(self, input_ids, **_):
+            return self.head(self.emb(input_ids))
+
+    net = Net().eval()
+    calls = []
+    monkeypatch.setattr(mode_module, "trim_heap", lambda: calls.append(1) or True)
+    mode = Stationary.create(net, _Whole(None, 0, 1, torch.device("cpu")))
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+    for n in range(1, 4):
+        mode.forward([(10, 10)], lambda: net(ids))
+        assert len(calls) == n
+    assert pool.trim_heap() is True  # glibc here
+    hits = pool._malloc_trim.cache_info().hits
+    assert all(pool.trim_heap() for _ in range(100)) and pool._malloc_trim.cache_info().hits == hits + 100
+
+
 def test_cost_model_decodes_stationary_and_gathers_for_a_long_prefill():
     """The plan of a Llama layer at hidden 1024 as 2 ranks would hold it (built in-process from the
     layouts; the probe is local): auto's choice flips between decode and a long prefill."""

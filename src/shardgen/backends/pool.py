@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from typing import Any
 
 import torch
@@ -204,15 +205,28 @@ class StoragePool:
         self._lent = {}
 
 
-def trim_heap() -> bool:
-    """Give the process's free heap memory back to the OS now (glibc's ``malloc_trim(0)``). An
-    action, not a setting: called at close (and after loading), never per forward.
-    Returns False where there is no glibc."""
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``); None without glibc."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
         trim: Any = libc.malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
     trim.argtypes = [ctypes.c_size_t]
+    return trim
+
+
+def trim_heap() -> bool:
+    """Give the process's free heap memory back to the OS now (glibc's ``malloc_trim(0)``). An
+    action, not a setting: called at close, after loading, and after each stationary forward on
+    the CPU (``stationary/mode.py``: there no weight is gathered, so what a forward frees is its
+    exchanges' and activations' temporaries, which glibc's raised mmap threshold otherwise leaves
+    on the heap, fragmented: docs/PERFORMANCE.md section 15; about a microsecond when there is
+    nothing to give back). Not per per-layer forward: the pools above keep its gathers, and the
+    step after a pause reuses the heap. Returns False where there is no glibc."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
     trim(0)
     return True

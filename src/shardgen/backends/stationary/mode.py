@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardgen.backends.pool import trim_heap
 from shardgen.backends.stationary import exchange as ex
 from shardgen.backends.stationary.plan import (
     EmbeddingSpec,
@@ -134,6 +135,8 @@ class Stationary:
                     out = call()
                 assert not self._fw.pending, f"grouped outputs never used: {list(self._fw.pending)}"
                 self.forwards += 1
+                if self.source.device.type == "cpu":
+                    trim_heap()  # the forward's freed temporaries back to the OS (pool.trim_heap)
                 return out
             finally:
                 self._fw = None
