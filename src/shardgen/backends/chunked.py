@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardgen.backends.lookups import Lookups, lookup_only, own_forward, stand_in
 from shardgen.backends.pool import BufferPool, all_gather_single, gather_in_place
 from shardgen.log import get_logger
 
@@ -209,8 +210,9 @@ def io_embeddings(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     """``(name, module, chunkable)`` of the input embeddings and the LM head, of any class (a
     module both returns: once). ``chunkable``: a plain ``nn.Embedding`` (no ``max_norm``) /
     bias-free plain ``nn.Linear``, which :func:`embedding_forward` / :func:`linear_forward`
-    compute exactly; any other (a scaled-embedding subclass, a head with a bias) is gathered
-    whole. Not collective."""
+    compute exactly, or an ``nn.Embedding`` subclass whose own forward reads its weight by
+    lookups only (Gemma's scaled embedding: ``lookups.lookup_only``, a local probe), run with
+    its lookups chunked; any other (a head with a bias) is gathered whole. Not collective."""
     out: list[tuple[str, nn.Module, bool]] = []
     names = {id(m): n for n, m in model.named_modules()}
     for getter, kind in (("get_input_embeddings", nn.Embedding), ("get_output_embeddings", nn.Linear)):
@@ -222,8 +224,22 @@ def io_embeddings(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
             continue
         ok = plain_type(m) is kind
         ok = ok and getattr(m, "max_norm", None) is None and getattr(m, "bias", None) is None
+        if not ok and kind is nn.Embedding and isinstance(m, nn.Embedding) and m.max_norm is None:
+            ok = _lookup_only(
+                m
+            )  # a subclass (Gemma's scaled embedding): its own forward, its lookups chunked
         out.append((names[id(m)], m, ok))
     return out
+
+
+def _lookup_only(m: nn.Embedding) -> bool:
+    """Whether an embedding subclass reads its weight only by lookups (``lookups.lookup_only``)."""
+    own = {n for n, v in m._parameters.items() if v is not None}
+    if own != {"weight"}:
+        return False
+    w = m.weight
+    shape = tuple(getattr(w, "ds_shape", None) or w.shape)  # DeepSpeed: the full shape
+    return len(shape) == 2 and lookup_only(m, shape, w.dtype, w.device)
 
 
 def vocab_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -261,8 +277,11 @@ class ChunkedModules:
         (whole-unit gathers) set aside; other hooks (instrumentation) keep their order. Local."""
         saved: list[tuple[nn.Module, str, Any]] = []
         for module, weight in self.weights.values():
-            fn = embedding_forward if isinstance(module, nn.Embedding) else linear_forward
-            module.forward = lambda x, *_a, _fn=fn, _w=weight, **_k: _fn(_w, x)  # type: ignore[method-assign]
+            if isinstance(module, nn.Embedding) and plain_type(module) is not nn.Embedding:
+                module.forward = _own_forward_chunked(module, weight)  # type: ignore[method-assign]
+            else:
+                fn = embedding_forward if isinstance(module, nn.Embedding) else linear_forward
+                module.forward = lambda x, *_a, _fn=fn, _w=weight, **_k: _fn(_w, x)  # type: ignore[method-assign]
             for attr in ("_forward_pre_hooks", "_forward_hooks"):
                 d = getattr(module, attr)
                 if any(k in self.hook_ids for k in d):
@@ -275,6 +294,32 @@ class ChunkedModules:
                 setattr(module, attr, d)
             for module, _ in self.weights.values():
                 del module.forward
+
+
+def _own_forward_chunked(module: nn.Module, weight: FlatWeight) -> Callable[..., Any]:
+    """An embedding subclass's own forward, its weight a stand-in and each lookup of it
+    :func:`embedding_forward` (``lookups.py``). Collective as ``embedding_forward``, once per lookup
+    (the probe of :func:`io_embeddings` saw at least one and no other use of the weight)."""
+    orig = own_forward(module)
+    name = type(module).__name__
+
+    def other(func: Any, *_: Any) -> Any:
+        raise RuntimeError(
+            f"{name} used its weight in {getattr(func, '__name__', func)}; only lookups are chunked"
+        )
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        w = stand_in((weight.rows, weight.cols), weight.dtype, device)
+        saved = module._parameters["weight"]
+        module._parameters["weight"] = w
+        try:
+            with Lookups(w, lambda ids: embedding_forward(weight, ids), other):
+                return orig(*args, **kwargs)
+        finally:
+            module._parameters["weight"] = saved
+
+    return forward
 
 
 def hook_ids(handles: list[Any]) -> set[int]:

@@ -119,8 +119,8 @@ def chunk_vocab(
     """The chunked embeddings / head of a model :func:`shard_model` sharded (None when there are
     none, or ``chunk_bytes == 0``); the chunk size from :func:`chunked.chunk_budget`, the chunks
     gathered into ``pool``. A module is chunked only if every module of its unit is: a head tied
-    to a scaled embedding is gathered whole with it (the embedding's forward unshards their
-    unit). Not collective."""
+    to an embedding that cannot be chunked is gathered whole with it (the embedding's forward
+    unshards their unit). Not collective."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
@@ -139,9 +139,12 @@ def chunk_vocab(
         if w.placements != (Shard(0),) or w.ndim != 2:
             continue
         if any(id(o) not in chunkable for o in m._get_fsdp_state()._modules):
-            continue  # tied to a module gathered whole (a scaled embedding): the unit is gathered whole
+            continue  # tied to a module gathered whole: the unit is gathered whole
         rows = -(-w.shape[0] // world)  # torch.chunk along dim 0, as FSDP2 shards
-        local = lambda m=m: m.weight.to_local().reshape(-1)
+        # From the FSDPParam, not the module attribute: an embedding subclass's own forward runs
+        # with a stand-in there (lookups.py), and its lookups gather from here meanwhile.
+        fp = _fsdp_param(m, "weight")
+        local = lambda fp=fp: fp.sharded_param.to_local().reshape(-1)
         weights[name] = (
             m,
             FlatWeight(tuple(w.shape), rows * w.shape[1], local, param_group, w.dtype, budget),
@@ -149,6 +152,18 @@ def chunk_vocab(
         state = m._get_fsdp_state()
         handles += [state._pre_forward_hook_handle, state._post_forward_hook_handle]
     return chunked_modules(weights, hook_ids(handles), budget, pool)
+
+
+def _fsdp_param(module: nn.Module, name: str) -> Any:
+    """The ``FSDPParam`` of ``module``'s parameter ``name`` (in its unit, shared or not). Local."""
+    for pg in module._get_fsdp_state()._fsdp_param_groups:
+        for fp in pg.fsdp_params:
+            info = fp._module_info
+            shared = zip(info.shared_modules, info.shared_param_names, strict=True)
+            places = [(info.module, info.param_name), *shared]
+            if any(m is module and n == name for m, n in places):
+                return fp
+    raise AssertionError(f"{type(module).__name__}.{name} is not in its FSDP unit")
 
 
 def mesh_infos(model: nn.Module) -> list[Any]:

@@ -33,20 +33,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardgen.backends.lookups import Lookups, own_forward, stand_in
 from shardgen.backends.pool import trim_heap
 from shardgen.backends.stationary import exchange as ex
 from shardgen.backends.stationary.plan import (
     EmbeddingSpec,
     FallbackSpec,
     LinearSpec,
-    Lookups,
     Plan,
     Source,
     classify,
     overridden,
-    own_forward,
     probe,
-    stand_in,
     swapped,
 )
 from shardgen.backends.stationary.shards import CutRows, gather_full, local_rows
@@ -248,7 +246,7 @@ class Stationary:
                 f"{getattr(func, '__name__', func)} in a stationary forward; the probe saw only lookups"
             )
 
-        w = stand_in(spec.shard, self.source.device)
+        w = stand_in(spec.shard.shape, spec.shard.dtype, self.source.device)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             """The subclass's own forward, its lookups from the shards (each collective, as ``fn``)."""

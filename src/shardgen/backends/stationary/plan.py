@@ -8,7 +8,7 @@ every rank (no data, no rank's history goes in):
   same input one after another in the probe (q/k/v, gate/up) share one exchange (a *group*);
 * **stationary embeddings**: ``nn.Embedding`` (no ``max_norm``) looked up from the shards; a
   subclass (Gemma's scaled embedding, OPT's learned positions) runs its own forward with its
-  lookups of its weight taken from the shards (:class:`Lookups`), unless the probe sees it use
+  lookups of its weight taken from the shards (``backends/lookups.py``), unless the probe sees it use
   the weight otherwise;
 * **kept** parameters: the 1-D ones (norms, biases) of modules that are neither, gathered once
   and kept until the next pause or close;
@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from shardgen.backends.chunked import plain_type
+from shardgen.backends.lookups import Lookups, own_forward, stand_in
 from shardgen.backends.stationary.shards import FlatShard
 from shardgen.log import get_logger
 
@@ -188,54 +187,6 @@ def classify(model: nn.Module, source: Source) -> Plan:
     return plan
 
 
-class Lookups(TorchFunctionMode):
-    """While an ``nn.Embedding`` subclass's own forward runs: each lookup of ``weight`` (``F.embedding``
-    or ``torch.embedding``, no ``max_norm``) is ``lookup(ids)``; any other use of ``weight`` that is
-    not a metadata read (``.dtype``, ``.shape``: a getter returning no tensor) is ``other(func,
-    args, kwargs)``. Torch's mode stack is per thread: other threads' forwards are untouched. Local."""
-
-    def __init__(
-        self,
-        weight: Any,
-        lookup: Callable[[torch.Tensor], torch.Tensor],
-        other: Callable[[Any, tuple, dict], Any],
-    ) -> None:
-        super().__init__()
-        self.weight, self.lookup, self.other = weight, lookup, other
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        w = self.weight
-        if func is F.embedding or func is torch.embedding:
-            names = ("input", "weight", "padding_idx", "max_norm")
-            if func is torch.embedding:
-                names = ("weight", "indices")
-            bound = dict(zip(names, args, strict=False)) | kwargs
-            ids = bound.get("input", bound.get("indices"))
-            if bound.get("weight") is w and bound.get("max_norm") is None and ids is not None:
-                return self.lookup(ids)
-        if not any(a is w for a in (*args, *kwargs.values())):
-            return func(*args, **kwargs)
-        if getattr(func, "__name__", "") == "__get__":  # a property of the weight
-            out = func(*args, **kwargs)
-            if not isinstance(out, torch.Tensor):
-                return out
-        return self.other(func, args, kwargs)
-
-
-def stand_in(shard: FlatShard, device: torch.device) -> torch.Tensor:
-    """What an embedding subclass's own forward sees as its ``weight``: the full shape, the compute
-    dtype (FSDP2's ``param_dtype``: Gemma scales by ``embed_scale.to(self.weight.dtype)``) and the
-    device, no storage (one element expanded); :class:`Lookups` answers its lookups. Local."""
-    return torch.empty((), dtype=shard.dtype, device=device).expand(shard.shape)
-
-
-def own_forward(module: nn.Module) -> Callable[..., Any]:
-    """The forward ``module`` runs now (an instance attribute, else its class's), bound. Local."""
-    prev = module.__dict__.get("forward")
-    return prev if prev is not None else type(module).forward.__get__(module)
-
-
 @contextlib.contextmanager
 def swapped(places: list[tuple[nn.Module, str, Any]]) -> Iterator[None]:
     """``module._parameters[name] = value`` for each place for the duration, then the originals
@@ -312,7 +263,7 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
             return fn
         orig = own_forward(spec.module)
 
-        w = stand_in(spec.shard, dev)
+        w = stand_in(spec.shard.shape, spec.shard.dtype, dev)
 
         def other(func: Any, args: tuple, kwargs: dict) -> Any:  # noted; computed on zeros
             use = getattr(func, "__name__", repr(func))
