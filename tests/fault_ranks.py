@@ -142,6 +142,18 @@ class Ranks:
             time.sleep(0.05)
         raise AssertionError(f"rank {r} never reported {name!r}:\n{self.dump()}")
 
+    def wait_mid_run(self, r: int, calls: int, timeout: float = 300.0) -> None:
+        """Rank ``r`` has finished ``calls`` calls and its peers have read a heartbeat of its from
+        after construction: a fault now is one mid-run, with a phase past tick 0 to report. Calls
+        of the tiny model take about 0.1 s on an idle machine, faster than the heartbeat interval
+        (``timeouts.derive``: ``stall / 10``, 0.4 s here), so counting calls alone is not enough."""
+        from shardgen.timeouts import derive
+
+        built = self.wait_event(r, "constructed", timeout=timeout)["t"]
+        self.wait_event(r, "call_done", timeout=timeout, count=calls)
+        beat = derive(STALL, 120.0).heartbeat
+        time.sleep(max(0.0, built + 3 * beat - time.time()))  # a beat of its, then a read of every peer
+
     def wait_exit(self, r: int, timeout: float) -> tuple[int, float]:
         """(exit code, seconds waited); a rank still running after ``timeout`` fails the test."""
         t = time.monotonic()

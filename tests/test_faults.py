@@ -57,7 +57,7 @@ def test_signal_is_named_by_every_healthy_rank(ranks_factory, world, victim, sig
 
 def signal_after_two_calls(ranks_factory, world: int, victim: int, sig: str) -> None:
     ranks = ranks_factory("sigkill", world, victim)
-    ranks.wait_event(victim, "call_done", count=2, timeout=300)
+    ranks.wait_mid_run(victim, calls=2)
     t_fault = time.time()
     os.kill(ranks.procs[victim].pid, getattr(signal, sig))
     check_every_healthy_rank_names(ranks, victim, world, sig, t_fault)
@@ -135,7 +135,7 @@ def test_stationary_faults_at_3_ranks_are_named_by_every_healthy_rank(ranks_fact
         check_every_healthy_rank_names(ranks, victim, 3, fault, ranks.events(victim, "error")[0]["t"])
         return
     ranks = ranks_factory("sigkill", 3, victim, env=env)
-    ranks.wait_event(victim, "call_done", count=2, timeout=300)
+    ranks.wait_mid_run(victim, calls=2)
     t_fault = time.time()
     os.kill(ranks.procs[victim].pid, getattr(signal, fault))
     check_every_healthy_rank_names(ranks, victim, 3, f"{fault} ({backend}, stationary)", t_fault)

@@ -37,7 +37,7 @@ def _no_process_left(ranks: Ranks, r: int) -> None:
 
 def test_sigkill_mid_decode_names_the_rank(ranks_factory):
     ranks = ranks_factory("sigkill")
-    ranks.wait_event(1, "call_done", count=3)
+    ranks.wait_mid_run(1, calls=3)
     t_fault = time.monotonic()
     os.kill(ranks.procs[1].pid, signal.SIGKILL)
     code, waited = ranks.wait_exit(0, STALL + 5 + 5)
@@ -54,7 +54,7 @@ def test_sigkill_mid_decode_names_the_rank(ranks_factory):
 
 def test_sigstop_rank_is_reported_stalled_with_its_state(ranks_factory):
     ranks = ranks_factory("sigstop")
-    ranks.wait_event(1, "call_done", count=3)
+    ranks.wait_mid_run(1, calls=3)
     t_fault = time.monotonic()
     os.kill(ranks.procs[1].pid, signal.SIGSTOP)
     code, _ = ranks.wait_exit(0, STALL + 5 + 5)
