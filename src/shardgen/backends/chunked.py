@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardgen.backends.lookups import Lookups, lookup_only, own_forward, stand_in
+from shardgen.backends.lookups import looking_up, lookup_only, own_forward, stand_in
 from shardgen.backends.pool import BufferPool, all_gather_single, gather_in_place
 from shardgen.log import get_logger
 
@@ -225,9 +225,8 @@ def io_embeddings(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
         ok = plain_type(m) is kind
         ok = ok and getattr(m, "max_norm", None) is None and getattr(m, "bias", None) is None
         if not ok and kind is nn.Embedding and isinstance(m, nn.Embedding) and m.max_norm is None:
-            ok = _lookup_only(
-                m
-            )  # a subclass (Gemma's scaled embedding): its own forward, its lookups chunked
+            # a subclass (Gemma's scaled embedding): its own forward, its lookups chunked
+            ok = _lookup_only(m)
         out.append((names[id(m)], m, ok))
     return out
 
@@ -311,13 +310,8 @@ def _own_forward_chunked(module: nn.Module, weight: FlatWeight) -> Callable[...,
     def forward(*args: Any, **kwargs: Any) -> Any:
         device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         w = stand_in((weight.rows, weight.cols), weight.dtype, device)
-        saved = module._parameters["weight"]
-        module._parameters["weight"] = w
-        try:
-            with Lookups(w, lambda ids: embedding_forward(weight, ids), other):
-                return orig(*args, **kwargs)
-        finally:
-            module._parameters["weight"] = saved
+        with looking_up(module, w, lambda ids: embedding_forward(weight, ids), other):
+            return orig(*args, **kwargs)
 
     return forward
 

@@ -13,7 +13,8 @@ forwards (``chunked.py``). Nothing here issues a collective; the ``lookup`` call
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,6 +71,24 @@ def own_forward(module: nn.Module) -> Callable[..., Any]:
     return prev if prev is not None else type(module).forward.__get__(module)
 
 
+@contextlib.contextmanager
+def looking_up(
+    module: nn.Module,
+    weight: torch.Tensor,
+    lookup: Callable[[torch.Tensor], torch.Tensor],
+    other: Callable[[Any, tuple, dict], Any],
+) -> Iterator[None]:
+    """For the duration: ``module``'s ``weight`` is ``weight`` (a :func:`stand_in`), and
+    :class:`Lookups` answers its uses; the module's own weight back after. Local."""
+    saved = module._parameters["weight"]
+    module._parameters["weight"] = weight
+    try:
+        with Lookups(weight, lookup, other):
+            yield
+    finally:
+        module._parameters["weight"] = saved
+
+
 def lookup_only(
     module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None
 ) -> bool:
@@ -87,18 +106,13 @@ def lookup_only(
         seen["other"] += 1
         raise _OtherUse
 
-    w = stand_in(shape, dtype, device)
-    saved = module._parameters["weight"]
     forward = own_forward(module)
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
     try:
-        module._parameters["weight"] = w
-        with torch.no_grad(), Lookups(w, lookup, other):
+        with torch.no_grad(), looking_up(module, stand_in(shape, dtype, device), lookup, other):
             forward(ids)
     except Exception:  # its forward takes something else, or reads its weight otherwise
         return False
-    finally:
-        module._parameters["weight"] = saved
     return seen["lookups"] > 0 and not seen["other"]
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardgen.backends.lookups import Lookups, own_forward, stand_in
+from shardgen.backends.lookups import looking_up, own_forward, stand_in
 from shardgen.backends.pool import trim_heap
 from shardgen.backends.stationary import exchange as ex
 from shardgen.backends.stationary.plan import (
@@ -250,7 +250,7 @@ class Stationary:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             """The subclass's own forward, its lookups from the shards (each collective, as ``fn``)."""
-            with swapped([(spec.module, "weight", w)]), Lookups(w, fn, other):
+            with looking_up(spec.module, w, fn, other):
                 return orig(*args, **kwargs)
 
         return wrapped

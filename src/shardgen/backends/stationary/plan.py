@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from shardgen.backends.chunked import plain_type
-from shardgen.backends.lookups import Lookups, own_forward, stand_in
+from shardgen.backends.lookups import looking_up, own_forward, stand_in
 from shardgen.backends.stationary.shards import FlatShard
 from shardgen.log import get_logger
 
@@ -274,7 +274,7 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             entered[id(spec)] = entered.get(id(spec), 0) + 1
-            with swapped([(spec.module, "weight", w)]), Lookups(w, fn, other):
+            with looking_up(spec.module, w, fn, other):
                 return orig(*args, **kwargs)
 
         return wrapped
