@@ -178,11 +178,10 @@ def _crossover(args, rank: int, world: int) -> list[dict]:
         ms = {"per-layer": [], "stationary": []}
         for rnd in range(args.rounds + 1):
             for mode in ms:
-                b.set_forward(mode, shapes)
                 dist.barrier(group)
                 t0 = time.perf_counter()
                 with torch.no_grad():  # as in the driver thread
-                    b.forward(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    b.forward(mode=mode, shapes=shapes, input_ids=ids, use_cache=False, logits_to_keep=1)
                 dist.barrier(group)
                 if rnd:
                     ms[mode].append((time.perf_counter() - t0) * 1e3)

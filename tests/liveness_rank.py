@@ -96,7 +96,7 @@ def main(scenario: str) -> None:
 
     if scenario == "skip_forward" and rank == victim:
         # This rank has no requests, so it shadows every forward: it returns without gathering.
-        engine.backend.shadow_forward = lambda: event("skipped")
+        engine.backend.shadow_forward = lambda **_: event("skipped")
         while engine._shared.failed is None:  # not close(): its own bound would race the verdict
             time.sleep(0.1)
         raise engine._shared.failed

@@ -113,22 +113,22 @@ def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
     ]
     seqs, diffs, plans = [], [], []
     with record() as first:
-        b.set_forward("stationary", [(1, 1)] * world)  # the first forward also gathers the kept state
-        b.forward(input_ids=torch.ones((1, 1), dtype=torch.long), use_cache=False)
+        first_shapes = [(1, 1)] * world  # the first forward also gathers the kept state
+        one = torch.ones((1, 1), dtype=torch.long)
+        b.forward(mode="stationary", shapes=first_shapes, input_ids=one, use_cache=False)
     for dims in schedule:
         shapes = [(r * w, r) for r, w in dims]  # (tokens, head rows): the head sees one position a row
-        b.set_forward("stationary", shapes)
         rows, width = dims[me]
         with record() as rec:
             if rows:
                 gen = torch.Generator().manual_seed(me)
                 ids = torch.randint(3, over.get("vocab_size", 96), (rows, width), generator=gen)
                 kw = dict(use_cache=False, logits_to_keep=1)  # as the decoder passes them: the head sees rows
-                logits = b.forward(input_ids=ids, **kw).logits
+                logits = b.forward(mode="stationary", shapes=shapes, input_ids=ids, **kw).logits
                 with torch.no_grad():
                     diffs.append((logits - ref(input_ids=ids, **kw).logits).abs().max().item())
             else:
-                b.shadow_forward()
+                b.shadow_forward(mode="stationary", shapes=shapes)
         seqs.append(rec.calls)
         cost = stationary_cost(b.stationary.plan, shapes, me)
         plans.append((cost.collectives, cost.elements))

@@ -126,7 +126,7 @@ def test_text_prompts_with_a_tokenizer():
 
 def _buffers_per_layer(monkeypatch) -> dict[int, set[int]]:
     """Record, per cache layer, the K buffers its updates wrote into."""
-    from shardgen.generation import decode
+    from shardgen.generation import cache as decode
 
     seen: dict[int, set[int]] = {}
     orig = decode.ReservedLayer.update
@@ -156,7 +156,7 @@ def test_cache_layers_write_each_step_in_place(monkeypatch):
 def test_cache_reserve_grows_in_steps_and_matches_hf(monkeypatch, arch_model):
     """Past the reserve the buffer is copied into a larger one, RESERVE_COLUMNS at a time: with a
     reserve of 4 columns, 12 new tokens after the prompt take three buffers, outputs equal HF's."""
-    from shardgen.generation import decode
+    from shardgen.generation import cache as decode
 
     arch, model = arch_model
     monkeypatch.setattr(decode, "RESERVE_COLUMNS", 4)
@@ -175,7 +175,7 @@ def test_reserved_layer_holds_what_dynamic_layer_holds():
     merge do to a layer) applied to a ReservedLayer and a DynamicLayer give equal keys/values."""
     from transformers.cache_utils import DynamicLayer
 
-    from shardgen.generation.decode import ReservedLayer
+    from shardgen.generation.cache import ReservedLayer
 
     g = torch.Generator().manual_seed(0)
     for trial in range(20):

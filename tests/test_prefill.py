@@ -17,8 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import shardgen
 from shardgen import toy
 from shardgen.config import SamplingParams
-from shardgen.generation.decode import Batch, SeqState
+from shardgen.generation.batch import Batch
+from shardgen.generation.prefill import PrefillPlan
 from shardgen.generation.sampling import make_generator
+from shardgen.generation.sequence import SeqState
 from shardgen.rollout import concat
 
 EOS = list(range(2, 10))  # many EOS ids: a random tiny model stops at different steps
@@ -112,9 +114,10 @@ def test_forked_cache_is_never_aliased():
     a refill writes a finished slot) changes no sibling, and the siblings decode apart."""
     model = tiny_model("llama", seed=7)
     with torch.no_grad():
-        b = Batch(model, model.forward, _seqs([5, 6, 7, 8, 9], 3), torch.device("cpu"))
+        seqs = _seqs([5, 6, 7, 8, 9], 3)
+        b = Batch(model, seqs, torch.device("cpu"), PrefillPlan.of([s.prompt_ids for s in seqs], True, None))
         assert b.fork is not None and b.fork.tolist() == [0, 0, 0]
-        b.prefill()
+        b.prefill(model.forward)
         for layer in b.cache.layers:
             for t in (layer.keys, layer.values):
                 assert torch.equal(t[0], t[1]) and torch.equal(t[1], t[2])
@@ -124,7 +127,7 @@ def test_forked_cache_is_never_aliased():
                 t[0].sub_(1.0)
                 assert t.stride(0) > 0 and t.is_contiguous()
         for _ in range(5):
-            b.step()
+            b.step(model.forward)
     assert len({tuple(s.tokens) for s in b.seqs}) > 1
 
 

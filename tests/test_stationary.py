@@ -81,7 +81,7 @@ def test_tick_shapes_follow_the_agreed_admission():
 @pytest.mark.parametrize(
     "share,max_prefill_tokens", [(False, None), (True, None), (True, 7), (False, 5)], ids=str
 )
-def test_forward_shape_predicts_what_each_step_feeds(share, max_prefill_tokens):
+def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens):
     """prefill (shared, chunked), refill and decode: the (tokens, head rows) the tick carries is
     what the forward feeds every layer and the LM head."""
     from concurrent.futures import Future
@@ -90,9 +90,9 @@ def test_forward_shape_predicts_what_each_step_feeds(share, max_prefill_tokens):
 
     from shardgen.config import EngineConfig, SamplingParams
     from shardgen.core.shared import EngineStats
-    from shardgen.generation.decode import SeqState
     from shardgen.generation.requests import Request
     from shardgen.generation.scheduler import LocalWork
+    from shardgen.generation.sequence import SeqState
 
     model = tiny_model("llama", seed=1)
     fed: list[tuple[int, int]] = []
@@ -104,7 +104,7 @@ def test_forward_shape_predicts_what_each_step_feeds(share, max_prefill_tokens):
     )
 
     class Backend:
-        def forward(self, **kw):
+        def forward(self, *, mode="per-layer", shapes=None, **kw):
             out = model(**kw)
             fed.append((kw["input_ids"].numel(), head_rows.pop()))
             forked.append(fed[-1][1] != kw["input_ids"].shape[0])
@@ -126,9 +126,10 @@ def test_forward_shape_predicts_what_each_step_feeds(share, max_prefill_tokens):
     steps = 0
     while work.pending or work.batch is not None or work.prefilling is not None:
         admit = steps % 5 != 3  # a tick now and then without admission (everybody pausing)
-        want = work.forward_shape(admit)
+        plan = work.plan(admit)
+        want = plan.shape
         n = len(fed)
-        assert work.step(admit) == (want != (0, 0))
+        assert work.step(plan) == (want != (0, 0))
         assert (fed[n] if len(fed) > n else (0, 0)) == want, (steps, fed[n:], want)
         steps += 1
     assert any(t > h for t, h in fed[1:]), "no refill ran"

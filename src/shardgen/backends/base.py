@@ -6,9 +6,12 @@ rank (the tick protocol guarantees it), so any collective a backend issues is
 matched on every rank of its parameter group.
 
 Collective contract, per method (all ranks of the parameter group, same order):
-- ``forward(**inputs)``: the sharded gathers of one forward pass, or with ``forward_mode``
-  ``"stationary"`` the exchanges of ``backends/stationary`` (no big weight moves).
-- ``shadow_forward()``: exactly the gathers ``forward`` issues, without real work.
+- ``forward(mode=..., shapes=..., **inputs)``: the sharded gathers of one forward pass, or with
+  ``mode="stationary"`` the exchanges of ``backends/stationary`` (no big weight moves), sized
+  from ``shapes``: every rank's agreed ``(tokens, head_rows)`` this tick. The mode and shapes are
+  the tick's plan (``generation/scheduler.ForwardPlan``), passed with each call: no state.
+- ``shadow_forward(mode=..., shapes=...)``: exactly the collectives ``forward`` issues with the
+  same arguments, without real work.
 - ``gather_all()`` / ``release_all()``: one full gather / release of every unit.
 - ``enter_pause()`` / ``exit_pause()``: no collective (attribute changes, local releases).
 - ``close()``: no collective; frees what the backend made.
@@ -19,6 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+#: How a forward gets its weights (``core/policy.py`` chooses per forward).
+PER_LAYER, STATIONARY = "per-layer", "stationary"
+#: Every rank's agreed ``(tokens, head_rows)`` in one tick, in the tick's row order.
+Shapes = tuple[tuple[int, int], ...] | list[tuple[int, int]]
 
 
 class Backend:
@@ -40,10 +48,6 @@ class Backend:
 
     #: The weight-stationary mode (``backends/stationary``) once :meth:`enable_stationary` built it.
     stationary: Any = None
-    #: How the next forward gets its weights, ``"per-layer"`` or ``"stationary"``, and the agreed
-    #: ``(tokens, head_rows)`` of every rank's forward this tick: set by the driver before each forward.
-    forward_mode: str = "per-layer"
-    forward_shapes: list[tuple[int, int]] | None = None
 
     def __init__(self, hf_model: torch.nn.Module, module: torch.nn.Module, device: torch.device) -> None:
         self.hf_model = hf_model
@@ -55,15 +59,11 @@ class Backend:
         then gather per layer). Local: classifies and probes the model, no collective."""
         return f"backend {self.name!r} has no weight-stationary mode"
 
-    def set_forward(self, mode: str, shapes: list[tuple[int, int]] | None) -> None:
-        """The mode and agreed shapes of the next forward (real or shadow). Driver thread. Local."""
-        self.forward_mode, self.forward_shapes = mode, shapes
-
-    def stationary_forward(self, inputs: dict[str, Any]) -> Any:
-        """One forward in the stationary mode with the agreed shapes. Collective on the parameter
-        group (``backends/stationary/mode.py``): every rank, same tick."""
-        assert self.stationary is not None and self.forward_shapes is not None
-        return self.stationary.forward(self.forward_shapes, lambda: self.module(**inputs))
+    def stationary_forward(self, inputs: dict[str, Any], shapes: Shapes | None) -> Any:
+        """One forward in the stationary mode with the agreed ``shapes``. Collective on the
+        parameter group (``backends/stationary/mode.py``): every rank, same tick."""
+        assert self.stationary is not None and shapes is not None, "a stationary forward needs shapes"
+        return self.stationary.forward(list(shapes), lambda: self.module(**inputs))
 
     def per_layer_cost(self) -> Any:
         """The collectives of one per-layer forward (``stationary.cost.Cost``), for ``auto``."""
@@ -71,25 +71,33 @@ class Backend:
 
         return gathered_cost(len(self.units()), self.full_param_bytes(), 1)
 
-    def forward(self, **inputs: Any) -> Any:
-        """Run one forward. Collective on the parameter group when ``lockstep``."""
+    def forward(self, *, mode: str = PER_LAYER, shapes: Shapes | None = None, **inputs: Any) -> Any:
+        """Run one forward: ``mode`` and ``shapes`` as the tick agreed them (the module
+        docstring), ``inputs`` the model's. Collective on the parameter group when ``lockstep``."""
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
+        if mode == STATIONARY:
+            return self.stationary_forward(inputs, shapes)
+        return self._gathered_forward(**inputs)
+
+    def _gathered_forward(self, **inputs: Any) -> Any:
+        """The backend's own per-layer forward (its units' gathers, or none)."""
         return self.module(**inputs)
 
     def gathered_bytes(self) -> int:
         """Bytes of full weights this backend holds beyond its shards (the live replica)."""
         return self.replica.nbytes() if self.replica is not None else 0
 
-    def shadow_forward(self) -> None:
-        """Issue the same parameter collectives as ``forward``, on a 1x1 dummy input.
+    def shadow_forward(self, *, mode: str = PER_LAYER, shapes: Shapes | None = None) -> None:
+        """Issue the same parameter collectives as ``forward(mode=mode, shapes=shapes)``, on a 1x1
+        dummy input (in the stationary mode it contributes zero rows: ``shapes`` says so).
 
         Called by a rank with nothing to compute while a peer computes. A dummy
         forward walks every sharded unit in module order, so the gathers match a
         real forward of any batch size and length.
         """
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.forward(input_ids=ids, use_cache=False)  # the backend's forward: its gathers
+        self.forward(mode=mode, shapes=shapes, input_ids=ids, use_cache=False)  # its collectives
 
     def gather_all(self) -> None:
         """Materialize full weights on every rank (gather policy ``once``). Collective."""

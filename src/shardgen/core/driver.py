@@ -20,6 +20,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ from shardgen.errors import PeerFailedError, PeerStalledError, RendezvousTimeout
 from shardgen.faults.liveness import Liveness, is_comm_error
 from shardgen.faults.stalls import GatherCounter
 from shardgen.generation.requests import Request, completion_of, resolve_future
-from shardgen.generation.scheduler import LocalWork
+from shardgen.generation.scheduler import ForwardPlan, LocalWork
 from shardgen.loading.memory import batch_rows, kv_cache_bytes, memory_budget
 from shardgen.log import get_logger
 from shardgen.timeouts import Timeouts
@@ -61,45 +62,53 @@ from shardgen.timeouts import Timeouts
 log = get_logger()
 
 
+@dataclass(frozen=True)
+class DriverSetup:
+    """Everything a driver is built from, made by the ``Engine`` constructor.
+
+    ``rank`` is global; ``ranks`` the engine's group in global ranks, whose index of ``rank``
+    is this rank's row in the tick. ``control``: the private gloo group of the tick (None on
+    one process); ``store``, ``key_prefix``: the c10d store and this engine's keys in it (None
+    on one process). ``on_failure``: the engine's failure handling, called by the driver thread
+    with its own (attributed) failure; ``on_peer_failure``: called by the liveness thread."""
+
+    config: EngineConfig
+    backend: Backend
+    shared: Shared
+    rank: int
+    ranks: list[int]
+    device: torch.device
+    hf_config: Any
+    tokenizer: Any
+    timeouts: Timeouts
+    on_failure: Callable[[BaseException], None]
+    on_peer_failure: Callable[[BaseException], None]
+    control: Any = None
+    store: Any = None
+    key_prefix: str = "shardgen/engine0"
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+
 class Driver:
     """One rank's driver thread and everything only it writes.
 
     Constructed in the user thread inside the collective ``Engine`` constructor (it
     resolves the gather policy there); after ``start()``, only the driver thread writes
-    its fields. Other threads read ``phase``, ``tick``, ``last_state``, ``last_forward_t``,
-    ``last_tick_t`` and ``stats`` as snapshots (liveness heartbeats, ``close()``/``paused()``
-    bounds, ``stats()``).
+    its fields. Other threads use the public surface below it (``spans``, ``stats_dict``,
+    ``phase_word``, ``tick``, ``check_wait``, ``join``, ``teardown``), which reads snapshots.
     """
 
-    def __init__(
-        self,
-        *,
-        config: EngineConfig,
-        backend: Backend,
-        shared: Shared,
-        control: Any,
-        rank: int,
-        world: int,
-        device: torch.device,
-        hf_config: Any,
-        tokenizer: Any,
-        timeouts: Timeouts,
-        store: Any,
-        key_prefix: str,
-        on_failure: Callable[[BaseException], None],
-        on_peer_failure: Callable[[BaseException], None],
-        ranks: list[int] | None = None,
-    ) -> None:
-        """``on_failure``: the engine's failure handling, called by the driver thread with its own
-        (attributed) failure; ``on_peer_failure``: called by the liveness thread. ``rank`` is
-        global; ``ranks`` the engine's group in global ranks (default: all ``world``), whose
-        index of ``rank`` is this rank's row in the tick."""
-        self.config, self.backend, self.shared = config, backend, shared
-        self.control, self.rank, self.world, self.device = control, rank, world, device
-        self.ranks = list(ranks) if ranks is not None else list(range(world))
-        self.tokenizer, self.timeouts = tokenizer, timeouts
-        self.store, self.key_prefix = store, key_prefix
-        self.on_failure = on_failure
+    def __init__(self, setup: DriverSetup) -> None:
+        config, backend, rank, world = setup.config, setup.backend, setup.rank, setup.world
+        self.backend, self.shared, self.rank, self.world = backend, setup.shared, rank, world
+        self.ranks, self.device = list(setup.ranks), setup.device
+        self.tokenizer, self.timeouts = setup.tokenizer, setup.timeouts
+        self.store, self.key_prefix = setup.store, setup.key_prefix
+        self.on_failure = setup.on_failure
+        self.config = config
         self.phase = Phase.INIT
         self.tick = 0
         self.stats = EngineStats()
@@ -109,21 +118,57 @@ class Driver:
         self.last_tick_t = time.monotonic()  # when the last tick was agreed
         self.gathered = False
         self.fp = Fingerprint()
-        self.cp = ControlPlane(control, self.ranks.index(rank), world)
-        self.gather_policy = self._resolve_gather_policy(hf_config)
-        self.config = config = self._sized_batch(hf_config)
+        self.cp = ControlPlane(setup.control, self.ranks.index(rank), world)
+        self.gather_policy = resolve(config, backend, setup.hf_config, self.device, setup.control, world)
+        self.config = config = self._sized_batch(setup.hf_config)
         self.mode = ForwardMode(self.gather_policy, backend, self.ranks.index(rank))
         self.work = LocalWork(
-            backend.hf_model, backend, device, config, self.stats, on_finished=self._finished
+            backend.hf_model, backend, self.device, config, self.stats, on_finished=self._finished
         )
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
         self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
-        if store is not None and world > 1:
+        if setup.store is not None and world > 1:
             self.gathers = GatherCounter(backend)
             self.live = Liveness(
-                store, key_prefix, rank, world, timeouts, self.status, on_peer_failure, ranks=self.ranks
-            )
+                setup.store, setup.key_prefix, rank, world, setup.timeouts, self.status,
+                setup.on_peer_failure, ranks=self.ranks,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ the other threads' surface
+    def spans(self) -> list[Any]:
+        """The timeline's ``(t0, t1, kind)`` spans so far (a copy). Any thread."""
+        return list(self.timeline.spans)
+
+    def stats_dict(self) -> dict[str, Any]:
+        """The counters, as a snapshot. Any thread."""
+        return self.stats.as_dict()
+
+    def phase_word(self) -> str:
+        """What the driver is doing, as the heartbeats say it. Any thread."""
+        return self.status()[1]
+
+    def on_thread(self) -> bool:
+        """The caller is this driver's thread."""
+        return threading.current_thread() is self.thread
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the thread to end; True once it has. User thread."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def stop_liveness(self) -> None:
+        """Stop the heartbeats (a failure: no more verdicts to wait for). Any thread; idempotent."""
+        if self.live is not None:
+            self.live.stop()
+
+    def teardown(self) -> None:
+        """After the thread ended: liveness stopped, the process-wide state and the stall
+        counter's hooks released (a user's model outlives the engine). User thread. Local."""
+        self.stop_liveness()
+        process.closed(self)
+        if self.gathers is not None:
+            self.gathers.remove()
 
     def start(self) -> None:
         """Start liveness (its first heartbeat) and the driver thread. User thread, once."""
@@ -207,8 +252,10 @@ class Driver:
             row[LIVE], row[PENDING], row[OPEN] = self.work.live, len(self.work.pending), int(not closed)
             row[PAUSE] = int(pause)
             row[FINGERPRINT] = self.fp.value if cfg.debug_collectives else 0
-            row[TOKENS], row[HEAD_ROWS] = self.work.forward_shape(True)
-            row[HELD_TOKENS], row[HELD_HEAD_ROWS] = self.work.forward_shape(False)
+            # One plan per outcome of the tick's admission, decided before it and carried in it.
+            admitted, held = self.work.plan(True), self.work.plan(False)
+            row[TOKENS], row[HEAD_ROWS] = admitted.shape
+            row[HELD_TOKENS], row[HELD_HEAD_ROWS] = held.shape
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
@@ -231,7 +278,7 @@ class Driver:
                     self.gathered = True
                     if cfg.debug_collectives:
                         self.fp.fold("gather_all")
-                self._forward_tick(state)
+                self._forward_tick(state, admitted if state.admit else held)
                 self.last_forward_t = time.monotonic()
             elif decision is Decision.IDLE:
                 self._release_if_gathered()  # nobody has work: give the memory back
@@ -273,31 +320,36 @@ class Driver:
         if self.backend.stationary is not None:
             self.backend.stationary.invalidate()
 
-    def _forward_tick(self, state: TickState) -> None:
-        """Exactly one forward on this rank: prefill, decode, or shadow (protocol invariant).
+    def _forward_tick(self, state: TickState, plan: ForwardPlan) -> None:
+        """Exactly one forward on this rank: ``plan`` (its prefill, chunk, refill or decode), or a
+        shadow for an idle plan (protocol invariant). Collective on the parameter group while the
+        backend is in ``lockstep``: every rank, this same tick, after ``agree``.
 
-        When forwards issue no parameter collectives (weights gathered, or the local
-        backend), a rank with work runs a burst of real forwards instead and nobody
-        shadows: the tick then only decides admission, pause, release and exit.
+        The mode is chosen from the agreed state, the same on every rank, and goes with every
+        rank's agreed shape into the plan; the forward gets them as arguments. When forwards
+        issue no parameter collectives (weights gathered, or the local backend), a rank with work
+        runs a burst of up to ``burst_steps`` real forwards instead, each planned in turn, and
+        nobody shadows: the tick then only decides admission, pause, release and exit.
         """
         t0 = time.perf_counter()
         lockstep = self.backend.lockstep
         mode = "per-layer"
         if lockstep and self.backend.stationary is not None:
-            mode = self.mode.choose(state)  # the same on every rank: from the agreed state
-            self.backend.set_forward(mode, state.shapes())
-        steps = 1 if lockstep else self.config.burst_steps
+            mode = self.mode.choose(state)
+        plan = plan.agreed(mode, state.shapes() if lockstep else None)
         did_work = False
         t = t0
-        for _ in range(steps):
-            if not self.work.step(state.admit):
+        for i in range(1 if lockstep else self.config.burst_steps):
+            if i:
+                plan = self.work.plan(state.admit)  # local forwards: nothing to agree
+            if not self.work.step(plan):
                 break
             self.phase = Phase(self.work.phase.value)
             t = self.timeline.since(t, str(self.work.phase))
             did_work = True
         if not did_work and lockstep:
             self.phase = Phase.SHADOW
-            self.backend.shadow_forward()
+            self.backend.shadow_forward(mode=plan.mode, shapes=plan.shapes)
             self.timeline.since(t, "shadow")
             self.stats.shadow_forwards += 1
         if self.config.debug_collectives:
@@ -334,14 +386,6 @@ class Driver:
                 self.store.delete_key(f"{self.key_prefix}/resume{pause - 1}")
             while int(self.store.add(key, 0)) < self.world:
                 time.sleep(0.005)
-
-    def _resolve_gather_policy(self, hf_config: Any) -> str:
-        """``per-layer``, ``once``, ``stationary`` or ``auto`` (``core/policy.py``: ``resolve``).
-
-        Runs in the user thread, in the collective constructor: all-reduces on the control group
-        (every rank, same point of construction), as ``resolve`` says.
-        """
-        return resolve(self.config, self.backend, hf_config, self.device, self.control, self.world)
 
     def _sized_batch(self, hf_config: Any) -> EngineConfig:
         """The config with ``max_batch_size`` set: as given, else as many rows as the memory

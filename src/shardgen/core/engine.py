@@ -25,7 +25,6 @@ for ``gather="auto"``, all-reduces whether the full model fits.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -38,7 +37,7 @@ from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.base import describe_model
 from shardgen.config import EngineConfig, SamplingParams
 from shardgen.core import comm, groups, process
-from shardgen.core.driver import Driver
+from shardgen.core.driver import Driver, DriverSetup
 from shardgen.core.protocol import OPEN, PAUSE
 from shardgen.core.shared import EngineStats, Shared
 from shardgen.core.timeline import Span
@@ -101,13 +100,17 @@ class Engine:
             prefix, self._store, self._control, self._params = comm.engine_groups(
                 {**cfg.agreed(), **describe_model(raw)}, self.rank, self.ranks, self.timeouts
             )
+        self._prefix = prefix  # this engine's keys in the store
         self.backend: Backend = build_backend(cfg, model, param_group=self._params, device=self.device)
         self.model = self.backend.hf_model
+        # The gather policy is resolved in there: all-reduces on the control group (every rank, here).
         self._driver = Driver(
-            config=cfg, backend=self.backend, shared=self._shared, control=self._control,
-            rank=self.rank, world=self.world, device=self.device, hf_config=self._hf_config,
-            tokenizer=tokenizer, timeouts=self.timeouts, store=self._store, key_prefix=prefix,
-            on_failure=self._fail, on_peer_failure=self._on_peer_failure, ranks=self.ranks,
+            DriverSetup(
+                config=cfg, backend=self.backend, shared=self._shared, rank=self.rank, ranks=self.ranks,
+                device=self.device, hf_config=self._hf_config, tokenizer=tokenizer, timeouts=self.timeouts,
+                on_failure=self._fail, on_peer_failure=self._on_peer_failure, control=self._control,
+                store=self._store, key_prefix=prefix,
+            )
         )  # fmt: skip
         self.gather_policy = self._driver.gather_policy
         self.config = self._driver.config  # max_batch_size sized when unset
@@ -180,16 +183,16 @@ class Engine:
 
     def timeline(self) -> list[Span]:
         """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``core/timeline.py``)."""
-        return list(self._driver.timeline.spans)
+        return self._driver.spans()
 
     def stats(self) -> dict[str, Any]:
         """This rank's driver counters (a snapshot)."""
-        return self._driver.stats.as_dict()
+        return self._driver.stats_dict()
 
     @property
     def phase(self) -> str:
         """What this rank's driver is doing (a ``Phase``; reads as its word)."""
-        return self._driver.status()[1]
+        return self._driver.phase_word()
 
     @property
     def tick(self) -> int:
@@ -227,14 +230,12 @@ class Engine:
         is named in a ``RendezvousTimeoutError`` once this call has waited ``timeout``
         seconds (default: ``stall_timeout``) with no forward anywhere. Idempotent.
         """
-        sh, thread = self._shared, self._driver.thread
+        sh, driver = self._shared, self._driver
         sh.close()
         limit = self.timeouts.close if timeout is None else timeout
         called = time.monotonic()
-        while thread.is_alive() and sh.failed is None:
-            thread.join(0.05)
-            if thread.is_alive():
-                self._driver.check_wait(called, limit, OPEN, "close()", "called close()", absent_if=1)
+        while sh.failed is None and not driver.join(0.05):
+            driver.check_wait(called, limit, OPEN, "close()", "called close()", absent_if=1)
         self._raise_if_failed()
         self._teardown()
 
@@ -282,22 +283,18 @@ class Engine:
 
     def _fail(self, err: BaseException) -> None:
         """Fail every open request with ``err`` (driver or liveness thread). The first failure wins."""
-        on_driver = threading.current_thread() is self._driver.thread
+        on_driver = self._driver.on_thread()
         err, reqs, first = self._shared.fail(err)
         if first and on_driver:
             log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
         for r in reqs:
             resolve_future(r.future, error=err)
         self._shared.notify()  # unblock a waiting paused()
-        if self._driver.live is not None and on_driver:
-            self._driver.live.stop()
+        if on_driver:
+            self._driver.stop_liveness()
 
     def _teardown(self) -> None:
-        if self._driver.live is not None:
-            self._driver.live.stop()
-        process.closed(self._driver)
-        if self._driver.gathers is not None:
-            self._driver.gathers.remove()
+        self._driver.teardown()
         self.backend.uninstrument()
         self.backend.close()
         whole = not dist.is_initialized() or len(self.ranks) == dist.get_world_size()
@@ -306,7 +303,7 @@ class Engine:
         self._control = self._params = None
         if self._store is not None:  # once (close() may be called again): the keys go with the last rank
             store, self._store = self._store, None
-            args = (store, self._driver.key_prefix, self.ranks, self._shared.pauses_entered, names)
+            args = (store, self._prefix, self.ranks, self._shared.pauses_entered, names)
             comm.bounded(comm.forget_engine, args, self.timeouts.store_call, f"rank {self.rank}: close")
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from shardgen.config import SamplingParams, context_length
-from shardgen.generation.decode import SeqState, StopCheck, resolve_special_ids
 from shardgen.generation.sampling import make_generator
+from shardgen.generation.sequence import SeqState, StopCheck, resolve_special_ids
 
 
 @dataclass

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from shardgen.config import SamplingParams
-from shardgen.generation.decode import resolve_special_ids
 from shardgen.generation.requests import Completion
+from shardgen.generation.sequence import resolve_special_ids
 
 #: Rollouts sample by default (``n`` greedy samples would all be equal), with logprobs.
 ROLLOUT_DEFAULTS = SamplingParams(do_sample=True, logprobs=True)

@@ -1,25 +1,33 @@
 """This rank's own work: requests waiting for a slot, and the batch decoding them.
 
-Driver thread only; no collectives. The driver asks it for ONE real forward per
-call (``step``): a new wave's prefill, a refill of finished slots (either, under
-``max_prefill_tokens``, one chunk of it), or a decode step; the protocol decides whether a
-forward happens at all. Requests with the same prompt join a batch together, so that the
-batch prefills their prompt once (``share_prefill``, decode.py).
+Driver thread only; no collectives. Each tick the driver asks it for the plan of its next
+forward (``plan(admit)``, a ``ForwardPlan``: pure, once for each outcome of the tick's
+admission), carries the plan's shape in the tick, and then has it execute exactly the plan the
+agreed state selects (``step(plan)``): a new wave's prefill, a refill of finished slots (either,
+under ``max_prefill_tokens``, one chunk of it), the next chunk of a prefill under way, or a
+decode step. Nothing is decided twice: the prefill's ``PrefillPlan`` computed for the tick is
+the one the batch runs. vLLM v1's ``schedule() -> SchedulerOutput`` has the same shape.
+Requests with the same prompt join a batch together, so that the batch prefills their prompt
+once (``share_prefill``, ``prefill.py``).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from shardgen.config import EngineConfig
-from shardgen.generation.decode import Batch, PrefillPlan, SeqState
+from shardgen.generation.batch import Batch
+from shardgen.generation.prefill import PrefillPlan
 from shardgen.generation.requests import Request
+from shardgen.generation.sequence import SeqState
 
 
 class Work(str, enum.Enum):
@@ -28,10 +36,49 @@ class Work(str, enum.Enum):
     IDLE = "idle"
     PREFILL = "prefill"
     REFILL = "refill"  # a prefill joining a running batch
+    CHUNK = "chunk"  # the next chunk of the prefill under way (the phase stays the prefill's)
     DECODE = "decode"
 
     def __str__(self) -> str:
         return self.value
+
+
+#: ``(tokens, head_rows)`` of every rank's forward in one tick, in the tick's row order.
+Shapes = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """ONE forward of this rank, decided once: what it runs, what it takes, its shape, and (once
+    the tick agreed) how it gets its weights.
+
+    ``kind``: ``IDLE`` (no forward of this rank's own: a shadow where the tick forwards),
+    ``PREFILL`` / ``REFILL`` (the first ``take`` pending requests start a prefill, by
+    ``prefill``), ``CHUNK`` (the next forward of the prefill under way), ``DECODE``.
+    ``tokens``, ``head_rows``: what every layer's input and the LM head's input hold (rows x
+    columns, padding included; one position per head row, or every row at the last chunk of a
+    shared prefill): the tick carries them. ``mode`` and ``shapes`` are set by ``agreed`` from
+    the agreed state: ``"per-layer"`` or ``"stationary"``, and every rank's shape this tick
+    (the stationary exchanges are sized from them)."""
+
+    kind: Work
+    take: int = 0
+    prefill: PrefillPlan | None = None
+    tokens: int = 0
+    head_rows: int = 0
+    mode: str = "per-layer"
+    shapes: Shapes | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens, self.head_rows
+
+    def agreed(self, mode: str, shapes: list[tuple[int, int]] | Shapes | None) -> ForwardPlan:
+        """This plan with the tick's agreed ``mode`` and every rank's ``shapes``."""
+        return replace(self, mode=mode, shapes=None if shapes is None else tuple(shapes))
+
+
+IDLE_PLAN = ForwardPlan(Work.IDLE)
 
 
 class LocalWork:
@@ -47,7 +94,7 @@ class LocalWork:
         on_finished: Callable[[SeqState], None],
     ) -> None:
         self.model = model
-        self.backend = backend  # its forward is looked up per batch (late binding)
+        self.backend = backend  # its forward is looked up per forward (late binding: tests wrap it)
         self.device = device
         self.config = config
         self.stats = stats
@@ -63,84 +110,67 @@ class LocalWork:
         pre = len(self.prefilling.seqs) if self.prefilling is not None else 0
         return pre + (self.batch.live if self.batch is not None else 0)
 
-    def step(self, admit: bool) -> bool:
-        """One prefill, refill or decode forward of this rank's work; False when it has none.
+    def plan(self, admit: bool) -> ForwardPlan:
+        """The forward ``step`` would run now: ``admit`` says whether the agreed state allows taking
+        new requests (not while everyone waits to pause). A prefill over the
+        ``max_prefill_tokens`` budget runs as chunks, one per forward, before anything else (its
+        rows count as live meanwhile). Local, no side effect: the tick carries its shape."""
+        batch, mini = self.batch, self.prefilling
+        if mini is not None:
+            return ForwardPlan(Work.CHUNK, 0, None, *mini.next_prefill_shape())
+        kind, n = Work.IDLE, 0
+        if batch is None and self.pending and admit:
+            kind, n = Work.PREFILL, self._group_take(self.config.max_batch_size)
+        elif batch is not None and self.pending and admit and (n := self._refill_count(batch)):
+            kind = Work.REFILL
+        if kind is not Work.IDLE:
+            cfg = self.config
+            prompts = [self.pending[i].seq.prompt_ids for i in range(n)]
+            pre = PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens)
+            return ForwardPlan(kind, n, pre, *pre.shape(0))
+        if batch is not None:
+            return ForwardPlan(Work.DECODE, 0, None, len(batch.seqs), len(batch.seqs))
+        return IDLE_PLAN
 
-        ``admit``: the agreed state allows taking new requests (not while everyone waits to pause).
-        A prefill over the ``max_prefill_tokens`` budget runs as chunks, one per call, before
-        anything else (its rows count as live meanwhile).
-        """
-        t0 = time.perf_counter()
-        kind, n = self._next(admit)
-        if kind is Work.PREFILL and self.prefilling is not None:
-            self._prefill_forward()  # the next chunk (the phase stays the prefill's or refill's)
-        elif kind is Work.PREFILL:
-            self.phase = Work.PREFILL
-            self._start(self._take(n))
-        elif kind is Work.REFILL:
-            self.phase = Work.REFILL
-            self.stats.refills += 1
-            self._start(self._take(n))
-        elif kind is Work.DECODE:
-            assert self.batch is not None
-            self.phase = Work.DECODE
-            self.batch.step()
-            self.stats.decode_steps += 1
-        else:
+    def step(self, plan: ForwardPlan) -> bool:
+        """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since): ONE
+        forward of this rank's work; False for an ``IDLE`` plan. The forward is the backend's,
+        looked up now (late binding) and given the plan's agreed mode and shapes: on the
+        parameter group it is as collective as the tick made it."""
+        if plan.kind is Work.IDLE:
             return False
+        t0 = time.perf_counter()
+        forward = functools.partial(self.backend.forward, mode=plan.mode, shapes=plan.shapes)
+        if plan.kind is Work.CHUNK:
+            assert self.prefilling is not None, "a chunk planned with no prefill under way"
+            self._prefill_forward(forward)
+        elif plan.kind in (Work.PREFILL, Work.REFILL):
+            assert plan.prefill is not None and self.prefilling is None
+            assert (self.batch is None) == (plan.kind is Work.PREFILL), "the batch changed since the plan"
+            self.phase = plan.kind
+            if plan.kind is Work.REFILL:
+                self.stats.refills += 1
+            self._start(self._take(plan.take), plan.prefill, forward)
+        else:
+            assert plan.kind is Work.DECODE and self.batch is not None and self.prefilling is None
+            self.phase = Work.DECODE
+            self.batch.step(forward)
+            self.stats.decode_steps += 1
         self.stats.forwards += 1
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
 
-    def _next(self, admit: bool) -> tuple[Work, int]:
-        """What ``step(admit)`` runs now, and how many pending requests it takes; no side effect,
-        so the tick can carry the shape of the forward before it runs. Local."""
-        batch = self.batch
-        if self.prefilling is not None:
-            return Work.PREFILL, 0
-        if batch is None and self.pending and admit:
-            return Work.PREFILL, self._group_take(self.config.max_batch_size)
-        if batch is not None and self.pending and admit and (n := self._refill_count(batch)):
-            return Work.REFILL, n
-        if batch is not None:
-            return Work.DECODE, 0
-        return Work.IDLE, 0
-
-    def forward_shape(self, admit: bool) -> tuple[int, int]:
-        """``(tokens, head_rows)`` of the forward ``step(admit)`` would run now, (0, 0) for none:
-        the tokens every layer's input holds (rows x columns, padding included: a prefill chunk
-        computes its distinct prompts' columns of the chunk) and the rows the LM head's input
-        holds (one position per row; the last chunk of a shared prefill forks them to every
-        row). The tick carries it, so the stationary mode's exchanges are sized from agreed
-        numbers (and checked against them). Local, no side effect."""
-        kind, n = self._next(admit)
-        if kind is Work.PREFILL and self.prefilling is not None:
-            return self.prefilling.next_prefill_shape()
-        if kind in (Work.PREFILL, Work.REFILL):
-            cfg = self.config
-            prompts = [self.pending[i].seq.prompt_ids for i in range(n)]
-            return PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens).shape(0)
-        if kind is Work.DECODE:
-            assert self.batch is not None
-            return len(self.batch.seqs), len(self.batch.seqs)
-        return 0, 0
-
-    def _start(self, take: list[Request]) -> None:
-        cfg = self.config
-        seqs = [r.seq for r in take]
-        self.prefilling = Batch(
-            self.model, self.backend.forward, seqs, self.device,
-            share=cfg.share_prefill, max_tokens=cfg.max_prefill_tokens,
-        )  # fmt: skip
+    def _start(self, take: list[Request], plan: PrefillPlan, forward: Callable[..., Any]) -> None:
+        self.prefilling = Batch(self.model, [r.seq for r in take], self.device, plan)
         self.stats.prefills += 1
-        self._prefill_forward()
+        self._prefill_forward(forward)
 
-    def _prefill_forward(self) -> None:
+    def _prefill_forward(self, forward: Callable[..., Any]) -> None:
         """The next forward of the prefill under way; once it is done its rows join the batch."""
         mini = self.prefilling
         assert mini is not None
-        self.stats.prefill_tokens += mini.prefill_step()
+        self.stats.prefill_tokens += mini.prefill_step(forward)
         self.stats.prefill_forwards += 1
         if mini.prefilling:
             return

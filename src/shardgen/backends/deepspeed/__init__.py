@@ -176,11 +176,9 @@ class DeepSpeedBackend(Backend):
         return backend
 
     # ------------------------------------------------------------------ forwards
-    def forward(self, **inputs: Any) -> Any:
-        if self.replica is not None and self.replica.live:
-            return self.replica(**inputs)
-        if self.forward_mode == "stationary":
-            return self.stationary_forward(inputs)  # DeepSpeed's hooks set aside there too
+    def _gathered_forward(self, **inputs: Any) -> Any:
+        """A per-layer forward: the fixed plan's coalesced gathers (``Backend.forward`` runs the
+        replica and the stationary mode, DeepSpeed's hooks set aside there too)."""
         with ds.lockstep_forward(), active(self.chunked):
             if self.plan is None:
                 return self.module(**inputs)

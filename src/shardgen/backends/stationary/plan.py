@@ -306,7 +306,7 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
     forwards += [(s.module, fallback(s)) for s in plan.fallbacks.values()]
     params = inspect.signature(model.forward).parameters
     kwargs: dict[str, Any] = {"use_cache": False}
-    if "logits_to_keep" in params:  # as the decoder passes them (generation/decode.py)
+    if "logits_to_keep" in params:  # as the decoder passes them (generation/batch.py)
         kwargs["logits_to_keep"] = 1
     if "position_ids" in params:
         kwargs["position_ids"] = torch.arange(PROBE_WIDTH, device=dev).expand(PROBE_ROWS, PROBE_WIDTH)

@@ -1,20 +1,22 @@
-"""Prefill, decode step, KV cache and EOS/pad bookkeeping for one batch on one rank.
+"""One batch on one rank: prefill, decode step, refill merges, EOS/pad bookkeeping.
 
-No ``torch.distributed`` here: the batch calls a ``forward`` callable it is given
-(the backend's, which may gather shards) exactly once per ``prefill()`` or ``step()``.
+No ``torch.distributed`` here: each ``prefill_step(forward)`` or ``step(forward)`` calls the
+``forward`` it is given (the backend's, bound by the scheduler to the tick's agreed plan: it may
+gather shards or exchange rows) exactly once.
 
 The inputs mirror Hugging Face ``generate()`` step for step so greedy output is
-token-identical: left padding, ``position_ids`` from the mask's cumsum, the mask
-dropped when it is all ones, the model's own ``prepare_inputs_for_generation``
-and a ``DynamicCache``, ``logits_to_keep=1``, float32 logits of the last position,
-the first EOS kept and ``pad_token_id`` after it.
+token-identical where the shapes are HF's: left padding, ``position_ids`` from the mask's
+cumsum, the mask dropped when it is all ones, the model's own ``prepare_inputs_for_generation``
+and a ``DynamicCache``, ``logits_to_keep=1``, float32 logits of the last position, the first EOS
+kept and ``pad_token_id`` after it.
 
 Shared prefill: rows with the same prompt (the ``n`` samples of a rollout) compute it once. The
 prefill forward runs on the distinct prompts only; its KV cache is then forked into every row
 (``Cache.reorder_cache``: an ``index_select``, so each row owns a copy and a sample's decode never
 touches its siblings'), and the LM head runs on every row, as without sharing. Chunked prefill:
 under a token budget the prompt columns go through the model in chunks, one forward each, the
-cache growing between them (as HF ``generate(prefill_chunk_size=...)`` does).
+cache growing between them (as HF ``generate(prefill_chunk_size=...)`` does). Which rows and
+chunks: the ``PrefillPlan`` (``prefill.py``) the scheduler computed.
 """
 
 from __future__ import annotations
@@ -22,166 +24,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from shardgen.config import SamplingParams
+from shardgen.generation.cache import ReservedLayer
+from shardgen.generation.prefill import PrefillPlan
 from shardgen.generation.sampling import chosen_logprobs, select_tokens
+from shardgen.generation.sequence import SeqState
 
+#: One forward of the model (the backend's, bound to this tick's plan): HF's keyword inputs in,
+#: HF's output out.
 Forward = Callable[..., Any]
-
-
-#: Why a sequence ended: an EOS id was generated, a stop string appeared in the decoded
-#: text, or ``max_new_tokens`` was reached.
-FINISH_REASONS = ("eos", "stop", "length")
-
-StopCheck = Callable[[list[int]], bool]
-"""Given the generated ids so far, True when a stop string has just appeared (the tokenizer
-lives with the caller: this module never decodes text)."""
-
-
-@dataclass(eq=False)
-class SeqState:
-    """One request inside the decoder: its prompt, its settings and what it produced so far."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    eos_ids: frozenset[int]
-    pad_id: int
-    generator: torch.Generator | None = None
-    tag: Any = None  # the engine's handle for the request
-    stop_check: StopCheck | None = None  # stop strings, matched on decoded text
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # one of FINISH_REASONS once finished
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def append(self, token: int, logprob: float | None) -> None:
-        assert not self.finished, "token appended to a finished sequence"
-        self.tokens.append(token)
-        if logprob is not None:
-            self.logprobs.append(logprob)
-        if token in self.eos_ids:
-            self.finish_reason = "eos"
-        elif self.stop_check is not None and self.stop_check(self.tokens):
-            self.finish_reason = "stop"  # the token completing the stop string is kept
-        elif len(self.tokens) >= self.params.max_new_tokens:
-            self.finish_reason = "length"
-
-
-#: Columns a cache layer reserves beyond the ones it needs now, at most: a long generation
-#: rewrites its K/V once per this many steps. The rows' remaining budget caps the reserve.
-RESERVE_COLUMNS = 256
-
-
-class ReservedLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys and values are views of buffers with room for the columns to
-    come: up to ``reserve`` columns in all (what the batch's rows can still reach), and at most
-    ``RESERVE_COLUMNS`` beyond the current need. A step writes its column into the buffer where
-    ``DynamicLayer`` concatenates a copy one column longer. Why: on CPU, glibc's dynamic mmap
-    threshold puts those copies on the heap, which keeps every freed one (about 150 MiB more
-    peak per rank over a 16 MiB cache, docs/PERFORMANCE.md section 15); an accelerator's caching
-    allocator fragments the same way. Keys and values hold the same numbers, in the same shapes,
-    as ``DynamicLayer``'s (only the strides differ). Anything that replaces ``keys``/``values``
-    (a fork, a merge, dropped rows) leaves the buffer, and the next update copies into a new
-    one."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.reserve = 0  # columns the batch can reach in all (Batch._reserve sets it)
-        self._kb: torch.Tensor | None = None
-        self._vb: torch.Tensor | None = None
-
-    def _in_buffer(self, past: int, n: int) -> bool:
-        """The keys are the buffer's first ``past`` columns, and ``n`` more fit."""
-        kb = self._kb
-        return (
-            kb is not None
-            and past > 0
-            and self.keys.data_ptr() == kb.data_ptr()
-            and self.keys.stride() == kb.stride()
-            and self.keys.shape[:-2] == kb.shape[:-2]
-            and self.values.data_ptr() == self._vb.data_ptr()  # type: ignore[union-attr]
-            and past + n <= kb.shape[-2]
-        )
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        past = self.keys.shape[-2] if self.keys.numel() else 0
-        n = key_states.shape[-2]
-        if not self._in_buffer(past, n):
-            need = past + n
-            cap = max(need, min(self.reserve, need + RESERVE_COLUMNS))
-
-            def buffer(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-                buf = new.new_empty((*new.shape[:-2], cap, new.shape[-1]))
-                if past:
-                    buf.narrow(-2, 0, past).copy_(old)
-                return buf
-
-            self._kb, self._vb = buffer(self.keys, key_states), buffer(self.values, value_states)
-        assert self._kb is not None and self._vb is not None
-        self._kb.narrow(-2, past, n).copy_(key_states)
-        self._vb.narrow(-2, past, n).copy_(value_states)
-        self.keys = self._kb.narrow(-2, 0, past + n)
-        self.values = self._vb.narrow(-2, 0, past + n)
-        return self.keys, self.values
-
-    def reset(self) -> None:
-        self._kb = self._vb = None
-        super().reset()
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    """The forwards of one prefill: the rows it computes (the first row of each distinct prompt
-    when sharing, else every row), ``fork`` (row i takes computed row ``fork[i]``; None without
-    sharing) and the column ranges of its chunks. Pure: the scheduler asks it for a prefill's
-    shape before the batch exists."""
-
-    batch_rows: int
-    rows: list[int]
-    fork: list[int] | None
-    chunks: list[tuple[int, int]]
-
-    @staticmethod
-    def of(prompts: list[list[int]], share: bool, max_tokens: int | None) -> PrefillPlan:
-        """``share``: rows with the same prompt prefill it once. ``max_tokens``: most tokens (rows x
-        columns, padding included) one forward computes; None: all."""
-        first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
-        rows: list[int] = []
-        fork: list[int] = []
-        for i, p in enumerate(prompts):
-            if tuple(p) not in first:
-                first[tuple(p)] = len(rows)
-                rows.append(i)
-            fork.append(first[tuple(p)])
-        if not (share and len(rows) < len(prompts)):
-            rows, fork = list(range(len(prompts))), None  # type: ignore[assignment]
-        width = max(len(p) for p in prompts)
-        per_row = width if max_tokens is None else max(1, max_tokens // len(rows))
-        k = -(-width // per_row)  # chunks, of near-equal widths (balanced ticks)
-        chunks = [(width * j // k, width * (j + 1) // k) for j in range(k)]
-        return PrefillPlan(len(prompts), rows, fork, chunks)
-
-    def shape(self, chunk: int) -> tuple[int, int]:
-        """``(tokens, head_rows)`` of forward ``chunk``: every layer computes the computed rows'
-        columns of the chunk; the LM head one position of each computed row, or (the last chunk
-        of a shared prefill) of every row of the batch."""
-        c0, c1 = self.chunks[chunk]
-        last = chunk == len(self.chunks) - 1
-        head = self.batch_rows if last and self.fork is not None else len(self.rows)
-        return len(self.rows) * (c1 - c0), head
 
 
 class Batch:
@@ -191,21 +47,12 @@ class Batch:
     row's numerics never depend on when its neighbours finish.
     """
 
-    def __init__(
-        self,
-        hf_model: Any,
-        forward: Forward,
-        seqs: list[SeqState],
-        device: torch.device,
-        *,
-        share: bool = True,
-        max_tokens: int | None = None,
-    ) -> None:
-        """``share``: rows with the same prompt prefill it once (forked after). ``max_tokens``:
-        most tokens (rows x columns, padding included) one prefill forward computes; None: all."""
+    def __init__(self, hf_model: Any, seqs: list[SeqState], device: torch.device, plan: PrefillPlan) -> None:
+        """``plan``: the prefill's rows and chunks (``PrefillPlan.of`` the rows' prompts), as the
+        scheduler computed it for the tick."""
         assert seqs, "empty batch"
+        assert plan.batch_rows == len(seqs), f"a plan of {plan.batch_rows} rows for {len(seqs)}"
         self.hf_model = hf_model
-        self.forward = forward
         self.seqs = seqs
         self.device = device
         self.steps = 0
@@ -236,7 +83,7 @@ class Batch:
             if type(layer) is DynamicLayer and not layer.is_initialized:
                 layers[i] = ReservedLayer()
         self._reserve()
-        self._plan_prefill(share, max_tokens)
+        self._plan_prefill(plan)
 
     def _reserve(self) -> None:
         """Tell the cache layers how many columns the rows can reach: the batch's width now plus
@@ -247,9 +94,9 @@ class Batch:
             if isinstance(layer, ReservedLayer):
                 layer.reserve = reach
 
-    def _plan_prefill(self, share: bool, max_tokens: int | None) -> None:
-        """Which rows the prefill computes (one per distinct prompt when sharing) and its chunks."""
-        plan = self._prefill = PrefillPlan.of([s.prompt_ids for s in self.seqs], share, max_tokens)
+    def _plan_prefill(self, plan: PrefillPlan) -> None:
+        """The prefill's inputs: the rows ``plan`` computes (one per distinct prompt when sharing)."""
+        self._prefill = plan
         self.fork: torch.Tensor | None = None  # row i takes the prefill of computed row fork[i]
         if plan.fork is not None:
             self.fork = torch.tensor(plan.fork, dtype=torch.long, device=self.device)
@@ -279,7 +126,8 @@ class Batch:
 
     # ------------------------------------------------------------------ continuous refill
     def free_slots(self) -> int:
-        """Rows a refill may fill: finished rows, plus growth up to ``max_rows``."""
+        """Finished rows, which a refill may take (the scheduler adds the growth up to its
+        ``max_batch_size``)."""
         return sum(1 for s in self.seqs if s.finished)
 
     def can_refill(self) -> bool:
@@ -311,12 +159,6 @@ class Batch:
         self.seqs = [self.seqs[i] for i in keep]
         self._reserve()
         return dropped
-
-    def refill(self, seqs: list[SeqState], max_rows: int, **options: Any) -> None:
-        """Prefill ``seqs`` (one forward per prefill chunk) and ``merge`` them in."""
-        mini = Batch(self.hf_model, self.forward, seqs, self.device, **options)
-        mini.prefill()
-        self.merge(mini, max_rows)
 
     def merge(self, mini: Batch, max_rows: int) -> None:
         """Merge the prefilled batch ``mini`` into finished rows, growing to ``max_rows``.
@@ -391,12 +233,12 @@ class Batch:
             kw["logits_to_keep"] = 1
         return kw
 
-    def prefill(self) -> None:
+    def prefill(self, forward: Forward) -> None:
         """Run the whole prompt through the model and choose each row's first token."""
         while self.prefilling:
-            self.prefill_step()
+            self.prefill_step(forward)
 
-    def prefill_step(self) -> int:
+    def prefill_step(self, forward: Forward) -> int:
         """ONE forward of the prefill: the prompt, or its next chunk under the token budget; the
         last one chooses each row's first token. Returns the prompt tokens it computed."""
         assert self.prefilling, "prefill runs once"
@@ -416,7 +258,7 @@ class Batch:
         tokens = (c1 - c0) * ids.shape[0] if mask is None else int(mask[:, c0:c1].sum())
         last = self._chunk == len(self._chunks)
         with self._head_on_every_row(last):
-            outputs = self.forward(**inputs, return_dict=True)
+            outputs = forward(**inputs, return_dict=True)
         if not last:
             returned = getattr(outputs, self._cache_kw, None)
             if returned is not None:
@@ -456,13 +298,13 @@ class Batch:
         finally:
             handle.remove()
 
-    def step(self) -> None:
+    def step(self, forward: Forward) -> None:
         """Feed the last tokens and choose the next ones. One forward."""
         assert 0 < self.steps and not self.done, "step needs a prefilled, unfinished batch"
         inputs = self.hf_model.prepare_inputs_for_generation(
             self.input_ids, next_sequence_length=1, **self._model_kwargs()
         )
-        self._consume(self.forward(**inputs, return_dict=True))
+        self._consume(forward(**inputs, return_dict=True))
 
     def _consume(self, outputs: Any, fork: torch.Tensor | None = None) -> None:
         # Same as HF: float32 copy of the last position's logits.
@@ -493,25 +335,3 @@ class Batch:
             ones = self.attention_mask.new_ones((self.attention_mask.shape[0], 1))
             self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)
         self.steps += 1
-
-
-def resolve_special_ids(
-    params: SamplingParams, generation_config: Any, tokenizer: Any = None
-) -> tuple[frozenset[int], int]:
-    """EOS ids and pad id for a request: explicit values, else the model's, as HF resolves them."""
-    eos = params.eos_token_id
-    if eos is None:
-        eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-    pad = params.pad_token_id
-    if pad is None:
-        pad = getattr(generation_config, "pad_token_id", None)
-    if pad is None and eos_list:
-        pad = eos_list[0]  # HF: pad falls back to the first EOS id
-    if pad is None and tokenizer is not None:
-        pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = 0  # no EOS and no pad anywhere: rows never finish early, the pad is only padding
-    return frozenset(eos_list), int(pad)

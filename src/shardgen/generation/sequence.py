@@ -1,0 +1,77 @@
+"""One request inside the decoder: its prompt, settings and tokens so far (``SeqState``), why it
+ended, and the EOS/pad ids it is decoded with, resolved as Hugging Face resolves them.
+
+No ``torch.distributed``, no model: the batch (``batch.py``) appends what it chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardgen.config import SamplingParams
+
+#: Why a sequence ended: an EOS id was generated, a stop string appeared in the decoded
+#: text, or ``max_new_tokens`` was reached.
+FINISH_REASONS = ("eos", "stop", "length")
+
+StopCheck = Callable[[list[int]], bool]
+"""Given the generated ids so far, True when a stop string has just appeared (the tokenizer
+lives with the caller: this module never decodes text)."""
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One request inside the decoder: its prompt, its settings and what it produced so far."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    pad_id: int
+    generator: torch.Generator | None = None
+    tag: Any = None  # the engine's handle for the request
+    stop_check: StopCheck | None = None  # stop strings, matched on decoded text
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, logprob: float | None) -> None:
+        assert not self.finished, "token appended to a finished sequence"
+        self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if token in self.eos_ids:
+            self.finish_reason = "eos"
+        elif self.stop_check is not None and self.stop_check(self.tokens):
+            self.finish_reason = "stop"  # the token completing the stop string is kept
+        elif len(self.tokens) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+
+
+def resolve_special_ids(
+    params: SamplingParams, generation_config: Any, tokenizer: Any = None
+) -> tuple[frozenset[int], int]:
+    """EOS ids and pad id for a request: explicit values, else the model's, as HF resolves them."""
+    eos = params.eos_token_id
+    if eos is None:
+        eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    pad = params.pad_token_id
+    if pad is None:
+        pad = getattr(generation_config, "pad_token_id", None)
+    if pad is None and eos_list:
+        pad = eos_list[0]  # HF: pad falls back to the first EOS id
+    if pad is None and tokenizer is not None:
+        pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = 0  # no EOS and no pad anywhere: rows never finish early, the pad is only padding
+    return frozenset(eos_list), int(pad)
