@@ -81,7 +81,7 @@ def test_tick_shapes_follow_the_agreed_admission():
 @pytest.mark.parametrize(
     "share,max_prefill_tokens", [(False, None), (True, None), (True, 7), (False, 5)], ids=str
 )
-def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens):
+def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, monkeypatch):
     """prefill (shared, chunked), refill and decode: the (tokens, head rows) the tick carries is
     what the forward feeds every layer and the LM head."""
     from concurrent.futures import Future
@@ -110,6 +110,16 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens):
             forked.append(fed[-1][1] != kw["input_ids"].shape[0])
             return out
 
+    from shardgen.generation import scheduler
+
+    planned = []  # every PrefillPlan computed: one per prefill, the one its batch then runs
+    real_of = scheduler.PrefillPlan.of
+
+    def counted(*args):
+        planned.append(real_of(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(scheduler.PrefillPlan, "of", staticmethod(counted))
     cfg = EngineConfig(max_batch_size=4, share_prefill=share, max_prefill_tokens=max_prefill_tokens)
     work = LocalWork(model, Backend(), torch.device("cpu"), cfg, EngineStats(), on_finished=lambda s: None)
 
@@ -130,6 +140,9 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens):
         want = plan.shape
         n = len(fed)
         assert work.step(plan) == (want != (0, 0))
+        if plan.prefill is not None:  # the batch runs the very plan the tick carried
+            assert work.prefilling is not None or work.batch is not None
+            assert plan.prefill is planned[-1]
         assert (fed[n] if len(fed) > n else (0, 0)) == want, (steps, fed[n:], want)
         steps += 1
     assert any(t > h for t, h in fed[1:]), "no refill ran"
@@ -137,6 +150,7 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens):
         assert any(forked), "no shared prefill forked its rows"
     if max_prefill_tokens:
         assert work.stats.prefill_forwards > work.stats.prefills, "no prefill ran in chunks"
+    assert len(planned) == work.stats.prefills, "a prefill was planned more than once"
 
 
 # ----------------------------------------------------------------------------- gloo ranks

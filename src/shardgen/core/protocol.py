@@ -43,7 +43,7 @@ from shardgen.errors import CollectiveDivergenceError
 # Columns of a rank's row in the tick vector. TOKENS, HEAD_ROWS: the shape of the forward this
 # rank runs this tick if new requests may be admitted (``TickState.admit``), HELD_TOKENS,
 # HELD_HEAD_ROWS if not ((0, 0): none, it shadows): the tokens every layer's input holds and
-# the rows the LM head's holds (``LocalWork.forward_shape``). The weight-stationary mode's
+# the rows the LM head's holds (``ForwardPlan.shape``, generation/scheduler.py). The weight-stationary mode's
 # exchanges size every rank's share from them (``TickState.shapes``).
 LIVE, PENDING, OPEN, PAUSE, FINGERPRINT, TOKENS, HEAD_ROWS, HELD_TOKENS, HELD_HEAD_ROWS = range(9)
 NCOLS = 9
