@@ -6,8 +6,9 @@ rank (the tick protocol guarantees it), so any collective a backend issues is
 matched on every rank of its parameter group.
 
 Collective contract, per method (all ranks of the parameter group, same order):
-- ``forward(**inputs)``: the sharded gathers of one forward pass, or with ``forward_mode``
-  ``"stationary"`` the exchanges of ``backends/stationary`` (no big weight moves).
+- ``forward(**inputs)``: nothing on a live replica; with ``forward_mode`` ``"stationary"`` the
+  exchanges of ``backends/stationary`` (no big weight moves); else the sharded gathers of one
+  forward pass (each backend's ``_per_layer_forward``).
 - ``shadow_forward()``: exactly the gathers ``forward`` issues, without real work.
 - ``gather_all()`` / ``release_all()``: one full gather / release of every unit.
 - ``enter_pause()`` / ``exit_pause()``: no collective (attribute changes, local releases).
@@ -72,9 +73,19 @@ class Backend:
         return gathered_cost(len(self.units()), self.full_param_bytes(), 1)
 
     def forward(self, **inputs: Any) -> Any:
-        """Run one forward. Collective on the parameter group when ``lockstep``."""
+        """Run one forward: on the live replica (no collective), else in the stationary mode
+        (:meth:`stationary_forward`), else the backend's own per-layer forward
+        (:meth:`_per_layer_forward`). Collective on the parameter group when ``lockstep``: every
+        rank, same tick, same mode (the driver sets it from the agreed state)."""
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
+        if self.forward_mode == "stationary":
+            return self.stationary_forward(inputs)
+        return self._per_layer_forward(**inputs)
+
+    def _per_layer_forward(self, **inputs: Any) -> Any:
+        """One forward gathering the weights as the backend does (per unit, bucket or row chunk).
+        Collective on the parameter group when ``lockstep``, as :meth:`forward`."""
         return self.module(**inputs)
 
     def gathered_bytes(self) -> int:

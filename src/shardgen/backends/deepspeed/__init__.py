@@ -176,11 +176,10 @@ class DeepSpeedBackend(Backend):
         return backend
 
     # ------------------------------------------------------------------ forwards
-    def forward(self, **inputs: Any) -> Any:
-        if self.replica is not None and self.replica.live:
-            return self.replica(**inputs)
-        if self.forward_mode == "stationary":
-            return self.stationary_forward(inputs)  # DeepSpeed's hooks set aside there too
+    def _per_layer_forward(self, **inputs: Any) -> Any:
+        """One forward: the row chunks of the chunked modules, the plan's buckets (or one gather per
+        unit). Collective on the param group while ``lockstep`` (the module contract). In the
+        stationary mode (``Backend.forward``) DeepSpeed's hooks are set aside by its source."""
         with ds.lockstep_forward(), active(self.chunked):
             if self.plan is None:
                 return self.module(**inputs)

@@ -134,14 +134,9 @@ class FSDP2Backend(PooledGathers, Backend):
 
         self._free_hooks = [u.register_forward_pre_hook(drop) for u in self.units()]  # after FSDP's
 
-    def forward(self, **inputs: Any) -> Any:
-        """One forward: the units' all-gathers, the chunked modules' row chunks (or, in the
-        stationary mode, its exchanges). Collective on the param group while ``lockstep`` (same
-        order on every rank: module call order)."""
-        if self.replica is not None and self.replica.live:
-            return self.replica(**inputs)
-        if self.forward_mode == "stationary":
-            return self.stationary_forward(inputs)
+    def _per_layer_forward(self, **inputs: Any) -> Any:
+        """One forward: the units' all-gathers, the chunked modules' row chunks. Collective on the
+        param group while ``lockstep`` (same order on every rank: module call order)."""
         self._in_forward = True
         try:
             with active(self.chunked), self._pooled():

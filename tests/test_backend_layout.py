@@ -1,0 +1,57 @@
+"""The backends' shared parts: the forward prologue in ``Backend.forward``, and framework privates
+reached only through each backend's ``internals.py``. Pure unit tests (no processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardgen.backends.base import Backend
+
+
+class _Replica:
+    live = True
+
+    def __call__(self, **inputs: Any) -> str:
+        return "replica"
+
+
+class _Stationary:
+    def forward(self, shapes: Any, run: Any) -> str:
+        return f"stationary {shapes}"
+
+
+class _Recording(Backend):
+    """A backend whose per-layer forward says it ran."""
+
+    def _per_layer_forward(self, **inputs: Any) -> str:
+        return f"per-layer {sorted(inputs)}"
+
+
+def _backend() -> _Recording:
+    model = torch.nn.Linear(2, 2)
+    return _Recording(model, model, torch.device("cpu"))
+
+
+def test_forward_runs_the_replica_then_the_stationary_mode_then_the_backends_own() -> None:
+    b = _backend()
+    assert b.forward(input_ids=1) == "per-layer ['input_ids']"
+    b.stationary = _Stationary()
+    b.set_forward("stationary", [(3, 1)])
+    assert b.forward(input_ids=1) == "stationary [(3, 1)]"
+    b.replica = _Replica()
+    assert b.forward(input_ids=1) == "replica"  # a live replica wins over the mode
+    b.replica.live = False
+    assert b.forward(input_ids=1) == "stationary [(3, 1)]"
+    b.set_forward("per-layer", None)
+    assert b.forward(input_ids=1) == "per-layer ['input_ids']"
+
+
+def test_no_backend_repeats_the_prologue() -> None:
+    from shardgen.backends.deepspeed import DeepSpeedBackend
+    from shardgen.backends.fsdp2 import FSDP2Backend
+    from shardgen.backends.local import LocalBackend
+
+    for cls in (FSDP2Backend, DeepSpeedBackend, LocalBackend):
+        assert cls.forward is Backend.forward, cls.__name__
