@@ -55,3 +55,29 @@ def test_no_backend_repeats_the_prologue() -> None:
 
     for cls in (FSDP2Backend, DeepSpeedBackend, LocalBackend):
         assert cls.forward is Backend.forward, cls.__name__
+
+
+def _sources(*under: str) -> dict[str, str]:
+    import pathlib
+
+    import shardgen
+
+    root = pathlib.Path(shardgen.__file__).parent  # the sources under test
+    return {
+        str(p.relative_to(root)): p.read_text() for d in under for p in sorted((root / d).rglob("*.py"))
+    }
+
+
+def test_a_models_parts_are_found_in_parts_py_only() -> None:
+    """Decoder layers, embeddings and head, MoE blocks: one finder (``backends/parts.py``) for both
+    backends, the stationary mode and the loaders."""
+    import re
+
+    finders = re.compile(r"get_input_embeddings|get_output_embeddings|_no_split_modules|ModuleList|_MOE_NAME")
+    defs = re.compile(r"def (decoder_layers|io_embeddings|vocab_modules|is_moe_block|plain_type|plain_class)\b")
+    found = {
+        path: sorted(set(finders.findall(text)) | set(defs.findall(text)))
+        for path, text in _sources("backends", "loading").items()
+        if path != "backends/parts.py" and (finders.search(text) or defs.search(text))
+    }
+    assert found == {}

@@ -29,14 +29,13 @@ from shardgen.backends.fsdp2.internals import mesh_infos
 from shardgen.backends.fsdp2.pool import PooledGathers
 from shardgen.backends.fsdp2.shard import (
     chunk_vocab,
-    decoder_layers,
     layer_bytes,
     move_to_group,
-    plain_class,
     shard_group,
     shard_model,
     vocab_units,
 )
+from shardgen.backends.parts import plain_type
 from shardgen.backends.replica import Replica
 from shardgen.log import get_logger
 
@@ -45,11 +44,9 @@ log = get_logger()
 __all__ = [
     "FSDP2Backend",
     "chunk_vocab",
-    "decoder_layers",
     "layer_bytes",
     "mesh_infos",
     "move_to_group",
-    "plain_class",
     "shard_group",
     "shard_model",
     "vocab_units",
@@ -223,7 +220,7 @@ class FSDP2Backend(PooledGathers, Backend):
         if self.replica is not None and self.replica.live:
             return
         if self.replica is None:
-            self.replica = Replica(self.module, plain_class(self.module), self.device)
+            self.replica = Replica(self.module, plain_type(self.module), self.device)
         states: set[int] = set()
         for unit in self.units():
             state = fsdp.fsdp_state(unit)

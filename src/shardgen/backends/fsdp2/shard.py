@@ -4,7 +4,8 @@ Units (:func:`shard_model`): one per decoder layer, one for the input embeddings
 for the LM head, whatever their class (one unit for both when they share a tied weight: it
 stays one parameter; :func:`vocab_units`), and the root, which then holds only the small
 rest (final norm). So nothing big stays gathered between forwards (FSDP2 keeps the root
-unit gathered). FSDP2's private parts are reached through ``internals.py``.
+unit gathered). The parts come from ``backends/parts.py``; FSDP2's private parts are reached
+through ``internals.py``.
 """
 
 from __future__ import annotations
@@ -13,43 +14,13 @@ from typing import Any
 
 from torch import nn
 
-from shardgen.backends.chunked import (
-    ChunkedModules,
-    FlatWeight,
-    chunk_budget,
-    chunked_modules,
-    hook_ids,
-    io_embeddings,
-    vocab_modules,
-)
+from shardgen.backends.chunked import ChunkedModules, FlatWeight, chunk_budget, chunked_modules, hook_ids
 from shardgen.backends.fsdp2 import internals as fsdp
+from shardgen.backends.parts import decoder_layers, io_embeddings, largest_layer_bytes, vocab_modules
 from shardgen.backends.pool import BufferPool
 from shardgen.log import get_logger
 
 log = get_logger()
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one.
-
-    HF models name them in ``_no_split_modules`` (LlamaDecoderLayer, GPT2Block, ...);
-    otherwise take the largest ``ModuleList`` of same-class modules. A mixture-of-experts
-    block lives inside its decoder layer, so all experts are gathered as one unit and
-    routing can never change the gather sequence.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
-    # Only the outermost matches: never wrap a block inside another wrapped block.
-    inner = {id(c) for m in found for c in m.modules() if c is not m}
-    found = [m for m in found if id(m) not in inner]
-    if found:
-        return found
-    best: list[nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
-            if sum(p.numel() for p in m.parameters()) > sum(p.numel() for b in best for p in b.parameters()):
-                best = list(m)
-    return best
 
 
 def shard_model(model: nn.Module, mesh: Any) -> None:
@@ -72,7 +43,7 @@ def shard_model(model: nn.Module, mesh: Any) -> None:
 
 def vocab_units(model: nn.Module, inside: set[int]) -> list[list[nn.Module]]:
     """The FSDP units of the input embeddings and the LM head, of any class (chunked or not,
-    ``chunked.io_embeddings``), outside the decoder layers (``inside``: ids of their modules).
+    ``parts.io_embeddings``), outside the decoder layers (``inside``: ids of their modules).
 
     Each is a unit of its own, but modules sharing a parameter (tied embeddings) are one unit,
     so the weight stays one parameter: FSDP2 refuses a parameter shared between two units.
@@ -96,8 +67,7 @@ def vocab_units(model: nn.Module, inside: set[int]) -> list[list[nn.Module]]:
 
 def layer_bytes(model: nn.Module) -> int:
     """Full bytes of the largest decoder layer (DTensor sizes are global)."""
-    layers = decoder_layers(model)
-    return max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0)
+    return largest_layer_bytes(model)
 
 
 def chunk_vocab(
@@ -171,10 +141,3 @@ def move_to_group(model: nn.Module, param_group: Any) -> list[tuple[Any, Any, An
     fsdp.set_shard_groups(saved, param_group)
     log.info("moved the gathers of a fully_shard model (%d mesh infos) to the private group", len(saved))
     return saved
-
-
-def plain_class(model: nn.Module) -> type:
-    """The model's own class: ``fully_shard`` swaps in a subclass that mixes in FSDPModule."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
