@@ -63,9 +63,7 @@ def _sources(*under: str) -> dict[str, str]:
     import shardgen
 
     root = pathlib.Path(shardgen.__file__).parent  # the sources under test
-    return {
-        str(p.relative_to(root)): p.read_text() for d in under for p in sorted((root / d).rglob("*.py"))
-    }
+    return {str(p.relative_to(root)): p.read_text() for d in under for p in sorted((root / d).rglob("*.py"))}
 
 
 def test_a_models_parts_are_found_in_parts_py_only() -> None:
