@@ -136,7 +136,7 @@ def rank_main(args: argparse.Namespace) -> None:
             from unittest import mock
 
             with contextlib.ExitStack() as stack:
-                for where in ("shardgen.backends.fsdp2_pool", "shardgen.backends.deepspeed"):
+                for where in ("shardgen.backends.fsdp2.pool", "shardgen.backends.deepspeed"):
                     stack.enter_context(mock.patch(f"{where}.trim_heap", lambda: False))
                 return block("paused", model, opt, ds, seed, spare)
         with shardgen.Engine(model, backend=backend) as eng:

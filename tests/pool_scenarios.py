@@ -75,7 +75,7 @@ def pools_reused_and_emptied(backend: str, bucket_mb: float | None = None) -> di
     during a training step), generate again, close (empty again); outputs equal HF's throughout.
     ``bucket_mb``: DeepSpeed's bucket size (tiny: one parameter per bucket)."""
     import shardgen.backends.deepspeed as ds_backend
-    import shardgen.backends.fsdp2_pool as fsdp2_pool
+    import shardgen.backends.fsdp2.pool as fsdp2_pool
 
     trims = [0]  # malloc_trim calls: at close only (a trim at a pause costs the next step)
 

@@ -40,7 +40,7 @@ def test_embedding_subclasses_are_chunked_when_they_only_look_up():
     indexes its weight, or whose forward the probe cannot call on one tensor, is gathered whole."""
     import torch
 
-    from shardgen.backends.chunked import io_embeddings
+    from shardgen.backends.parts import io_embeddings
 
     class Indexed(nn.Embedding):
         def forward(self, ids):

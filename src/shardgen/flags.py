@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import functools
 import inspect
 import re
 import textwrap
 import types
 import typing
-from collections.abc import Iterable
 from typing import Any
+
+from shardgen.suggest import did_you_mean
 
 #: Extra spellings of a field's flag (the first is the one messages use).
 FLAG_NAMES: dict[str, tuple[str, ...]] = {"max_batch_size": ("--batch-size", "--max-batch-size")}
@@ -152,12 +152,6 @@ def flag_names(message: str, fields: tuple[tuple[type, Fields], ...]) -> str:
         for f in _selected(cls, names):
             message = re.sub(rf"(?<![-\w]){f.name}\b", flags_of(f.name)[0], message)
     return message
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the name in ``known`` nearest to ``word``, or ``""``."""
-    match = difflib.get_close_matches(word, sorted(set(known)), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]}?)" if match else ""
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -78,9 +78,9 @@ class Backend:
             return self.replica(**inputs)
         if mode == STATIONARY:
             return self.stationary_forward(inputs, shapes)
-        return self._gathered_forward(**inputs)
+        return self._per_layer_forward(**inputs)
 
-    def _gathered_forward(self, **inputs: Any) -> Any:
+    def _per_layer_forward(self, **inputs: Any) -> Any:
         """The backend's own per-layer forward (its units' gathers, or none)."""
         return self.module(**inputs)
 

@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardgen.backends.lookups import looking_up, lookup_only, own_forward, stand_in
+from shardgen.backends.lookups import looking_up, own_forward, stand_in
+from shardgen.backends.parts import plain_type
 from shardgen.backends.pool import BufferPool, all_gather_single, gather_in_place
 from shardgen.log import get_logger
 
@@ -199,54 +200,6 @@ def linear_forward(weight: FlatWeight, x: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-def plain_type(module: nn.Module) -> type:
-    """The module's class without a mix-in sharding wrapper (FSDP2 subclasses it)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
-
-
-def io_embeddings(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """``(name, module, chunkable)`` of the input embeddings and the LM head, of any class (a
-    module both returns: once). ``chunkable``: a plain ``nn.Embedding`` (no ``max_norm``) /
-    bias-free plain ``nn.Linear``, which :func:`embedding_forward` / :func:`linear_forward`
-    compute exactly, or an ``nn.Embedding`` subclass whose own forward reads its weight by
-    lookups only (Gemma's scaled embedding: ``lookups.lookup_only``, a local probe), run with
-    its lookups chunked; any other (a head with a bias) is gathered whole. Not collective."""
-    out: list[tuple[str, nn.Module, bool]] = []
-    names = {id(m): n for n, m in model.named_modules()}
-    for getter, kind in (("get_input_embeddings", nn.Embedding), ("get_output_embeddings", nn.Linear)):
-        try:
-            m = getattr(model, getter)()
-        except (AttributeError, NotImplementedError):
-            m = None
-        if m is None or id(m) not in names or any(m is o for _, o, _ in out):
-            continue
-        ok = plain_type(m) is kind
-        ok = ok and getattr(m, "max_norm", None) is None and getattr(m, "bias", None) is None
-        if not ok and kind is nn.Embedding and isinstance(m, nn.Embedding) and m.max_norm is None:
-            # a subclass (Gemma's scaled embedding): its own forward, its lookups chunked
-            ok = _lookup_only(m)
-        out.append((names[id(m)], m, ok))
-    return out
-
-
-def _lookup_only(m: nn.Embedding) -> bool:
-    """Whether an embedding subclass reads its weight only by lookups (``lookups.lookup_only``)."""
-    own = {n for n, v in m._parameters.items() if v is not None}
-    if own != {"weight"}:
-        return False
-    w = m.weight
-    shape = tuple(getattr(w, "ds_shape", None) or w.shape)  # DeepSpeed: the full shape
-    return len(shape) == 2 and lookup_only(m, shape, w.dtype, w.device)
-
-
-def vocab_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the input embeddings and the LM head when they can be chunked
-    (:func:`io_embeddings`). Not collective."""
-    return [(name, m) for name, m, ok in io_embeddings(model) if ok]
-
-
 class ChunkedModules:
     """The chunked embedding / head of one model, swapped in around shardgen's forwards.
 
@@ -298,7 +251,7 @@ class ChunkedModules:
 def _own_forward_chunked(module: nn.Module, weight: FlatWeight) -> Callable[..., Any]:
     """An embedding subclass's own forward, its weight a stand-in and each lookup of it
     :func:`embedding_forward` (``lookups.py``). Collective as ``embedding_forward``, once per lookup
-    (the probe of :func:`io_embeddings` saw at least one and no other use of the weight)."""
+    (the probe of ``parts.io_embeddings`` saw at least one and no other use of the weight)."""
     orig = own_forward(module)
     name = type(module).__name__
 

@@ -236,22 +236,17 @@ def _deepspeed(model: Any, gather: bool) -> tuple[Any, Callable[[], Any]]:
 
     @contextlib.contextmanager
     def gathered() -> Iterator[None]:
+        from shardgen.backends.deepspeed import internals as ds
+
         # What trl.models.utils.unwrap_model_for_generation does for ZeRO-3: gather every
         # parameter, then take DeepSpeed's hooks off so forwards neither re-gather nor release.
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
-            if offload is not None:
-                for p in engine.module.parameters():
-                    p.ds_active_sub_modules.clear()
-                for hook in offload.forward_hooks + offload.backward_hooks:
-                    hook.remove()
-                offload.forward_hooks, offload.backward_hooks = [], []
-            try:
+            if offload is None:
                 yield
-            finally:
-                if offload is not None:
-                    offload.param_coordinator._invalidate_trace()
-                    offload._register_deepspeed_module(offload.module)
+            else:
+                with ds.hooks_removed(offload, list(engine.module.parameters())):
+                    yield
 
     return engine.module, gathered if gather else contextlib.nullcontext
 

@@ -145,6 +145,19 @@ class Engine:
         """
         return self._submit_many([prompt], params, overrides)[0]
 
+    def submit_many(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        **overrides: Any,
+    ) -> list[Future]:
+        """Queue several requests at once, in order (they reach the driver together, so rows with
+        one prompt join a batch together); one ``Future[Completion]`` each. Not collective.
+
+        ``params`` and ``overrides`` as in ``submit()``; ``seed`` may be a list (one per prompt).
+        """
+        return self._submit_many(list(prompts), params, overrides)
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -219,9 +219,10 @@ class _Plan:
             self.seeds = [None] * (len(prompts) * n)
         rows = [p for p in prompts for _ in range(n)]
         options = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "seed"}
-        self.futures: list[Future] = (
-            engine._submit_many(rows, None, {"seed": self.seeds, **options}) if rows else []
-        )
+        # One submission: a prompt's rows reach the queue together and consecutive (shared prefill).
+        self.futures: list[Future] = []
+        if rows:
+            self.futures = engine.submit_many(rows, None, seed=self.seeds, **options)
         self.n, self.prompts, self.device = n, len(prompts), engine.device
         _, self.pad = resolve_special_ids(base, gen_config, engine.tokenizer)
 

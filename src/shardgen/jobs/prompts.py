@@ -21,8 +21,8 @@ from typing import Any
 
 from shardgen.config import JobConfig, SamplingParams
 from shardgen.errors import ExitCode, JobError
-from shardgen.flags import did_you_mean
 from shardgen.jobs.journal import id_key
+from shardgen.suggest import did_you_mean
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 ID_FIELDS = ("id", "prompt")

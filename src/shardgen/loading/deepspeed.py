@@ -12,7 +12,7 @@ full module on every rank and the whole checkpoint read by rank 0). Here:
    allocated on the CPU.
 2. ``zero.Init`` broadcasts every new parameter from rank 0 before partitioning (so that
    random inits agree): a full tensor per parameter on every rank and one collective per
-   parameter. The weights are read from the checkpoint next, so :class:`_LoadInit` skips
+   parameter. The weights are read from the checkpoint next, so ``internals.load_init_class`` skips
    that broadcast: each parameter is allocated uninitialised, partitioned (this rank's
    slice copied into its partition: the rest of the tensor is never touched, so never
    resident) and freed.
@@ -24,8 +24,9 @@ The result is a model partitioned on ``param_group`` with no DeepSpeed engine; t
 deepspeed backend adopts it (installs the hooks, lockstep coordinator) without moving
 anything. Collectives: none (step 2 removed the only ones); every rank of
 ``param_group`` calls :func:`load_deepspeed` from the engine constructor, same model.
-DeepSpeed 0.19.8: ``Init._zero_init_param`` is the overridden method; the base class is
-``internals.init_class`` (``zero.Init`` taking the dtype it is given on every accelerator).
+DeepSpeed 0.19.8: the ``zero.Init`` subclass and the method it overrides are in
+``backends/deepspeed/internals.py`` (``load_init_class``, over ``init_class``: ``zero.Init``
+taking the dtype it is given on every accelerator).
 """
 
 from __future__ import annotations
@@ -41,19 +42,6 @@ from shardgen.log import get_logger
 log = get_logger()
 
 
-def _load_init_class(deepspeed: Any) -> type:
-    from shardgen.backends.deepspeed.internals import init_class
-
-    class _LoadInit(init_class(deepspeed)):
-        """``zero.Init`` without the per-parameter broadcast (the checkpoint overwrites every value)."""
-
-        def _zero_init_param(self, param: nn.Parameter) -> None:
-            self._convert_to_deepspeed_param(param)
-            param.partition()
-
-    return _LoadInit
-
-
 def load_deepspeed(
     model: nn.Module, src: Any, *, param_group: Any, device: torch.device, ds_config: dict | None
 ) -> nn.Module:
@@ -66,7 +54,12 @@ def load_deepspeed(
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    from shardgen.backends.deepspeed.internals import ensure_ds_comm, ensure_local_rank, import_deepspeed
+    from shardgen.backends.deepspeed.internals import (
+        ensure_ds_comm,
+        ensure_local_rank,
+        import_deepspeed,
+        load_init_class,
+    )
     from shardgen.backends.deepspeed.partition import lockstep_config
 
     # import_deepspeed first: it selects DeepSpeed's CPU accelerator before any deepspeed
@@ -86,7 +79,7 @@ def load_deepspeed(
         if enabled and dtype != want:
             log.warning("shardgen: ds_config enables %s: loading in it instead of %s", want, dtype)
             dtype = want
-    init = _load_init_class(deepspeed)
+    init = load_init_class(deepspeed)
     with no_init_weights(), prevent_arange_dtype_change():
         with init(data_parallel_group=param_group, config_dict_or_path=cfg, dtype=dtype):
             built = AutoModelForCausalLM.from_config(model.config, dtype=dtype)

@@ -40,11 +40,11 @@ from shardgen.backends.chunked import (
     chunk_budget,
     chunked_modules,
     hook_ids,
-    vocab_modules,
 )
 from shardgen.backends.deepspeed import internals as ds
 from shardgen.backends.deepspeed import pause
 from shardgen.backends.deepspeed.pooled import gather_async
+from shardgen.backends.parts import largest_layer_bytes, vocab_modules
 from shardgen.backends.pool import BufferPool, trim_heap
 from shardgen.backends.replica import Replica
 from shardgen.log import get_logger
@@ -176,9 +176,10 @@ class DeepSpeedBackend(Backend):
         return backend
 
     # ------------------------------------------------------------------ forwards
-    def _gathered_forward(self, **inputs: Any) -> Any:
-        """A per-layer forward: the fixed plan's coalesced gathers (``Backend.forward`` runs the
-        replica and the stationary mode, DeepSpeed's hooks set aside there too)."""
+    def _per_layer_forward(self, **inputs: Any) -> Any:
+        """One forward: the row chunks of the chunked modules, the plan's buckets (or one gather per
+        unit). Collective on the param group while ``lockstep`` (the module contract). In the
+        stationary mode (``Backend.forward``) DeepSpeed's hooks are set aside by its source."""
         with ds.lockstep_forward(), active(self.chunked):
             if self.plan is None:
                 return self.module(**inputs)
@@ -309,10 +310,7 @@ def chunk_vocab(
     """The embeddings / head of a ZeRO-3 model gathered in row chunks of its flat partitions
     (``chunked.py``) into ``pool``, or None (none found, or ``chunk_bytes == 0``); the chunk
     size from ``chunked.chunk_budget``. Not collective."""
-    from shardgen.backends.fsdp2 import decoder_layers
-
-    sizes = [sum(ds.full_numel(p) * p.element_size() for p in m.parameters()) for m in decoder_layers(module)]
-    chunk_bytes = chunk_budget(chunk_bytes, max(sizes, default=0))
+    chunk_bytes = chunk_budget(chunk_bytes, largest_layer_bytes(module, ds.full_numel))
     if chunk_bytes is None:
         return None
     weights: dict[str, tuple[torch.nn.Module, FlatWeight]] = {}

@@ -344,3 +344,89 @@ def hooks_suspended(offload, root: torch.nn.Module) -> Iterator[None]:
     ids = {h.id for h in handles if h.hooks_dict_ref() is not None}
     with hooks_aside(list(root.modules()), ids):
         yield
+
+
+# ----------------------------------------------------------------------------- loading (loading/deepspeed.py)
+def load_init_class(deepspeed) -> type:
+    """:func:`init_class` without the broadcast of every new parameter from rank 0 that
+    ``Init._zero_init_param`` issues (so that random inits agree): each parameter is converted
+    and partitioned at once, for a checkpoint to overwrite every value. Not collective."""
+
+    class LoadInit(init_class(deepspeed)):
+        def _zero_init_param(self, param: torch.nn.Parameter) -> None:
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return LoadInit
+
+
+# ----------------------------------------------------------------------------- pauses (pause.py)
+#: DeepSpeedZeRoOffload attributes shardgen changes for generation (:func:`lockstep_coordinator`).
+OFFLOAD_ATTRS = (
+    "persistent_parameters",
+    "param_numel_persistence_threshold",
+    "_prefetch_bucket_sz",
+    "_max_reuse_distance_in_numel",
+    "dp_process_group",
+)
+
+
+def offload_settings(offload) -> tuple[Any, dict[str, Any]]:
+    """``(coordinator, {attribute: value})``: what :func:`lockstep_coordinator` replaces in ``offload``."""
+    attrs = {a: getattr(offload, a) for a in OFFLOAD_ATTRS if hasattr(offload, a)}
+    return offload.get_param_coordinator(), attrs
+
+
+def set_offload_settings(offload, coordinator: Any, attrs: dict[str, Any]) -> None:
+    """Put back what :func:`offload_settings` returned. Local."""
+    offload.param_coordinator = coordinator
+    for name, value in attrs.items():
+        setattr(offload, name, value)
+
+
+# ----------------------------------------------------------------------------- pooled gathers (pooled.py)
+def allgather_dtype(param, shard: torch.Tensor) -> torch.dtype:
+    """The dtype DeepSpeed all-gathers ``param``'s ``shard`` in (its communication dtype)."""
+    from deepspeed.runtime.zero.partition_parameters import get_allgather_dtype
+
+    return get_allgather_dtype(param, shard)
+
+
+def fetches_by_all_reduce(init) -> bool:
+    """Whether the ``zero.Init`` fetches parameters by all-reduce instead of all-gather."""
+    return bool(getattr(init, "use_all_reduce_for_fetch_params", False))
+
+
+def mark_inflight(params: list) -> None:
+    """Mark partitioned ``params`` as being gathered (as DeepSpeed's own gather does); one that is
+    not partitioned raises ``RuntimeError`` with its summary."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in params:
+        if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(p.ds_summary())
+        p.ds_status = ZeroParamStatus.INFLIGHT
+
+
+def mark_available(param) -> None:
+    """Mark a gathered parameter as available (its ``data`` holds the full tensor)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+# ----------------------------------------------------------------------------- benchmarks (bench/methods.py)
+@contextlib.contextmanager
+def hooks_removed(offload, params: list) -> Iterator[None]:
+    """DeepSpeed's module hooks of ``offload`` removed for the duration (forwards neither gather nor
+    release), then registered again with a fresh trace. Local."""
+    for p in params:
+        p.ds_active_sub_modules.clear()
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        offload.param_coordinator._invalidate_trace()
+        offload._register_deepspeed_module(offload.module)

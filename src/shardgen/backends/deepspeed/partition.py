@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shardgen.backends.deepspeed.internals import enum_str, init_class
-from shardgen.backends.moe import is_moe_block
+from shardgen.backends.parts import is_moe_block, outermost
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -40,16 +40,8 @@ def mark_moe_leaves(model: torch.nn.Module) -> list[str]:
     gathers of a forward."""
     from deepspeed.utils import set_z3_leaf_modules, z3_leaf_module
 
-    classes: dict[type, None] = {}
-    covered: list[str] = []
-    for name, module in model.named_modules():
-        if module is model or any(name.startswith(c + ".") for c in covered):
-            continue
-        if z3_leaf_module(module):
-            covered.append(name)
-        elif is_moe_block(module):
-            classes[type(module)] = None
-            covered.append(name)
+    blocks = outermost(model, lambda m: z3_leaf_module(m) or is_moe_block(m))  # none inside a leaf
+    classes = {type(m): None for _, m in blocks if not z3_leaf_module(m)}
     if not classes:
         return []
     before = {id(m) for m in model.modules() if z3_leaf_module(m)}

@@ -18,15 +18,6 @@ import torch
 
 from shardgen.backends.deepspeed import internals as ds
 
-#: DeepSpeedZeRoOffload attributes shardgen changes for generation.
-_OFFLOAD_ATTRS = (
-    "persistent_parameters",
-    "param_numel_persistence_threshold",
-    "_prefetch_bucket_sz",
-    "_max_reuse_distance_in_numel",
-    "dp_process_group",
-)
-
 
 @dataclass
 class ZeroSetup:
@@ -36,17 +27,18 @@ class ZeroSetup:
     init_groups: list[tuple[Any, Any]]  # (zero.Init object, its ds_process_group)
     persist: list[tuple[Any, bool]]  # (parameter, ds_persist)
     coordinator: Any  # the PartitionedParameterCoordinator the hooks use
-    offload_attrs: dict[str, Any]
+    offload_attrs: dict[str, Any]  # the DeepSpeedZeRoOffload attributes shardgen changes (internals)
 
 
 def capture(offload: Any, params: list[torch.nn.Parameter], inits: list[Any]) -> ZeroSetup:
     """The current setup of ``offload`` (a DeepSpeedZeRoOffload) and its parameters."""
+    coordinator, attrs = ds.offload_settings(offload)
     return ZeroSetup(
         groups=[(p, p.ds_process_group) for p in params],
         init_groups=[(i, i.ds_process_group) for i in inits],
         persist=[(p, bool(getattr(p, "ds_persist", False))) for p in params],
-        coordinator=offload.get_param_coordinator(),
-        offload_attrs={a: getattr(offload, a) for a in _OFFLOAD_ATTRS if hasattr(offload, a)},
+        coordinator=coordinator,
+        offload_attrs=attrs,
     )
 
 
@@ -57,9 +49,7 @@ def apply(offload: Any, setup: ZeroSetup) -> None:
         init.ds_process_group = group
     for p, persist in setup.persist:
         p.ds_persist = persist
-    offload.param_coordinator = setup.coordinator
-    for name, value in setup.offload_attrs.items():
-        setattr(offload, name, value)
+    ds.set_offload_settings(offload, setup.coordinator, setup.offload_attrs)
 
 
 def switch(offload: Any, module: torch.nn.Module, setup: ZeroSetup) -> ZeroSetup:

@@ -2,7 +2,7 @@
 bytes DeepSpeed gathers for a bucket (same group, same output layout, same order), written
 in place into a ``pool.BufferPool`` (``pool.gather_in_place``: one broadcast per rank, where
 gloo's all-gather would allocate a temporary). Checked against DeepSpeed 0.19.8, like
-``internals.py``.
+``internals.py``, through which it reaches DeepSpeed's private parts.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardgen.backends.deepspeed import internals as ds
 from shardgen.backends.deepspeed.internals import enum_str, find_init, has_hpz
 from shardgen.backends.pool import gather_in_place
 
@@ -33,18 +34,16 @@ def poolable(params: list) -> bool:
     would: one dtype with no communication dtype, shards in memory on the CPU (no NVMe, no
     quantized or hpZ secondary partition), one group of several ranks, and the ``zero.Init``
     fetching by all-gather (not all-reduce). The same answer on every rank of the group."""
-    from deepspeed.runtime.zero.partition_parameters import get_allgather_dtype
-
     p0 = params[0]
     group, dtype = p0.ds_process_group, p0.ds_tensor.dtype
     init = find_init(p0)
-    if init is None or getattr(init, "use_all_reduce_for_fetch_params", False) or has_hpz(params):
+    if init is None or ds.fetches_by_all_reduce(init) or has_hpz(params):
         return False
     if dist.get_world_size(group) < 2:
         return False
     for p in params:
         t = p.ds_tensor
-        if p.ds_process_group is not group or t.dtype != dtype or get_allgather_dtype(p, t) != dtype:
+        if p.ds_process_group is not group or t.dtype != dtype or ds.allgather_dtype(p, t) != dtype:
             return False
         if t.device.type != "cpu" or enum_str(getattr(t, "final_location", None)) == "nvme":
             return False
@@ -65,8 +64,6 @@ class PooledGather:
     is collective: every rank of the group constructs it, in the same order."""
 
     def __init__(self, params: list, pool: Any) -> None:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
         self.params = sorted(params, key=lambda p: p.ds_id)
         self.pool = pool
         p0 = self.params[0]
@@ -74,10 +71,7 @@ class PooledGather:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.part = sum(p.ds_tensor.ds_numel for p in self.params)
         self.world = world
-        for p in self.params:
-            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                raise RuntimeError(p.ds_summary())
-            p.ds_status = ZeroParamStatus.INFLIGHT
+        ds.mark_inflight(self.params)
         dtype, device = p0.ds_tensor.dtype, p0.ds_tensor.device
         self.flat = pool.take(self.part * world, dtype, device)
         mine = self.flat.narrow(0, self.part * rank, self.part)
@@ -85,8 +79,6 @@ class PooledGather:
         self.work = gather_in_place(self.flat, mine, group)  # no gloo temporary (pool.py)
 
     def wait(self) -> None:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
         if self.work is None:
             return
         self.work.wait()
@@ -95,7 +87,7 @@ class PooledGather:
         if len(self.params) == 1:
             p = self.params[0]
             p.data = flat.narrow(0, 0, p.ds_numel).view(p.ds_shape)
-            p.ds_status = ZeroParamStatus.AVAILABLE
+            ds.mark_available(p)
             self._viewed = flat  # until ``released``: p.data is a view of it
         else:
             full = self.pool.take(sum(p.ds_numel for p in self.params), flat.dtype, flat.device)
@@ -109,7 +101,7 @@ class PooledGather:
                         n = min(p.ds_numel - start, shard)
                         dst[start : start + n].copy_(flat.narrow(0, r * part + offset, n))
                 p.data = dst.view(p.ds_shape)
-                p.ds_status = ZeroParamStatus.AVAILABLE
+                ds.mark_available(p)
                 lo += p.ds_numel
                 offset += shard
             self.pool.release(flat)  # copied out: the next gather may write into it

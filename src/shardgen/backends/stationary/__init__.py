@@ -5,8 +5,8 @@ input rows, each multiplies them by its own rows, and each gets its own tokens' 
 (Pope et al., "Efficiently Scaling Transformer Inference", 2022: weight-stationary layouts).
 Modules: ``shards.py`` (where each rank's elements lie, cut rows), ``exchange.py`` (the
 collectives), ``plan.py`` (what each module does; the probe), ``mode.py`` (the forward),
-``cost.py`` (collectives and bytes per forward, for ``auto``), ``fsdp2.py`` (FSDP2's layout);
-DeepSpeed's layout is ``backends/deepspeed/stationary.py``.
+``cost.py`` (collectives and bytes per forward, for ``auto``); FSDP2's layout is
+``backends/fsdp2/stationary.py``, DeepSpeed's ``backends/deepspeed/stationary.py``.
 """
 
 from __future__ import annotations

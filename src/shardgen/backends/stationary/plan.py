@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardgen.backends.chunked import plain_type
 from shardgen.backends.lookups import looking_up, own_forward, stand_in
+from shardgen.backends.parts import is_moe_block, outermost, plain_type
 from shardgen.backends.stationary.shards import FlatShard
 from shardgen.log import get_logger
 
@@ -67,8 +67,6 @@ class Source:
 
     def is_block(self, module: nn.Module) -> bool:
         """Modules computed whole as a fallback (MoE blocks)."""
-        from shardgen.backends.moe import is_moe_block
-
         return is_moe_block(module)
 
 
@@ -155,10 +153,7 @@ def classify(model: nn.Module, source: Source) -> Plan:
         r.places.append((module, pname))
         return r
 
-    roots: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if m is not model and source.is_block(m) and not any(name.startswith(n + ".") for n, _ in roots):
-            roots.append((name, m))
+    roots = outermost(model, source.is_block)
     inside = {id(c) for _, m in roots for c in m.modules()}
     for name, m in roots:
         places = [ref(sub, p) for sub in m.modules() for p, v in sub._parameters.items() if v is not None]

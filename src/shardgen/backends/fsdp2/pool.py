@@ -1,43 +1,21 @@
 """The FSDP2 backend's gather buffers on a CPU (``pool.py``): FSDP2's unit all-gathers write into a
 :class:`pool.BufferPool`, and its unsharded parameter storages take memory from a
 :class:`pool.StoragePool`, in shardgen's forwards only. A mixin of :class:`fsdp2.FSDP2Backend`
-(which gives ``device``, ``module``, ``units()``, ``chunked`` and ``block_bytes()``). Nothing here
-is collective; the all-gathers stay FSDP2's, in FSDP2's order.
+(which gives ``device``, ``module``, ``units()``, ``chunked`` and ``block_bytes()``); FSDP2's
+private parts it replaces are reached through ``internals.py``. Nothing here is collective; the
+all-gathers stay FSDP2's, in FSDP2's order.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from shardgen.backends.fsdp2 import internals as fsdp
 from shardgen.backends.pool import BufferPool, StoragePool, gather_in_place, trim_heap
-
-
-def pooled_all_gather(pool: BufferPool) -> Any:
-    """FSDP2's default all-gather, its output buffer taken from ``pool`` and written in place
-    (``pool.gather_in_place``). Collective when called, as FSDP2 calls it: every rank of the
-    unit's group, in module order."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-
-    class PooledAllGather(DefaultAllGather):
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            numel = 1
-            for s in size:
-                numel *= int(s)
-            return pool.take(numel, dtype, device).view(*(int(s) for s in size))
-
-        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):  # type: ignore[override]
-            # In place (pool.gather_in_place): gloo's all-gather would allocate a temporary of
-            # the output's size. Waited here, so FSDP2 sees a finished gather (None: no work).
-            gather_in_place(output_tensor, input_tensor, group).wait()
-            return None
-
-    return PooledAllGather()
 
 
 class PooledGathers:
@@ -64,21 +42,16 @@ class PooledGathers:
         is pooled. Local."""
         if self.device.type != "cpu" or self.pool is not None:
             return
-        try:
-            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-        except ImportError:
+        groups = fsdp.default_gather_groups(self.units())
+        if groups is None:
             return
-        groups: dict[int, Any] = {}
-        for unit in self.units():
-            for pg in unit._get_fsdp_state()._fsdp_param_groups:
-                if type(getattr(pg, "_all_gather_comm", None)) is DefaultAllGather:
-                    groups.setdefault(id(pg), pg)
         self.pool = BufferPool(self.block_bytes())  # a unit's all-gather: a decoder layer
-        self._pooled_comm = pooled_all_gather(self.pool)
-        self._pooled_groups = list(groups.values())
-        params = [fp for pg in self._pooled_groups for fp in pg.fsdp_params]
-        hooks = ("init_all_gather_outputs", "alloc_all_gather_outputs", "free_unsharded_param")
-        if StoragePool.supported() and all(hasattr(fp, h) for fp in params for h in hooks):
+        # In place (pool.gather_in_place): gloo's all-gather would allocate a temporary of the
+        # output's size.
+        self._pooled_comm = fsdp.pooled_all_gather(self.pool, gather_in_place)
+        self._pooled_groups = groups
+        params = fsdp.group_params(groups)
+        if StoragePool.supported() and fsdp.allocation_replaceable(params):
             self.storages = StoragePool()
             self._pooled_params = params
 
@@ -89,18 +62,18 @@ class PooledGathers:
     ) -> None:
         """``FSDPParam.init_all_gather_outputs`` in our forwards (a unit's first gather): the
         unsharded outputs on pooled memory from the start, not on fresh blocks freed at reshard."""
-        if len(fsdp_param.all_gather_outputs) > 0:
+        if len(fsdp.gather_outputs(fsdp_param)) > 0:
             return  # already initialized
         outputs = []
         for numel, dtype in zip(numels, dtypes, strict=True):
             t = torch.empty(0, dtype=dtype, device=device)
             self.storages.lend(t.untyped_storage(), numel * world * t.itemsize)
             outputs.append(t.set_(t.untyped_storage(), 0, (numel * world,), (1,)))
-        fsdp_param.all_gather_outputs = outputs
+        fsdp.set_gather_outputs(fsdp_param, outputs)
 
     def _lend(self, fsdp_param: Any) -> None:
         """``FSDPParam.alloc_all_gather_outputs`` in our forwards: pooled memory, not a fresh block."""
-        for t in fsdp_param.all_gather_outputs:
+        for t in fsdp.gather_outputs(fsdp_param):
             storage, nbytes = t.untyped_storage(), t.numel() * t.itemsize
             if storage.nbytes() == 0:
                 self.storages.lend(storage, nbytes)
@@ -109,7 +82,7 @@ class PooledGathers:
 
     def _take_back(self, fsdp_param: Any) -> None:
         """``FSDPParam.free_unsharded_param`` in our forwards: lent memory back to the pool."""
-        for t in itertools.chain(fsdp_param.all_gather_outputs, fsdp_param._unsharded_inner_tensors):
+        for t in fsdp.unsharded_tensors(fsdp_param):
             storage = t.untyped_storage()
             if storage.nbytes() != 0 and not self.storages.take_back(storage):
                 storage.resize_(0)
@@ -122,21 +95,12 @@ class PooledGathers:
     @contextlib.contextmanager
     def _pooled(self) -> Iterator[None]:
         """Around one of shardgen's forwards: the pooled all-gather in place of FSDP2's default."""
-        saved = [(pg, pg._all_gather_comm) for pg in self._pooled_groups]
-        for pg, _ in saved:
-            pg._all_gather_comm = self._pooled_comm
         params = self._pooled_params if self.storages is not None else []
-        for fp in params:
-            fp.init_all_gather_outputs = functools.partial(self._init_outputs, fp)
-            fp.alloc_all_gather_outputs = functools.partial(self._lend, fp)
-            fp.free_unsharded_param = functools.partial(self._take_back, fp)
-        try:
+        with (
+            fsdp.all_gathers_replaced(self._pooled_groups, self._pooled_comm),
+            fsdp.allocation_replaced(params, self._init_outputs, self._lend, self._take_back),
+        ):
             yield
-        finally:
-            for pg, comm in saved:
-                pg._all_gather_comm = comm
-            for fp in params:
-                del fp.init_all_gather_outputs, fp.alloc_all_gather_outputs, fp.free_unsharded_param
 
     def release_buffers(self, trim: bool = True) -> None:
         """Empty the pools; with ``trim``, give the freed heap back to the OS (``pool.trim_heap``).

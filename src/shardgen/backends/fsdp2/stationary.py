@@ -5,7 +5,8 @@ mesh: rank ``r`` of that group holds rows ``[r * c, r * c + c)``, ``c = ceil(d0 
 ranks short or empty. Each ``FSDPParam`` keeps that shard (``sharded_param``) whatever state its
 module is in (FSDP2 keeps the root unit unsharded between forwards), so the mode reads shards
 from there, never from the module attribute. In a stationary forward FSDP2's own forward hooks
-(its unit all-gathers) are set aside; other hooks keep running. Not collective.
+(its unit all-gathers) are set aside; other hooks keep running. FSDP2's private parts are
+reached through ``internals.py``. Not collective.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardgen.backends.chunked import hook_ids
+from shardgen.backends.fsdp2 import internals as fsdp
 from shardgen.backends.stationary.plan import Source, Unsupported, hooks_aside
 from shardgen.backends.stationary.shards import FlatShard, dim0_layout
 
@@ -27,8 +30,6 @@ class FSDP2Source(Source):
     def __init__(self, model: nn.Module, group: Any, device: torch.device) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        from shardgen.backends.chunked import hook_ids
-
         super().__init__(group, dist.get_rank(group), dist.get_world_size(group), device)
         self.params: dict[tuple[int, str], Any] = {}  # (id(module), name) -> FSDPParam
         self.param_dtype: dict[int, Any] = {}  # id(FSDPParam) -> its unit's compute dtype or None
@@ -38,15 +39,11 @@ class FSDP2Source(Source):
             if not isinstance(m, FSDPModule):
                 continue
             self.units.append(m)
-            state = m._get_fsdp_state()
-            handles += [state._pre_forward_hook_handle, state._post_forward_hook_handle]
-            for pg in state._fsdp_param_groups:
-                for fp in pg.fsdp_params:
-                    self.param_dtype[id(fp)] = getattr(state._mp_policy, "param_dtype", None)
-                    info = fp._module_info
-                    self.params[(id(info.module), info.param_name)] = fp
-                    for sm, sn in zip(info.shared_modules, info.shared_param_names, strict=True):
-                        self.params[(id(sm), sn)] = fp
+            handles += fsdp.forward_hook_handles(m)
+            for fp, dtype in fsdp.unit_params(m):
+                self.param_dtype[id(fp)] = dtype
+                for sm, sn in fsdp.param_places(fp):
+                    self.params[(id(sm), sn)] = fp
         self.hook_ids = hook_ids(handles)
 
     def shard(self, module: nn.Module, name: str) -> FlatShard:
@@ -56,20 +53,20 @@ class FSDP2Source(Source):
         where = f"{type(module).__name__}.{name}"
         if fp is None:
             raise Unsupported(f"{where} is not managed by FSDP2")
-        if fp.fsdp_placement != Shard(0):
-            raise Unsupported(f"{where} is sharded as {fp.fsdp_placement}, not along dim 0")
-        info = fp.mesh_info
-        if getattr(info, "shard_mesh_size", None) != self.world or info.shard_mesh_rank != self.rank:
+        placement, size, rank, shape, shard_dtype = fsdp.shard_facts(fp)
+        if placement != Shard(0):
+            raise Unsupported(f"{where} is sharded as {placement}, not along dim 0")
+        if size != self.world or rank != self.rank:
             raise Unsupported(f"{where} is sharded over another group than the engine's")
-        shape = tuple(int(s) for s in fp._orig_size)
         starts, sizes = dim0_layout(shape, self.world)
         device = self.device
+        flat = fsdp.local_shard(fp)
 
-        def local(fp: Any = fp) -> torch.Tensor:
-            t = fp.sharded_param.to_local().reshape(-1)
+        def local() -> torch.Tensor:
+            t = flat()
             return t if t.device == device else t.to(device)
 
-        dtype = self.param_dtype.get(id(fp)) or fp.sharded_param.dtype  # mixed precision: its param_dtype
+        dtype = self.param_dtype.get(id(fp)) or shard_dtype  # mixed precision: its param_dtype
         return FlatShard(shape, starts, sizes, local, dtype, self.rank, key=id(fp))
 
     def aside(self) -> contextlib.AbstractContextManager:
