@@ -169,7 +169,10 @@ class EngineConfig:
     """How the engine runs on every rank. Ranks must agree on every field marked (agreed)."""
 
     backend: str = field(default="fsdp2", metadata={"choices": BACKEND_NAMES})
-    """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding)."""
+    """(agreed) ``fsdp2``, ``deepspeed`` or ``local`` (no sharding). ``Engine(model, backend=None)``
+    picks it from the model (a ``DeepSpeedEngine`` or ZeRO-3-partitioned module: ``deepspeed``;
+    a ``fully_shard``-ed or plain module: ``fsdp2``); a backend that cannot run the model given
+    is a ``ValueError`` at construction, before any collective (``backends/kinds.py``)."""
     gather: str = field(default="auto", metadata={"choices": GATHER_POLICIES})
     """(agreed) ``per-layer`` (gather each unit on every forward), ``stationary`` (no big weight
     moves: each rank computes its rows' outputs for every rank's tokens; activations are

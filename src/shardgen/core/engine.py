@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.base import describe_model
+from shardgen.backends.kinds import backend_for
 from shardgen.config import EngineConfig, SamplingParams
 from shardgen.core import comm, groups, process
 from shardgen.core.driver import Driver, DriverSetup
@@ -83,6 +84,11 @@ class Engine:
         **overrides: Any,
     ) -> None:
         cfg = (config if config is not None else EngineConfig()).replace(**overrides)
+        if source_of(model) is None:  # a from_pretrained skeleton runs on any backend
+            picked = backend_for(cfg.backend, model, distributed=dist.is_initialized())
+            cfg = cfg.replace(backend=picked)  # None: the model's own
+        elif cfg.backend is None:
+            cfg = cfg.replace(backend="fsdp2" if dist.is_initialized() else "local")
         cfg.validate()
         check_backend_name(cfg.backend)  # before any collective
         self.config, self.tokenizer = cfg, tokenizer

@@ -135,6 +135,12 @@ def _load_generation_config(model: nn.Module, path: str) -> None:
         model.generation_config = GenerationConfig.from_pretrained(path)
 
 
+def looks_like_path(name: str) -> bool:
+    """``name`` can only be a local path, never a hub id (``repo`` or ``namespace/repo``): it
+    starts with ``.``, ``/`` or ``~``, or has more than one ``/``."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def source_of(model: Any) -> Source | None:
     """The :class:`Source` of a skeleton built by :func:`skeleton`, else None."""
     return getattr(model, "shardgen_source", None)
@@ -226,6 +232,8 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
     """
     from transformers import AutoTokenizer
 
+    if not os.path.exists(path) and looks_like_path(path):  # not the hub's "Repo id must be ..."
+        raise FileNotFoundError(f"model path {path} does not exist")
     if is_safetensors_checkpoint(path):
         model = skeleton(path, dtype)
     else:
