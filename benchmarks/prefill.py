@@ -77,9 +77,10 @@ def part_share(args, rank: int) -> dict:
             dict(temperature=1.0, max_new_tokens=16, eos_token_id=[]),
         ),
     }
+    workloads = {k: v for k, v in workloads.items() if k.split()[0] in args.share_workloads}
     out = {}
     for name, (build, tok, prompts, kw) in workloads.items():
-        for n in (4, 8):
+        for n in args.ns:
             for share in (False, True):
                 with shardgen.Engine(
                     build(), tok, backend="fsdp2", max_batch_size=16, share_prefill=share
@@ -199,6 +200,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--part", choices=("share", "budget", "both"), default="both")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--share-workloads", nargs="+", default=["toy", "512-token"], choices=["toy", "512-token"])
+    p.add_argument("--ns", nargs="+", type=int, default=[4, 8], help="samples per prompt (share part)")
     p.add_argument("--budgets", nargs="+", default=["none", "2048", "1024", "512", "256"])
     p.add_argument("--short", type=int, default=6, help="16-token prompts per rank (budget part)")
     p.add_argument("--long", type=int, default=2, help="1024-token prompts per rank (budget part)")
