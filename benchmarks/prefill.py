@@ -82,9 +82,8 @@ def part_share(args, rank: int) -> dict:
     for name, (build, tok, prompts, kw) in workloads.items():
         for n in args.ns:
             for share in (False, True):
-                with shardgen.Engine(
-                    build(), tok, backend="fsdp2", max_batch_size=16, share_prefill=share
-                ) as eng:
+                opts = dict(backend="fsdp2", max_batch_size=16, share_prefill=share, gather=args.gather)
+                with shardgen.Engine(build(), tok, **opts) as eng:
                     eng.rollout(prompts, n=n, seed=0, **kw)  # warm-up
                     before = eng.stats()
                     dist.barrier()
@@ -126,7 +125,9 @@ def part_budget(args, rank: int) -> dict:
     for rnd in range(args.rounds + 1):  # round 0 warms up; budgets interleaved in every round
         for budget in args.budgets:
             cap = None if budget == "none" else int(budget)
-            kw = dict(backend="fsdp2", max_batch_size=8, max_prefill_tokens=cap, timeline=True)
+            kw = dict(
+                backend="fsdp2", max_batch_size=8, max_prefill_tokens=cap, timeline=True, gather=args.gather
+            )
             with shardgen.Engine(long_model(args.hidden, args.layers), **kw) as eng:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -207,6 +208,9 @@ def main() -> None:
     p.add_argument("--long", type=int, default=2, help="1024-token prompts per rank (budget part)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--gather", default="per-layer", help="shardgen's gather policy (the engine's default: auto)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
     run_as_ranks(__file__, args.nproc, rank_main, args)
