@@ -41,7 +41,7 @@ step gather_once $PY benchmarks/gather_once.py --rounds 2 --json "$OUT/gather_on
 step anchors    $PY benchmarks/anchors.py --workloads toy medium --ns 4 --rounds 1 --json "$OUT/anchors.json"
 step stationary_toy $PY benchmarks/stationary.py --part toy --rounds 2 --json "$OUT/stationary_toy.json"
 step hybrid     $PY benchmarks/hybrid.py --rounds 2 --json "$OUT/hybrid.json"
-step tail       $PY benchmarks/tail.py --prompts 400 --nproc 4 --rounds 1 --workloads bounded --json "$OUT/tail.json"
+step tail       $PY benchmarks/tail.py --prompts 400 --nproc 4 --rounds 1 --workloads bounded --json "$OUT/tail.json" --extra --batch-size 16
 step prefill_share  $PY benchmarks/prefill.py --part share --share-workloads 512-token --ns 4 --rounds 1 --json "$OUT/prefill_share.json"
 step prefill_budget $PY benchmarks/prefill.py --part budget --budgets none 1024 --rounds 2 --json "$OUT/prefill_budget.json"
 step stationary $PY benchmarks/stationary.py --part throughput --world 2 --rounds 2 --pin --json "$OUT/stationary.json"
