@@ -509,7 +509,8 @@ HEADLINE = [
           "1.44-1.47x; 2.91x loaded", "benchmarks/hybrid.py --rounds 2"),
     Claim("tail", 10, "Batch job with known bounds: forwards, claim order `longest` / `input`", _tail,
           "0.58 (49 / 84)",
-          "benchmarks/tail.py --prompts 400 --nproc 4 --rounds 1 --workloads bounded --extra --batch-size 16"),
+          "benchmarks/tail.py --prompts 400 --nproc 4 --rounds 1 --workloads bounded "
+          "--extra --batch-size 16"),
     Claim("prefill_share", 11, "Shared prefill, 512-token prompts, n=4: time off / on", _share,
           "2.03x (n=8: 1.83x)",
           "benchmarks/prefill.py --part share --share-workloads 512-token --ns 4 --rounds 1"),
