@@ -90,10 +90,10 @@ def bench_one(args: argparse.Namespace, size: str, offload: bool, counter: dict)
         return eng
 
     hf_eng = ds_engine()
-    sg = shardgen.Engine(
-        ds_engine(), backend="deepspeed", max_batch_size=args.batch, bucket_mb=args.bucket_mb
-    )
-    sg0 = shardgen.Engine(ds_engine(), backend="deepspeed", max_batch_size=args.batch, bucket_mb=0)
+    # per-layer: the plan of coalesced gathers is what is measured (auto would gather this model once)
+    opts = dict(backend="deepspeed", max_batch_size=args.batch, gather="per-layer")
+    sg = shardgen.Engine(ds_engine(), bucket_mb=args.bucket_mb, **opts)
+    sg0 = shardgen.Engine(ds_engine(), bucket_mb=0, **opts)
     n_buckets, n_units = len(sg.backend.plan or ()), len(sg.backend.units())
     plain = build()
     g = torch.Generator().manual_seed(1234)  # the same batch on every rank

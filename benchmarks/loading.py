@@ -157,6 +157,7 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=["fsdp2", "deepspeed"])
     p.add_argument("--methods", nargs="+", default=["full", "sharded", "whole"])
     p.add_argument("--dtype", default="float32", help="load the (fp32) checkpoint in this dtype")
+    p.add_argument("--json", default=None, help="also write every row (worst rank) here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
@@ -181,6 +182,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    table = []
     for backend in args.backends:
         for n in args.nproc:
             bound = (1.25 * total / n + 2 * layer) / 2**20
@@ -227,6 +229,21 @@ def main() -> None:
                     f"{max(r['step_ms'] for r in rows):.1f} |",
                     flush=True,
                 )
+                table.append(
+                    dict(
+                        backend=backend,
+                        nproc=n,
+                        method=method,
+                        load_s=max(r["load_s"] for r in rows),
+                        load_mb=load_peak,
+                        generate_mb=worst,
+                        bound_mb=bound,
+                        decode_ms=max(r["step_ms"] for r in rows),
+                    )
+                )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"config": vars(args), "model_mb": total / 2**20, "rows": table}, f, indent=2)
 
 
 if __name__ == "__main__":

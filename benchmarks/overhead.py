@@ -52,7 +52,7 @@ def rank_main(args: argparse.Namespace) -> None:
     for layer in hf_model.model.layers:
         fully_shard(layer)
     fully_shard(hf_model)
-    engine = shardgen.Engine(build(), backend="fsdp2", max_batch_size=args.batch)
+    engine = shardgen.Engine(build(), backend="fsdp2", max_batch_size=args.batch, gather=args.gather)
 
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=g)
@@ -108,6 +108,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument(
+        "--gather",
+        default="per-layer",
+        help="shardgen's gather policy (default per-layer: what HF's path gathers; or auto, once)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
     run_as_ranks(__file__, args.nproc, rank_main, args)

@@ -77,13 +77,13 @@ def part_share(args, rank: int) -> dict:
             dict(temperature=1.0, max_new_tokens=16, eos_token_id=[]),
         ),
     }
+    workloads = {k: v for k, v in workloads.items() if k.split()[0] in args.share_workloads}
     out = {}
     for name, (build, tok, prompts, kw) in workloads.items():
-        for n in (4, 8):
+        for n in args.ns:
             for share in (False, True):
-                with shardgen.Engine(
-                    build(), tok, backend="fsdp2", max_batch_size=16, share_prefill=share
-                ) as eng:
+                opts = dict(backend="fsdp2", max_batch_size=16, share_prefill=share, gather=args.gather)
+                with shardgen.Engine(build(), tok, **opts) as eng:
                     eng.rollout(prompts, n=n, seed=0, **kw)  # warm-up
                     before = eng.stats()
                     dist.barrier()
@@ -125,7 +125,9 @@ def part_budget(args, rank: int) -> dict:
     for rnd in range(args.rounds + 1):  # round 0 warms up; budgets interleaved in every round
         for budget in args.budgets:
             cap = None if budget == "none" else int(budget)
-            kw = dict(backend="fsdp2", max_batch_size=8, max_prefill_tokens=cap, timeline=True)
+            kw = dict(
+                backend="fsdp2", max_batch_size=8, max_prefill_tokens=cap, timeline=True, gather=args.gather
+            )
             with shardgen.Engine(long_model(args.hidden, args.layers), **kw) as eng:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -199,11 +201,16 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--part", choices=("share", "budget", "both"), default="both")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--share-workloads", nargs="+", default=["toy", "512-token"], choices=["toy", "512-token"])
+    p.add_argument("--ns", nargs="+", type=int, default=[4, 8], help="samples per prompt (share part)")
     p.add_argument("--budgets", nargs="+", default=["none", "2048", "1024", "512", "256"])
     p.add_argument("--short", type=int, default=6, help="16-token prompts per rank (budget part)")
     p.add_argument("--long", type=int, default=2, help="1024-token prompts per rank (budget part)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--gather", default="per-layer", help="shardgen's gather policy (the engine's default: auto)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
     run_as_ranks(__file__, args.nproc, rank_main, args)

@@ -78,7 +78,7 @@ def rank_main(args: argparse.Namespace) -> None:
             useful += int(ends.sum())  # masked after the first EOS, as TRL does
         return useful
 
-    engine = shardgen.Engine(model, tok, backend="fsdp2", max_batch_size=args.batch)
+    engine = shardgen.Engine(model, tok, backend="fsdp2", max_batch_size=args.batch, gather=args.gather)
 
     def sg_run(seed: int) -> int:
         b = engine.rollout(
@@ -128,6 +128,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=26)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--gather",
+        default="per-layer",
+        help="shardgen's gather policy (default per-layer: what HF's path gathers; or auto, once)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
     run_as_ranks(__file__, args.nproc, rank_main, args)

@@ -68,11 +68,10 @@ def rank_main(args: argparse.Namespace) -> None:
                 texts.append(tok.decode(row, skip_special_tokens=True))
         return texts
 
+    opts = dict(max_batch_size=args.batch, gather=args.gather)
     engines = {
-        "shardgen": shardgen.Engine.from_pretrained(path, backend="fsdp2", max_batch_size=args.batch),
-        "shardgen_waves": shardgen.Engine.from_pretrained(
-            path, backend="fsdp2", max_batch_size=args.batch, refill=False
-        ),
+        "shardgen": shardgen.Engine.from_pretrained(path, backend="fsdp2", **opts),
+        "shardgen_waves": shardgen.Engine.from_pretrained(path, backend="fsdp2", refill=False, **opts),
     }
 
     def sg_run(name: str) -> list[str]:
@@ -122,6 +121,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=26)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--gather",
+        default="per-layer",
+        help="shardgen's gather policy (default per-layer: what HF's path gathers; or auto, once)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
     run_as_ranks(__file__, args.nproc, rank_main, args)

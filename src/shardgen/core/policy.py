@@ -1,4 +1,4 @@
-"""The gather policy: how the engine's forwards get their weights (docs: DESIGN.md section 3.3).
+"""The gather policy: how the engine's forwards get their weights (docs/ARCHITECTURE.md: how `auto` chooses).
 
 ``per-layer`` (each unit gathered in every forward), ``stationary`` (no big weight moves:
 ``backends/stationary``), ``once`` (the whole model gathered when work starts) and ``auto``:

@@ -3,7 +3,7 @@
     shardgen run --prompts prompts.jsonl --out results.jsonl --nproc 4
     torchrun --nproc-per-node 4 -m shardgen run --prompts prompts.jsonl --out results.jsonl
 
-The prompts file is read and checked by :mod:`shardgen.prompts`. Everything that touches
+The prompts file is read and checked by :mod:`shardgen.jobs.prompts`. Everything that touches
 files is plain Python (unit-testable without processes); the distributed part is
 :func:`run_job`, called once on every rank.
 
