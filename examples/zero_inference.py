@@ -181,7 +181,10 @@ def build_engine(args: argparse.Namespace, config, dtype, model, tokenizer) -> s
     ds_config = zero3_config(args, config, dtype)
     if not args.user_partitioned:
         # shardgen partitions the plain model itself (or loads the skeleton, or adopts the model
-        # partitioned by --load hf-zero3), on its private process group.
+        # partitioned by --load hf-zero3, whose ZeRO settings are those it was built with: no
+        # ds_config), on its private process group.
+        if args.load == "hf-zero3" and not args.dummy:
+            return shardgen.Engine(model, tokenizer, **common)
         return shardgen.Engine(model, tokenizer, ds_config=ds_config, **common)
     import deepspeed  # DS_ACCELERATOR is set in main() before this import
 

@@ -209,6 +209,7 @@ def lockstep_uneven(bucket_bytes: int | None = None) -> dict:
     backend = _create(model, group, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     n_units = len(backend.units())
     n_buckets = len(backend.plan) if backend.plan is not None else None
+    prefetch = backend.plan.prefetch if backend.plan is not None else None
     seqs, diffs = [], []
     plan = ["real", "real", "real"] if rank == 0 else ["shadow", "real", "shadow"]
     shapes = [[5, 3], [7], [2, 6, 4]]
@@ -249,6 +250,7 @@ def lockstep_uneven(bucket_bytes: int | None = None) -> dict:
         "lockstep_flag_after": backend.lockstep,
         "n_units": n_units,
         "n_buckets": n_buckets,
+        "prefetch": prefetch,
         "chunks": backend.chunked.describe() if backend.chunked is not None else {},
     }
 
@@ -487,3 +489,72 @@ def toy_moe_lockstep(user_partitioned: bool) -> dict:
         "experts_called": experts_called,
         "diffs": diffs,
     }
+
+
+def _zero_init_model(seed: int = 5, **zero):
+    """A tiny Llama partitioned by ``zero.Init`` alone, on the world (collective: broadcasts)."""
+    import deepspeed
+
+    model = tiny_model("llama", seed=seed)
+    cfg = {"stage": 3, "memory_efficient_linear": False, **zero}
+    deepspeed.zero.Init(
+        module=model, config_dict_or_path={"train_micro_batch_size_per_gpu": 1, "zero_optimization": cfg}
+    )
+    return model
+
+
+def refusals() -> dict[str, str]:
+    """DEEPSPEED.md's refusals of a user-partitioned model, each ``type: message`` (or "no error"):
+    a mix of ZeRO and plain parameters, a DeepSpeedEngine below stage 3, a gather in flight, an
+    open ``GatheredParameters``, hooks whose coordinator cannot be found, hpZ secondary partitions.
+    Every rank builds the same models in the same order (``zero.Init`` and ``deepspeed.initialize``
+    are collective on the world); the refusals themselves are local."""
+    install_recorder()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    group = _param_group()
+    out: dict[str, str] = {}
+
+    def attempt(case: str, model) -> None:
+        try:
+            _create(model, group).close()
+        except (ValueError, RuntimeError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+        else:
+            out[case] = "no error"
+        module = getattr(model, "module", model)
+        if any(getattr(p, "ds_process_group", None) is group for p in module.parameters()):
+            out[case] += " (and moved to shardgen's group)"  # refused only after changing it
+
+    model = _zero_init_model()
+    model.register_parameter("plain", torch.nn.Parameter(torch.zeros(3)))  # not converted
+    attempt("mixed", model)
+
+    engine, *_ = deepspeed.initialize(
+        model=tiny_model("llama", seed=5),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}},
+    )
+    attempt("stage", engine)
+
+    model = _zero_init_model()
+    p = next(model.parameters())
+    p.ds_status = ZeroParamStatus.INFLIGHT  # as a forward of another thread leaves it mid-gather
+    attempt("inflight", model)
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+    with deepspeed.zero.GatheredParameters([p]):  # collective: both ranks enter and leave it
+        attempt("gathered_open", model)
+
+    engine = _ds_initialize(tiny_model("llama", seed=5), offload=False)
+    module = engine.module
+    module._forward_pre_hooks.clear()  # the root hook that leads to the coordinator: gone
+    attempt("no_coordinator", module)
+
+    try:
+        model = _zero_init_model(zero_hpz_partition_size=2)
+    except Exception as e:  # what DeepSpeed says, for the test's message
+        out["hpz"] = f"zero.Init failed: {type(e).__name__}: {e}"
+    else:
+        attempt("hpz", model)
+    return out

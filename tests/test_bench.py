@@ -64,7 +64,7 @@ def test_bench_two_ranks_four_methods(tmp_path: Path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "shardgen", "bench", "--world-sizes", "2", "--prompts-per-rank", "4",
            "--batch-size", "2", "--methods", "hf_synced", "sg_fsdp2", "sg_fsdp2_stationary", "local",
-           "--json", "b.json", "--timeline", "b.png"]  # fmt: skip
+           "--json", "b.json", "--timeline", "b.png", "--quiet"]  # fmt: skip
     # the bound of every launched run here: 120 s was too short beside two busy processes
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -81,5 +81,7 @@ def test_bench_two_ranks_four_methods(tmp_path: Path):
     assert res["hf_synced"]["forwards"] >= res["sg_fsdp2"]["forwards"] - res["sg_fsdp2"]["wasted_forwards"]
     assert res["hf_synced"]["peak_param_mib"] < res["local"]["peak_param_mib"]  # sharded: less per rank
     assert "sg_fsdp2" in done.stdout and "x floor" in done.stdout
+    # --quiet: the table, not the progress lines of the launcher ("N ranks, methods") or rank 0
+    assert "shardgen bench:" not in done.stderr, done.stderr[-4000:]
     png = (tmp_path / "b-w2.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -111,3 +111,28 @@ def test_python_m_shardgen_help(monkeypatch: pytest.MonkeyPatch, capsys) -> None
         runpy.run_module("shardgen", run_name="__main__", alter_sys=True)
     helped = capsys.readouterr().out
     assert info.value.code == 0 and "--max-batch-size" in helped and "exit codes:" in helped, helped
+
+
+def test_a_failed_rank_says_its_one_line_before_any_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """README: errors are one line on stderr. A rank whose job fails while running prints its
+    ``shardgen run: error:`` line first; a peer's failure (a ShardgenError, which names the
+    rank) stops there, anything else adds its traceback after the line, for a bug report."""
+    from shardgen.cli.run import say_rank_failed
+    from shardgen.errors import PeerStalledError
+
+    def raised(e: Exception) -> Exception:
+        try:
+            raise e
+        except Exception as caught:
+            return caught
+
+    say_rank_failed(raised(PeerStalledError("rank 1 sent no heartbeat for 30.0 s")), 0)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "shardgen run: error: rank 0 failed: PeerStalledError: rank 1 sent no heartbeat for 30.0 s "
+        "(results so far are in the journals; rerun with --resume)"
+    ]
+    say_rank_failed(raised(RuntimeError("boom")), 1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("shardgen run: error: rank 1 failed: RuntimeError: boom (results"), err
+    assert err[1] == "Traceback (most recent call last):" and err[-1] == "RuntimeError: boom", err

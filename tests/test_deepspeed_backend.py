@@ -143,7 +143,8 @@ def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld, b
         assert per_forward == {r0["n_buckets"] + sum(chunks.values())}, (per_forward, r0["n_buckets"])
         assert r0["n_buckets"] < r0["n_units"]  # the plan is what makes it fewer
         if bucket_bytes:
-            assert r0["n_buckets"] > 2  # several buckets: the next one is prefetched
+            assert r0["n_buckets"] > 2  # several buckets
+        assert r0["prefetch"] is False  # a CPU device: no bucket is gathered ahead (DEEPSPEED.md)
     ref = r0["seqs"][0]
     assert ref and all(c[1] == "param" for c in ref), ref
     for r in (r0, r1):
@@ -268,3 +269,24 @@ def test_seed_hang_plain_deepspeed_generate():
     stacks = info.value.stacks
     assert "in barrier" in stacks[0], stacks[0]  # rank 0 finished its 2 calls
     assert "in generate" in stacks[1] and "in barrier" not in stacks[1], stacks[1]  # rank 1: third call
+
+
+def test_refusals_of_a_user_partitioned_model(dsworld):
+    """docs/DEEPSPEED.md, "A model the user partitioned": refused on every rank, before anything
+    is changed, each with its documented error and message."""
+    want = {
+        "mixed": "ValueError: 1 of 22 parameters are not ZeRO-3 parameters",
+        "stage": "ValueError: the DeepSpeed engine runs ZeRO stage 0, which does not partition parameters",
+        "inflight": "RuntimeError: parameters [",  # its ds_id: a process-wide counter
+        "inflight_then": "] have a gather in flight; create the backend between forwards",
+        "gathered_open": "RuntimeError: a GatheredParameters context is open on this model; exit it first",
+        "no_coordinator": "RuntimeError: this module has DeepSpeed ZeRO-3 hooks but shardgen cannot find "
+        "their coordinator; pass the DeepSpeedEngine",
+        "hpz": "ValueError: the model uses hpZ secondary partitions (zero_hpz_partition_size > 1)",
+    }
+    then = want.pop("inflight_then")[1:]
+    for r in dsworld.run(sc.refusals, timeout=180):
+        assert r["inflight"].split("]", 1)[1].startswith(then), r["inflight"]
+        assert set(r) == set(want), r
+        for case, said in want.items():
+            assert r[case].startswith(said) and "moved" not in r[case], (case, r[case])

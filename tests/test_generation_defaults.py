@@ -107,3 +107,28 @@ def test_special_ids_outside_the_vocabulary_are_refused():
             _params(model, **bad)
         assert said in str(info.value), (bad, str(info.value))
     assert _params(model, eos_token_id=vocab - 1, pad_token_id=0).eos_token_id == vocab - 1
+
+
+def test_a_bad_request_names_every_setting_at_fault():
+    """One ValueError for the whole request, every fault in it with its numbers (not the first
+    only); a request with one fault keeps its single message."""
+    model = tiny_model("llama", seed=41)
+    vocab, n_ctx = model.config.vocab_size, model.config.max_position_embeddings
+    p = SamplingParams(top_k=-1, eos_token_id=vocab + 3, max_new_tokens=n_ctx, stop=["x"])
+    with pytest.raises(ValueError) as info:
+        build_request([5, vocab, 7], p, model_config=model.config, generation_config=model.generation_config)
+    said = str(info.value)
+    for part in (
+        "top_k must be an integer >= 0, got -1",
+        f"prompt token id {vocab} is outside the model's vocabulary [0, {vocab})",
+        f"eos_token_id {vocab + 3} is outside",
+        f"prompt of 3 tokens + max_new_tokens {n_ctx} exceeds the model's context of {n_ctx} tokens",
+        "stop strings need a tokenizer",
+    ):
+        assert part in said, (part, said)
+    assert said.startswith("top_k must be")  # the sampling settings first, as before
+    with pytest.raises(ValueError) as info:
+        build_request(
+            [], SamplingParams(), model_config=model.config, generation_config=model.generation_config
+        )
+    assert str(info.value) == "empty prompt: a request needs at least one prompt token"

@@ -31,9 +31,19 @@ def trlworld():
 
 def test_unsupported_trl_settings_raise():
     msgs = sc.unsupported_knobs()
-    assert len(msgs) == 3
-    for msg, knob in zip(msgs, ("min_p=0.1", "repetition_penalty=1.2", "use_vllm=True"), strict=True):
-        assert "does not support" in msg and knob in msg
+    said = (
+        ["min_p=0.1"],
+        ["repetition_penalty=1.2"],
+        ["use_vllm=True"],
+        ["use_transformers_continuous_batching=True"],
+        ["generation_kwargs={'no_repeat_ngram_size': 2}"],
+        ["cache_implementation='static'"],
+        ["min_p=0.2", "cache_implementation='static'"],
+    )
+    assert len(msgs) == len(said) == len(sc.UNSUPPORTED_KNOBS), msgs
+    for msg, knobs in zip(msgs, said, strict=True):
+        assert msg.startswith("shardgen's GRPOTrainer does not support these TRL settings: "), msg
+        assert all(k in msg for k in knobs), (knobs, msg)
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])

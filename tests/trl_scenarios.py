@@ -95,6 +95,17 @@ def grpo_two_steps(backend: str, stock: bool = False) -> dict:
     }
 
 
+UNSUPPORTED_KNOBS = (  # each with the text its ValueError must name
+    {"min_p": 0.1},
+    {"repetition_penalty": 1.2},
+    {"use_vllm": True},
+    {"use_transformers_continuous_batching": True},
+    {"generation_kwargs": {"no_repeat_ngram_size": 2}},
+    {"cache_implementation": "static"},
+    {"min_p": 0.2, "cache_implementation": "static"},  # every setting at fault, in one message
+)
+
+
 def unsupported_knobs() -> list[str]:
     """The ValueError messages for TRL settings shardgen does not implement (no ranks needed)."""
     from trl import GRPOConfig
@@ -102,7 +113,7 @@ def unsupported_knobs() -> list[str]:
     from shardgen.integrations.trl import GRPOTrainer
 
     out = []
-    for bad in ({"min_p": 0.1}, {"repetition_penalty": 1.2}, {"use_vllm": True}):
+    for bad in UNSUPPORTED_KNOBS:
         cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), bf16=False, report_to=[], **bad)
         try:
             GRPOTrainer(model="unused", reward_funcs=reward, args=cfg)

@@ -53,9 +53,11 @@ class BenchConfig:
     needs matplotlib: pip install 'shardgen[plot]')."""
     timeout: float = 900.0
     """Give up on a world size after this many seconds."""
+    quiet: bool = False
+    """Print the table and errors only: no progress lines, no log lines."""
     log_level: str | None = field(default=None, metadata={"choices": LOG_LEVELS})
-    """Log lines shown (rank 0; the other ranks show warnings and errors): unset is warning, or
-    SHARDGEN_LOG_LEVEL when set."""
+    """Log lines shown (rank 0; the other ranks show warnings and errors): unset is warning (error
+    with --quiet), or SHARDGEN_LOG_LEVEL when set."""
     rank_out: str | None = field(default=None, metadata={"hidden": True})
     """Where rank 0 writes its world's outcomes (set by the launcher side)."""
 
@@ -95,7 +97,8 @@ def cmd_bench(cfg: BenchConfig) -> int:
         for world in cfg.world_sizes:
             rank_out = os.path.join(tmp, f"w{world}.json")
             one = dataclasses.replace(cfg, world_sizes=[world], rank_out=rank_out, json=None, timeline=None)
-            print(f"shardgen bench: {world} ranks, {', '.join(cfg.methods)}", file=sys.stderr, flush=True)
+            if not cfg.quiet:
+                print(f"shardgen bench: {world} ranks, {', '.join(cfg.methods)}", file=sys.stderr, flush=True)
             env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
             rc = launch(["bench", *to_argv(one)], world, timeout=cfg.timeout, env=env)
             if rc != ExitCode.OK:
@@ -130,7 +133,7 @@ def run_rank(cfg: BenchConfig) -> int:
     outcomes = []
     for name in cfg.methods:
         out = run_method(name, work)
-        if rank == 0:
+        if rank == 0 and not cfg.quiet:
             note = out.error or f"{out.wall_s:.2f}s"
             print(f"shardgen bench: {world} ranks: {name}: {note}", file=sys.stderr, flush=True)
         outcomes.append(dataclasses.asdict(out))

@@ -104,15 +104,7 @@ def run_rank(job: JobConfig, engine_cfg: EngineConfig, records: list[PromptRecor
     except JobError:
         raise
     except Exception as e:  # the journals are intact; say how to go on
-        import traceback
-
-        traceback.print_exc()
-        print(
-            f"shardgen run: error: rank {dist.get_rank()} failed: {type(e).__name__}: {e} "
-            "(results so far are in the journals; rerun with --resume)",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_rank_failed(e, dist.get_rank())
         sys.stdout.flush()
         from shardgen.faults.liveness import linger
 
@@ -121,6 +113,25 @@ def run_rank(job: JobConfig, engine_cfg: EngineConfig, records: list[PromptRecor
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def say_rank_failed(e: BaseException, rank: int) -> None:
+    """A rank's job failed while running: its one ``shardgen run: error:`` line on stderr first;
+    then, for anything but a ``ShardgenError`` (whose message names the failed or stalled rank
+    already), the Python traceback, for a bug report. Local."""
+    import traceback
+
+    from shardgen.errors import ShardgenError
+
+    print(
+        f"shardgen run: error: rank {rank} failed: {type(e).__name__}: {e} "
+        "(results so far are in the journals; rerun with --resume)",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not isinstance(e, ShardgenError):
+        traceback.print_exception(e, file=sys.stderr)
+        sys.stderr.flush()
 
 
 def launch_job(

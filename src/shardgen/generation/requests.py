@@ -58,29 +58,17 @@ def build_request(
     generation_config: Any,
     tokenizer: Any = None,
 ) -> Request:
-    """Validate one request and make its ``SeqState``. Raises ``ValueError`` with the numbers.
+    """Validate one request and make its ``SeqState``. Raises ``ValueError`` with the numbers,
+    naming every setting at fault (``request_problems``) in one message.
 
     The one validation point: unset fields take the model's ``generation_config``, then the
     library defaults (``SamplingParams.resolved``), and the result is checked.
     """
     params = params.resolved(generation_config)
-    params.validate()
     ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-    if not ids:
-        raise ValueError("empty prompt: a request needs at least one prompt token")
-    vocab = getattr(model_config, "vocab_size", None)
-    if isinstance(vocab, int) and any(t < 0 or t >= vocab for t in ids):
-        bad = next(t for t in ids if t < 0 or t >= vocab)
-        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
-    wrong_ids = params.token_id_problems(vocab)  # an EOS id the model never produces never ends it
-    if wrong_ids:
-        raise ValueError("; ".join(wrong_ids))
-    n_ctx = context_length(model_config)
-    if n_ctx is not None and len(ids) + params.max_new_tokens > n_ctx:
-        raise ValueError(
-            f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds the model's "
-            f"context of {n_ctx} tokens"
-        )
+    problems = request_problems(ids, params, model_config=model_config, tokenizer=tokenizer)
+    if problems:
+        raise ValueError("; ".join(problems))
     eos, pad = resolve_special_ids(params, generation_config, tokenizer)
     seed = params.seed
     gen = None
@@ -89,17 +77,40 @@ def build_request(
             seed = random.SystemRandom().randrange(2**63)
             params = params.replace(seed=seed)
         gen = make_generator(seed)
-    stop_check = None
-    if params.stop:
-        if tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: Engine(model, tokenizer=...)")
-        stop_check = stop_string_check(tokenizer, list(params.stop))
+    stop_check = stop_string_check(tokenizer, list(params.stop)) if params.stop else None
     seq = SeqState(
         prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check
     )
     req = Request(seq=seq)
     seq.tag = req
     return req
+
+
+def request_problems(
+    ids: list[int], params: SamplingParams, *, model_config: Any, tokenizer: Any
+) -> list[str]:
+    """Every reason one request cannot run, one message per setting, with the numbers; ``params``
+    resolved. The order is fixed (the sampling settings first), so a request with one fault gets
+    the same message whatever else is checked."""
+    out = params.problems()
+    if not ids:
+        out.append("empty prompt: a request needs at least one prompt token")
+    vocab = getattr(model_config, "vocab_size", None)
+    if isinstance(vocab, int):
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            said = ", ".join(map(str, bad[:8])) + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "")
+            out.append(f"prompt token id {said} is outside the model's vocabulary [0, {vocab})")
+    out += params.token_id_problems(vocab)  # an EOS id the model never produces never ends it
+    n_ctx, new = context_length(model_config), params.max_new_tokens
+    if n_ctx is not None and isinstance(new, int) and not isinstance(new, bool) and len(ids) + new > n_ctx:
+        out.append(
+            f"prompt of {len(ids)} tokens + max_new_tokens {new} exceeds the model's context of "
+            f"{n_ctx} tokens"
+        )
+    if params.stop and tokenizer is None:
+        out.append("stop strings need a tokenizer: Engine(model, tokenizer=...)")
+    return out
 
 
 def stop_string_check(tokenizer: Any, stops: list[str]) -> StopCheck:
