@@ -32,6 +32,11 @@ _setup_paths()
 
 from world import World  # noqa: E402  (needs the paths above)
 
+import rounding  # noqa: E402
+
+if rounding.apply_env():  # the small-row kernels here, and in every process the tests start
+    os.environ["PYTHONPATH"] = os.pathsep.join([rounding.SITE_DIR, os.environ["PYTHONPATH"]])
+
 
 class WorldHandle:
     """Session-wide handle on a World of ``nprocs`` ranks.
