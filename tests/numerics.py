@@ -179,7 +179,8 @@ def assert_rows_agree(
                 f"{at}: the same tokens, but one run stopped after {min(len(x.tokens), len(y.tokens))} "
                 f"and the other after {max(len(x.tokens), len(y.tokens))}: no near-tie explains that"
             )
-            assert x.finish is None or y.finish is None or x.finish == y.finish, f"{at}: {x.finish} != {y.finish}"
+            both = x.finish is not None and y.finish is not None
+            assert not both or x.finish == y.finish, f"{at}: finish {x.finish} != {y.finish}"
             continue
         ta, tb = x.tokens[t], y.tokens[t]
         if x.seed is not None:  # sampled: the draw's distance to the boundary between ta and tb

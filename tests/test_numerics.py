@@ -35,7 +35,8 @@ def test_the_switch_changes_linears_of_at_most_3_rows_only(small_rows):
     linear, addmm = rounding._original["linear"], rounding._original["addmm"]
     full = linear(x, w, bias)
     for m in (1, 2, 3):  # flattened leading dims count: [1, m, 96] has m rows
-        for got in (F.linear(x[:m], w, bias), F.linear(x[None, :m], w, bias)[0], torch.addmm(bias, x[:m], w.T)):
+        small = (F.linear(x[:m], w, bias), F.linear(x[None, :m], w, bias)[0], torch.addmm(bias, x[:m], w.T))
+        for got in small:
             assert not torch.equal(got, full[:m]), f"{m} rows: the same bits as the 4+-row kernel"
             assert torch.allclose(got, full[:m], atol=1e-4) and got.dtype == full.dtype
     for m in (4, 5, 16):
@@ -111,7 +112,7 @@ def _step0(seed_range, want_tie: bool):
     for seed in seed_range:
         u = float(draw_uniforms([make_generator(seed)])[0])
         x = u * float(cdf[-1])
-        j = int(torch.searchsorted(cdf, torch.tensor([x], dtype=torch.float64), right=True))  # the drawn token
+        j = int(torch.searchsorted(cdf, torch.tensor([x], dtype=torch.float64), right=True))  # drawn
         near = min(float(cdf[j]) - x, x - float(cdf[j - 1]) if j else 1.0)
         if (near < 1e-6) == want_tie and (want_tie or near > 1e-3):
             drawn = int(draw_tokens(warp_scores(logits[None], [params]), torch.tensor([u]))[0])
