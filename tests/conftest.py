@@ -30,7 +30,11 @@ def _setup_paths() -> None:
 
 _setup_paths()
 
+import rounding  # noqa: E402
 from world import World  # noqa: E402  (needs the paths above)
+
+if rounding.apply_env():  # the small-row kernels here, and in every process the tests start
+    os.environ["PYTHONPATH"] = os.pathsep.join([rounding.SITE_DIR, os.environ["PYTHONPATH"]])
 
 
 class WorldHandle:

@@ -35,6 +35,9 @@ def _run_script(script: str, arg: str, env: dict, log: str) -> None:
 
     os.environ.clear()
     os.environ.update(env)
+    import rounding
+
+    rounding.apply_env()  # SHARDGEN_TEST_SMALL_ROWS as this rank's environment says
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     sys.stdout.flush()
     sys.stderr.flush()

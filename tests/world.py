@@ -218,6 +218,9 @@ def _rank_main(
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        import rounding
+
+        rounding.apply_env()  # SHARDGEN_TEST_SMALL_ROWS: this rank's small-row kernels
         dist.init_process_group("gloo", rank=rank_, world_size=nprocs, init_method=f"tcp://127.0.0.1:{port}")
     except BaseException:
         _send(conn, ("init_error", traceback.format_exc()))
