@@ -80,3 +80,50 @@ def test_a_models_parts_are_found_in_parts_py_only() -> None:
         if path != "backends/parts.py" and (finders.search(text) or defs.search(text))
     }
     assert found == {}
+
+
+#: Names of FSDP2's and DeepSpeed's parts that are not public API (attributes, private modules).
+_PRIVATE = (
+    # FSDP2 (torch.distributed.fsdp._fully_shard)
+    "_get_fsdp_state _fsdp_param_groups _comm_ctx all_gather_state _all_gather_comm "
+    "post_forward_order _post_forward_indices post_forward_mesh_info _module_info _orig_size _mp_policy "
+    "_unsharded_inner_tensors _auto_reshard_after_forward _pre_forward_hook_handle _post_forward_hook_handle "
+    "_fully_shard FSDPMeshInfo DefaultAllGather "
+    # DeepSpeed ZeRO-3
+    "_zero_init_param _convert_to_deepspeed_param _set_dtype _prefetch_bucket_sz "
+    "_max_reuse_distance_in_numel "
+    "_invalidate_trace _register_deepspeed_module _remove_module_hooks partition_parameters "
+    "partitioned_param_coordinator ZeroParamStatus param_coordinator get_allgather_dtype "
+    "ds_active_sub_modules use_all_reduce_for_fetch_params"
+).split()
+
+
+def _code_names(text: str) -> set[str]:
+    """The identifiers of a module's code, and string literals that are one identifier (a
+    ``getattr`` name); not its comments or docstrings."""
+    import io
+    import tokenize
+
+    names: set[str] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.NAME:
+            names.add(tok.string)
+        elif tok.type == tokenize.STRING and tok.string.strip("'\"").isidentifier():
+            names.add(tok.string.strip("'\""))
+    return names
+
+
+def test_framework_privates_are_touched_in_internals_py_only() -> None:
+    """docs/DEEPSPEED.md: every private DeepSpeed detail lives in ``deepspeed/internals.py``; the
+    same for FSDP2 in ``fsdp2/internals.py``. Nowhere else in the package names one."""
+    private = set(_PRIVATE)
+    found = {
+        path: sorted(_code_names(text) & private)
+        for path, text in _sources("").items()
+        if not path.endswith("/internals.py") and _code_names(text) & private
+    }
+    assert found == {}
+    # the names are really the ones the internals use (a rename there must be seen here too)
+    used = _code_names(_sources("backends")["backends/fsdp2/internals.py"])
+    used |= _code_names(_sources("backends")["backends/deepspeed/internals.py"])
+    assert private - used == set()

@@ -12,7 +12,7 @@ them in again, and it changes every other allocation in the process.
 So shardgen's own gathers write into memory it keeps: a :class:`BufferPool` holds the
 outputs of FSDP2's unit all-gathers, of the embedding / head row chunks (``chunked.py``)
 and of DeepSpeed's bucket gathers (``deepspeed/buckets.py``), and a :class:`StoragePool`
-the unsharded FSDP2 parameters that FSDP2 copies out into (``fsdp2.py``). A buffer is
+the unsharded FSDP2 parameters that FSDP2 copies out into (``fsdp2/pool.py``). A buffer is
 allocated the first time one is needed, reused once nothing refers to it, and kept until
 ``clear``: the backends empty both pools when a training pause starts and at close, and at
 close give the freed heap back (:func:`trim_heap`; not at a pause: the step reuses it). A
