@@ -52,9 +52,11 @@ def one_job(
         try:
             rc: int | None = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # this job's own process group
-            proc.wait()
             rc = None
+        finally:  # past its timeout, or this script stopped (SIGTERM, Ctrl-C): no job left behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # this job's own process group
+                proc.wait()
     text = log.read_text(errors="replace")
     rows = len(out.read_text().splitlines()) if out.exists() else 0
     res = {"job": i, "rc": rc, "seconds": round(time.monotonic() - t0, 2), "rows": rows}
