@@ -48,7 +48,10 @@ def test_last_collectives_right_before_exit_do_not_abort():
         procs = [
             subprocess.Popen(
                 [sys.executable, str(here / "exit_gil_rank.py"), str(r), "2", str(port)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )  # fmt: skip
             for r in range(2)
         ]
@@ -66,3 +69,34 @@ def test_last_collectives_right_before_exit_do_not_abort():
         text = "\n".join(outs)
         assert codes == [0, 0] and "terminate called" not in text, (attempt, codes, text[-3000:])
         assert text.count(" done") == 2, text
+
+
+def test_gloo_worker_releasing_a_tick_after_its_caller_needs_no_gil_at_exit():
+    """The control plane's buffer keeps a second C++ reference (``ControlPlane._pin``), so the
+    gloo worker that releases a tick's work after the caller let go of it does not take the GIL
+    (core/protocol.py). Without it, rank 0 of tests/exit_tick_rank.py aborts at exit every time
+    (its worker waits for the GIL into finalization)."""
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here.parent / "src"), str(here)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(here / "exit_tick_rank.py"), str(r), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:  # ours, by pid
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        pytest.fail("the ranks did not exit within 90 s\n" + "\n".join(outs)[-6000:])
+    codes, text = [p.returncode for p in procs], "\n".join(outs)
+    assert codes == [0, 0] and "terminate called" not in text, (codes, text[-3000:])
+    assert text.count(" ready") == 2, text

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -137,8 +138,14 @@ def run_rank(cfg: BenchConfig) -> int:
             note = out.error or f"{out.wall_s:.2f}s"
             print(f"shardgen bench: {world} ranks: {name}: {note}", file=sys.stderr, flush=True)
         outcomes.append(dataclasses.asdict(out))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, outcomes)
+    # Through the store, not a gloo collective, as at the end of ``shardgen run`` (see
+    # jobs/run.py): the final barrier's work holds no tensor of Python's, so no gloo worker
+    # needs the GIL once a rank heads into interpreter exit.
+    store = comm.default_store()
+    store.set(f"shardgen/bench/outcomes/{rank}", pickle.dumps(outcomes))
+    gathered: list[Any] = []
+    if rank == 0:
+        gathered = [pickle.loads(store.get(f"shardgen/bench/outcomes/{r}")) for r in range(world)]
     if rank == 0 and cfg.rank_out:
         with open(cfg.rank_out, "w", encoding="utf-8") as f:
             json.dump({"world": world, "methods": cfg.methods, "ranks": gathered}, f)

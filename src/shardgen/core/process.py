@@ -90,7 +90,12 @@ def _exit_guard() -> None:
     done exits with SIGABRT ("terminate called without an active exception"; seen in a core
     dump here: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
     ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``PyThread_exit_thread``). A worker
-    waiting for the GIL takes it as soon as the main thread sleeps."""
+    waiting for the GIL takes it as soon as the main thread sleeps.
+
+    shardgen's own end of a process does not rely on this: the tick's buffer never needs the GIL
+    when a worker releases it (``ControlPlane._pin``) and ``shardgen run`` ends with no gloo
+    collective (its reports go through the store). The hand-off is for the collectives shardgen
+    does not own: the program's own (a final barrier) and the backends' weight gathers."""
     for drv in list(_DRIVERS):
         failed = drv.shared.failed
         if failed is not None:

@@ -161,12 +161,21 @@ class ControlPlane:
         self.rank = rank
         self.world = world
         self._buf = torch.zeros((world, NCOLS), dtype=torch.int64)
+        # A view holds a C++ reference to ``_buf`` as long as the plane lives, so that a gloo
+        # worker releasing a tick's work never drops ``_buf``'s count to its Python object's
+        # alone: that transition takes the GIL (``TensorImpl::decref_pyobject``), and a
+        # worker asking for it while the interpreter finalizes is ended by ``pthread_exit``
+        # inside gloo's ``noexcept`` destructor: ``std::terminate`` at exit (see agree()).
+        self._pin = self._buf.view(-1)
 
     def agree(self, row: list[int], abort: Callable[[], BaseException | None] | None = None) -> TickState:
         """All-reduce this rank's row with every other rank's. Collective on the control group.
 
         Waits in short slices so that ``abort()`` (the liveness verdict: a peer stalled
         or failed) can end the wait with that error instead of blocking forever.
+
+        The caller may drop the work before gloo's worker does (the worker releases it after
+        marking it done); the worker's release then needs no GIL, thanks to ``_pin``.
         """
         import torch.distributed as dist
 

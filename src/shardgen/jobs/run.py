@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -236,7 +237,7 @@ def run_job(
 
     Every rank calls it once, with the same arguments: it broadcasts rank 0's plan, builds the
     engine (collective), serves claims until none are left, closes the engine (collective
-    join), all-gathers the per-rank reports on the default group, and rank 0 merges.
+    join), sends the per-rank reports to rank 0 through the store, and rank 0 merges.
     """
     import torch.distributed as dist
 
@@ -302,10 +303,15 @@ def run_job(
     wall_s = time.perf_counter() - t0
     report.stats, report.engine_ranks = engine.stats(), engine.ranks
     report.spans = [(max(a - t0, 0.0), b - t0, k) for a, b, k in engine.timeline() if b > t0]
-    reports: list[Any] = [None] * world
-    dist.all_gather_object(reports, dataclasses.asdict(report))  # after close(): every rank's work is done
+    # The reports go to rank 0 through the store, not a gloo collective: a rank other than 0
+    # exits right after, and a gloo worker still releasing a just-finished collective's tensors
+    # then needs the GIL while the interpreter finalizes (docs/RELIABILITY.md, "Clean exits").
+    store.set(f"{prefix}/report/{rank}", pickle.dumps(dataclasses.asdict(report)))
     if rank != 0:
         return None
+    reports: list[Any] = [pickle.loads(store.get(f"{prefix}/report/{r}")) for r in range(world)]
+    for r in range(world):
+        store.delete_key(f"{prefix}/report/{r}")
     merge_results(records, cfg.out, include_out=plan["include_out"])
     rows = {f"rank {r['rank']}": r.pop("spans") for r in reports}
     summary = summarize(
