@@ -12,11 +12,19 @@ import shardgen
 
 
 def write_checkpoint(
-    path: str, *, tied: bool, shards: bool, big: bool = False, vocab: int | None = None
+    path: str,
+    *,
+    tied: bool,
+    shards: bool,
+    big: bool = False,
+    vocab: int | None = None,
+    pickled: bool = False,
 ) -> str:
     """A Llama checkpoint from a config in code. ``big`` (memory tests): ~340 MB of fp32, 40 layers
     of 3.0 MiB (bf16) and a 32000-row vocabulary, so the embeddings and the head (23 MiB each in
-    bf16) are each bigger than two decoder layers, as in Llama-3-8B."""
+    bf16) are each bigger than two decoder layers, as in Llama-3-8B. ``pickled``: a
+    ``pytorch_model.bin`` instead of safetensors files (transformers 5 writes safetensors
+    whatever ``safe_serialization`` says, so the weights are re-saved with ``torch.save``)."""
     from transformers import AutoModelForCausalLM
 
     over: dict = dict(tie_word_embeddings=tied)
@@ -37,6 +45,10 @@ def write_checkpoint(
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path, max_shard_size="20MB" if big else ("30KB" if shards else "5GB"))
+    if pickled:
+        assert not shards
+        torch.save(model.state_dict(), os.path.join(path, "pytorch_model.bin"))
+        os.remove(os.path.join(path, "model.safetensors"))
     return path
 
 

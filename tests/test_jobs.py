@@ -542,6 +542,7 @@ def test_log_level_flags():
     assert cli._log_level(parse(["run", "--prompts", "p", "--out", "o", *loud])) == "info"
     assert cli._log_level(parse(["demo", "--quiet"])) == "error"
     assert cli._log_level(parse(["bench", "--log-level", "debug"])) == "debug"
+    assert cli._log_level(parse(["bench", "--quiet"])) == "error"  # every command's --quiet
     from shardgen import config, log
 
     assert config.LOG_LEVELS == log.LEVELS

@@ -41,6 +41,7 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
             vocab=101 if name == "tied-index" else None,
         )
     out["big"] = write_checkpoint(str(root / "big"), tied=False, shards=True, big=True)
+    out["pickled"] = write_checkpoint(str(root / "pickled"), tied=False, shards=False, pickled=True)
     return out
 
 
@@ -87,6 +88,39 @@ def test_skeleton_has_meta_parameters_real_buffers_and_tied_weights(ckpts):
     for name, b in ref.named_buffers():
         assert torch.equal(bufs[name], b), name  # rotary inv_freq computed at construction
     assert loading.source_of(sk) == loading.Source(ckpts["tied-single"], torch.bfloat16)
+
+
+def test_a_checkpoint_without_safetensors_is_loaded_whole_with_a_warning(ckpts):
+    """ARCHITECTURE, "Loading": a checkpoint without safetensors files falls back to a full load
+    per rank, with a warning, and generates as HF does."""
+    import logging
+
+    from models import batch, hf_generate
+    from transformers import AutoModelForCausalLM
+
+    import shardgen
+
+    path = ckpts["pickled"]
+    assert os.listdir(path) and not loading.is_safetensors_checkpoint(path)
+
+    class Said(logging.Handler):
+        lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    said = Said(logging.WARNING)
+    logger = logging.getLogger("shardgen")
+    logger.addHandler(said)
+    try:
+        ids, mask = batch([3, 6], seed=2)
+        with shardgen.Engine.from_pretrained(path, backend="local") as eng:
+            out = eng.generate_ids(ids, mask, max_new_tokens=5)
+    finally:
+        logger.removeHandler(said)
+    assert f"{path} has no safetensors files: every rank loads the full model before sharding" in said.lines
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert torch.equal(out, hf_generate(ref, ids, mask, max_new_tokens=5))
 
 
 def test_resolve_dtype():
@@ -186,6 +220,17 @@ def test_sharded_loading_memory_and_outputs(ckpts, lworld, backend):
             assert min(res["chunks"].values()) >= 4, res["chunks"]
     if backend == "deepspeed":  # issue 10's seed path: HfDeepSpeedConfig + from_pretrained
         assert world.run(scenario_hf_zero3, ckpts["untied-index"], True, timeout=120) == [True] * N
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_a_checkpoint_without_safetensors_is_loaded_whole_then_sharded(ckpts, lworld, backend):
+    """A ``pytorch_model.bin``: the full load on every rank, then sharded; generates as HF does."""
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    for r, res in enumerate(lworld.run(scenario_load_and_generate, ckpts["pickled"], backend, timeout=120)):
+        assert res["equal"], f"pytorch_model.bin, rank {r}: outputs differ from HF generate()"
+        assert res["dtypes"] == {"torch.float32"}, res
 
 
 @pytest.mark.multirank

@@ -244,6 +244,33 @@ def test_rollout_iter_yields_short_groups_before_the_long_one_ends(toy_engine):
     assert torch.equal(joined.prompt_lengths, whole.prompt_lengths) and joined.texts == whole.texts
 
 
+def test_leaving_rollout_iter_early_does_not_cancel_the_rest(toy_engine):
+    """USAGE: leaving the loop early does not cancel the rest: the engine still decodes them
+    (their results are dropped). After a break on the first group, every other row still
+    finishes (the engine's finished-token count reaches the whole rollout's), and the engine
+    answers later calls as before."""
+    prompts = ["count from 3 to 4 :", "count from 30 to 54 :", "count from 7 to 7 :"]
+    kw = dict(n=2, temperature=0.3, max_new_tokens=30, seed=9)
+    before = toy_engine.stats()["generated_tokens"]
+    whole = toy_engine.rollout(prompts, **kw)
+    total = toy_engine.stats()["generated_tokens"] - before
+    assert total == int(whole.response_lengths.sum()) > 0
+    start = toy_engine.stats()["generated_tokens"]
+    stream = toy_engine.rollout_iter(prompts, **kw)
+    i, group = next(stream)
+    stream.close()  # what leaving the loop does once the generator goes: the long group still decodes
+    assert (
+        i != 1
+        and group.texts == whole.texts[2 * i : 2 * i + 2]
+        and group.seeds == whole.seeds[2 * i : 2 * i + 2]
+    )
+    deadline = time.monotonic() + 60
+    while toy_engine.stats()["generated_tokens"] - start < total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert toy_engine.stats()["generated_tokens"] - start == total  # every row ran to its end
+    assert rows(toy_engine.rollout(prompts, **kw)) == rows(whole)  # and the engine serves on
+
+
 def test_rollout_iter_checks_at_the_call_and_streams_nothing_for_no_prompts(toy_engine):
     with pytest.raises(ValueError, match="n must be"):
         toy_engine.rollout_iter(["count from 3 to 4 :"], n=0)  # raised by the call, not by next()

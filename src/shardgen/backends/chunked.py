@@ -9,8 +9,9 @@ over the vocabulary runs here instead, from its shard:
   ``[r * P, r * P + P)`` (FSDP2: ``P = ceil(V / N)`` rows of ``H``, ``torch.chunk`` along
   dim 0; DeepSpeed ZeRO-3: ``P = ceil(V * H / N)`` elements), the last ranks padded.
 * Chunk ``c`` is elements ``[c * E, c * E + E)`` of every rank's partition (the last chunk
-  what is left), gathered with one ``all_gather_single`` of equal pieces on the
-  weight's parameter group; ``E`` is a whole number of rows sized so that a chunk's
+  what is left), gathered on the weight's parameter group: with a pool (a CPU device),
+  one broadcast per rank into its slice of a pooled buffer (``pool.gather_in_place``),
+  else one ``all_gather_single`` of equal pieces; ``E`` is a whole number of rows sized so that a chunk's
   ``N * E`` elements hold at most ``chunk_bytes`` (default: half the largest decoder layer,
   as gloo gathers into a temporary and copies out, so a chunk briefly costs twice its
   size: at most what one layer's gather costs). The schedule (how many chunks,

@@ -12,8 +12,9 @@ Collective contract (all ranks of ``param_group``, in the same order):
 * ``forward`` / ``shadow_forward``: a model shardgen partitioned gathers its embeddings and
   head in row chunks (``chunked.py``: a fixed number of all-gathers per module, a function
   of its shape only), then for the other modules: with ``bucket_bytes > 0`` (default), one coalesced
-  all-gather per bucket of consecutive modules of a fixed plan (``buckets.py``), the next
-  bucket issued while one computes; with ``bucket_bytes=0``, for each module call in
+  all-gather per bucket of consecutive modules of a fixed plan (``buckets.py``; on a CPU device
+  written as one broadcast per rank into pooled buffers, ``pooled.py``), on accelerators the
+  next bucket issued while one computes; with ``bucket_bytes=0``, for each module call in
   execution order one all-gather of that module's own parameters (the whole subtree for a
   ZeRO-3 leaf). Either way, on ``param_group`` and a function of the module call order only
   (DeepSpeed's prefetch, reuse and persistence are off), so a 1x1 dummy forward issues
