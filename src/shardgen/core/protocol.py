@@ -11,9 +11,12 @@ Every rank's driver runs the same sequence of ticks. A tick is:
    the sum is every rank's row: all ranks hold the same ``TickState``.
 2. ``decide(state)``: a pure function of that agreed state, hence the same
    ``Decision`` on every rank.
-3. If the decision is ``FORWARD``, every rank runs EXACTLY ONE forward (its own
-   prefill or decode step, or a shadow forward that issues the same parameter
-   gathers); otherwise no rank touches the parameter group.
+3. If the decision is ``FORWARD`` and forwards gather (``backend.lockstep``), every rank
+   runs EXACTLY ONE forward (its own planned prefill, chunk or decode step, or a shadow
+   forward that issues the same parameter collectives); when no forward issues a parameter
+   collective (the whole model gathered under ``once``, or the local backend), a rank with
+   work runs up to ``burst_steps`` forwards and a rank without work runs none. Otherwise no
+   rank touches the parameter group.
 
 Because (1) is the only control collective, (2) is deterministic and (3) depends
 only on (2), every rank issues the same collectives in the same order on each
@@ -70,7 +73,7 @@ class Phase(str, enum.Enum):
 
 
 class Decision(enum.Enum):
-    FORWARD = "forward"  # every rank runs exactly one forward
+    FORWARD = "forward"  # one forward per rank while forwards gather (a burst when none does)
     IDLE = "idle"  # nobody has work: no gathers, sleep, tick again
     PAUSE = "pause"  # every rank asked to pause and no sequence is live
     EXIT = "exit"  # every rank closed and no work is left anywhere
