@@ -6,8 +6,10 @@
 #   ONLY="overhead skew" benchmarks/headline.sh   # a subset, by step name (docs left as they are)
 #   scripts/perf_tables.py fill docs/PERFORMANCE.md OUT_DIR   # write a folder's tables into the doc
 #
-# Expected time: about 25 minutes on 2 idle CPU cores (the longest steps: train_pause 2 x 2.5 min,
-# stationary 3-4 min, loading 3 min with its checkpoint made once in /tmp). Each step's wall time
+# Expected time: about 25 minutes on 2 idle CPU cores (the longest steps: train_pause 2 x 2.5 min
+# + start-up, stationary 3-4 min, loading 3-4 min with its checkpoint made once in /tmp, anchors
+# 3-5 min); the one run so far, at a load average of 5-21 from other work, took 41 minutes of steps
+# (plus 10 minutes that the DeepSpeed steps waited on a stale build lock). Each step's wall time
 # goes to OUT_DIR/times.txt. A step that fails is reported and the run goes on; its row then reads
 # "not run". Settings are each benchmark's smallest that still shows its claim; the sections of
 # docs/PERFORMANCE.md give the larger runs behind them.

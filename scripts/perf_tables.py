@@ -222,7 +222,7 @@ def ds_decode(d: dict[str, Any]) -> str:
         "x HF",
         "floor",
         "shardgen x floor",
-        "gathers/forward: plan / per-module",
+        "all-gathers/forward: plan / per-module",
     ]
     return _md(head, rows)
 
