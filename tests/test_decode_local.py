@@ -143,7 +143,7 @@ def _buffers_per_layer(monkeypatch) -> dict[int, set[int]]:
 def test_cache_layers_write_each_step_in_place(monkeypatch):
     """A plain cache layer allocates its keys/values once for a batch whose rows' budget fits the
     reserve; every step writes its column in place (DynamicLayer concatenates a new copy one
-    column longer per step, which the CPU heap keeps: docs/PERFORMANCE.md section 15)."""
+    column longer per step, which the CPU heap keeps: docs/PERFORMANCE.md section 8)."""
     model = tiny_model("llama", seed=6)
     seen = _buffers_per_layer(monkeypatch)
     ids, mask = batch([5, 9, 3], seed=7)

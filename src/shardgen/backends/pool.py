@@ -222,7 +222,7 @@ def trim_heap() -> bool:
     action, not a setting: called at close, after loading, and after each stationary forward on
     the CPU (``stationary/mode.py``: there no weight is gathered, so what a forward frees is its
     exchanges' and activations' temporaries, which glibc's raised mmap threshold otherwise leaves
-    on the heap, fragmented: docs/PERFORMANCE.md section 15; about a microsecond when there is
+    on the heap, fragmented: docs/PERFORMANCE.md section 8; about a microsecond when there is
     nothing to give back). Not per per-layer forward: the pools above keep its gathers, and the
     step after a pause reuses the heap. Returns False where there is no glibc."""
     trim = _malloc_trim()

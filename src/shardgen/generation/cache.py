@@ -23,7 +23,7 @@ class ReservedLayer(DynamicLayer):
     ``RESERVE_COLUMNS`` beyond the current need. A step writes its column into the buffer where
     ``DynamicLayer`` concatenates a copy one column longer. Why: on CPU, glibc's dynamic mmap
     threshold puts those copies on the heap, which keeps every freed one (about 150 MiB more
-    peak per rank over a 16 MiB cache, docs/PERFORMANCE.md section 15); an accelerator's caching
+    peak per rank over a 16 MiB cache, docs/PERFORMANCE.md section 8); an accelerator's caching
     allocator fragments the same way. Keys and values hold the same numbers, in the same shapes,
     as ``DynamicLayer``'s (only the strides differ). Anything that replaces ``keys``/``values``
     (a fork, a merge, dropped rows) leaves the buffer, and the next update copies into a new

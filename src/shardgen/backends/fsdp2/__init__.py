@@ -192,7 +192,7 @@ class FSDP2Backend(PooledGathers, Backend):
         model) and their reshard-after-forward settings. The pooled gather buffers are freed but
         the heap is not trimmed: the training step in this process reuses that memory at once,
         while a ``malloc_trim`` would hand every free page back and make the step fault them in
-        again (1.11-1.16x a step's time on CPU, docs/PERFORMANCE.md section 6). Not collective."""
+        again (1.11-1.16x a step's time on CPU, docs/PERFORMANCE.md section 13). Not collective."""
         self.release_buffers(trim=False)
         self._reshard = self._reshard_settings()
         fsdp.apply_settings(self._user_reshard)
