@@ -77,7 +77,7 @@ def sampled_same_seed_any_rank(backend: str = "fsdp2"):
         ]
     greedy = [c.token_ids for c in eng.generate(prompts, max_new_tokens=8)]
     eng.close()
-    return {"sampled": out, "greedy": greedy}
+    return {"sampled": out, "greedy": greedy, "prompts": [p.tolist() for p in prompts]}
 
 
 def eos_at_different_steps(backend: str = "fsdp2"):
