@@ -146,3 +146,30 @@ def test_a_sampled_difference_that_is_no_near_tie_fails():
             [_row([drawn], [-4.0], seed + 1, prompt)], [_row([other], [-4.0], seed + 1, prompt)],
             model=model, params=params,
         )  # fmt: skip
+
+
+def test_job_results_agree_under_the_promise_and_a_changed_answer_fails():
+    """``cli_jobs.assert_results_agree`` (the resumed and relaunched jobs of test_cli*.py):
+    rows that agree keep every field; a token that is not a near-tie fails."""
+    from cli_jobs import assert_results_agree
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardgen import toy
+
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
+    model = AutoModelForCausalLM.from_pretrained(toy.toy_model_path()).eval()
+    prompt = "count from 3 to 9 :"
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
+    tokens = out[0, ids.shape[1] :].tolist()
+    ref = [
+        {"id": "a", "prompt": prompt, "token_ids": tokens, "text": "x", "rank": 0},
+        {"id": "b", "error": "E"},
+    ]
+    assert_results_agree([dict(ref[0], rank=1), ref[1]], ref)
+    with pytest.raises(AssertionError):
+        assert_results_agree([dict(ref[0], text="y"), ref[1]], ref)  # the same tokens, another field
+    changed = tokens[:2] + [(tokens[2] + 1) % model.config.vocab_size] + tokens[3:]
+    with pytest.raises(AssertionError, match="no near-tie"):
+        assert_results_agree([dict(ref[0], token_ids=changed), ref[1]], ref)
