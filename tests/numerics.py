@@ -110,6 +110,23 @@ def ids_rows(ids: torch.Tensor, mask: torch.Tensor, width: int, eos: Sequence[in
     return out
 
 
+def assert_ids_agree(
+    got: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor, model: Any, eos: Any = None, what: str = ""
+) -> Agreement:
+    """Greedy ``generate_ids`` against HF ``generate()`` on the same prompts when the engine's
+    shapes may differ from HF's (rows that ended leave the engine's batch; HF keeps them): the
+    tensors are equal, width and padding included, unless a row diverged at a near-tie.
+    ``eos``: the call's ``eos_token_id`` (None: the model's)."""
+    eos = model.generation_config.eos_token_id if eos is None else eos
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    width = mask.shape[1]
+    mine, hf = ids_rows(got, mask, width, eos), ids_rows(expected, mask, width, eos)
+    found = assert_rows_agree(mine, hf, model=model, what=what)
+    if not found.diverged:
+        assert torch.equal(got, expected), f"{what}: {got.tolist()} != HF {expected.tolist()}"
+    return found
+
+
 def _prefix_logits(model: Any, prefix: list[int]) -> torch.Tensor:
     """The next-token logits after ``prefix``, one unpadded row alone: [V] float32."""
     with torch.inference_mode():
