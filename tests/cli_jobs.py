@@ -79,6 +79,37 @@ def comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "rank"} for r in rows]
 
 
+def assert_results_agree(got: list[dict], ref: list[dict], what: str = "results") -> None:
+    """A job's results against the reference run's (``write_toy_prompts``): the same ids in input
+    order, errors equal, answers under the numeric promise (tests/numerics.py), since the rest of
+    a resumed job, or another launch, is batched anew: tokens equal but at near-ties, logprobs
+    within the tolerance; a row that agrees has every other field equal too."""
+    from numerics import Row, assert_rows_agree
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardgen.config import SamplingParams
+
+    got, ref = comparable(got), comparable(ref)
+    assert [r["id"] for r in got] == [r["id"] for r in ref], what
+    answered = [i for i, r in enumerate(ref) if "error" not in r]
+    for a, b in zip(got, ref, strict=True):
+        assert ("error" in a) == ("error" in b) and ("error" not in b or a == b), (what, a, b)
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
+    model = AutoModelForCausalLM.from_pretrained(toy.toy_model_path()).eval()
+
+    def row(r: dict) -> Row:
+        return Row(list(tok(r["prompt"])["input_ids"]), r["token_ids"], r.get("logprobs"), r.get("seed"))
+
+    sampled = SamplingParams(do_sample=True, temperature=0.8)  # write_toy_prompts' sampled lines
+    mine, theirs = [row(got[i]) for i in answered], [row(ref[i]) for i in answered]
+    found = assert_rows_agree(mine, theirs, model=model, params=sampled, what=what)
+    diverged = {answered[j] for j, _, _ in found.diverged}
+    for i in answered:
+        if i not in diverged:
+            a, b = ({k: v for k, v in r[i].items() if k != "logprobs"} for r in (got, ref))
+            assert a == b, (what, a, b)
+
+
 def journal_lines(out: Path) -> int:
     return sum(p.read_text().count('"id"') for p in out.parent.glob(out.name + ".rank*.journal.jsonl"))
 

@@ -27,6 +27,8 @@ The margin at a differing step t, between the two tokens ``lo < hi`` the runs ch
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +40,14 @@ from shardgen.generation.sampling import draw_uniforms, make_generator, warp_sco
 
 LOGPROB_ATOL = 1e-5
 """Logprobs of the same token at the same step, computed in different shapes (fp32 tiny models).
-Measured under SHARDGEN_TEST_SMALL_ROWS: at most 1.9e-6 (on this CPU without it: 4.8e-7)."""
+Measured (``SHARDGEN_TEST_NUMERICS_LOG``, the shape-comparing tests, about 980 rows): at most
+4.8e-7 (2**-21: one float32 ulp at logprobs of -4 to -8) under SHARDGEN_TEST_SMALL_ROWS, and
+the same on an AMD EPYC CPU (MKL, AVX512) without it; 1e-5 leaves a factor 20."""
 
 NEAR_TIE = 1e-4
-"""The largest margin (module docstring) at which a differing token counts as a near-tie.
-Measured under SHARDGEN_TEST_SMALL_ROWS: at most 2e-6."""
+"""The largest margin (module docstring) at which a differing token counts as a near-tie: 100x
+the logprob noise above (a logprob 1 ulp off moves a CDF boundary by about p * 5e-7). In the
+measured runs no token differed; a draw that sat 1e-3 or more from every boundary fails."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +95,9 @@ def rollout_rows(b: Any) -> list[Row]:
     return [as_row(r) for r in rows(b)]
 
 
-def ids_rows(ids: torch.Tensor, mask: torch.Tensor, width: int, eos: Sequence[int], pad: int) -> list[Row]:
-    """Greedy rows of an HF-shaped ``[B, width + G]`` output (prompts left-padded to ``width``,
-    responses padded with ``pad`` after the first EOS), without logprobs."""
+def ids_rows(ids: torch.Tensor, mask: torch.Tensor, width: int, eos: Sequence[int]) -> list[Row]:
+    """Greedy rows of an HF-shaped ``[B, width + G]`` output (prompts left-padded to ``width`` as
+    ``mask`` [B, width] says, responses padded after their first EOS), without logprobs."""
     out = []
     for row, m in zip(ids.tolist(), mask.tolist(), strict=True):
         prompt = [t for t, k in zip(row[:width], m[:width], strict=True) if k]
@@ -101,10 +106,25 @@ def ids_rows(ids: torch.Tensor, mask: torch.Tensor, width: int, eos: Sequence[in
             tokens.append(t)
             if t in eos:
                 break
-        while tokens and tokens[-1] == pad and pad not in eos:
-            tokens.pop()
         out.append(Row(prompt, tokens, None, None))
     return out
+
+
+def assert_ids_agree(
+    got: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor, model: Any, eos: Any = None, what: str = ""
+) -> Agreement:
+    """Greedy ``generate_ids`` against HF ``generate()`` on the same prompts when the engine's
+    shapes may differ from HF's (rows that ended leave the engine's batch; HF keeps them): the
+    tensors are equal, width and padding included, unless a row diverged at a near-tie.
+    ``eos``: the call's ``eos_token_id`` (None: the model's)."""
+    eos = model.generation_config.eos_token_id if eos is None else eos
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    width = mask.shape[1]
+    mine, hf = ids_rows(got, mask, width, eos), ids_rows(expected, mask, width, eos)
+    found = assert_rows_agree(mine, hf, model=model, what=what)
+    if not found.diverged:
+        assert torch.equal(got, expected), f"{what}: {got.tolist()} != HF {expected.tolist()}"
+    return found
 
 
 def _prefix_logits(model: Any, prefix: list[int]) -> torch.Tensor:
@@ -205,4 +225,15 @@ def assert_rows_agree(
             f"{margin:.3g} (near-tie bound {near_tie:g})"
         )
         found.diverged.append((i, t, margin))
+    _record(what, found)
     return found
+
+
+def _record(what: str, found: Agreement) -> None:
+    """``SHARDGEN_TEST_NUMERICS_LOG=path``: one JSON line per call (the docs' measured figures)."""
+    path = os.environ.get("SHARDGEN_TEST_NUMERICS_LOG")
+    if path:
+        line = {"what": what, "rows": found.rows, "max_logprob_diff": found.max_logprob_diff,
+                "diverged": found.diverged}  # fmt: skip
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")

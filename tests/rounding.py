@@ -53,8 +53,11 @@ def _small_linear(input: Any, weight: Any, bias: Any = None) -> Any:
     if weight.dim() != 2 or k < 2 or _rows(input) > SMALL_ROWS:
         return linear(input, weight, bias)
     h = k // 2
-    out = linear(input[..., :h], weight[:, :h]) + linear(input[..., h:], weight[:, h:])
-    return out if bias is None else out + bias
+    out = linear(input[..., :h], weight[:, :h])
+    out += linear(input[..., h:], weight[:, h:])  # in place: the switch runs on most decode steps
+    if bias is not None:
+        out += bias
+    return out
 
 
 def _small_addmm(input: Any, mat1: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
@@ -65,7 +68,10 @@ def _small_addmm(input: Any, mat1: Any, mat2: Any, *args: Any, **kwargs: Any) ->
     import torch
 
     h = mat1.shape[1] // 2
-    return torch.mm(mat1[:, :h], mat2[:h]) + torch.mm(mat1[:, h:], mat2[h:]) + input
+    out = torch.mm(mat1[:, :h], mat2[:h])
+    out += torch.mm(mat1[:, h:], mat2[h:])
+    out += input
+    return out
 
 
 _small_linear._small_rows = True  # type: ignore[attr-defined]

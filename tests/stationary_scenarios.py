@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ds_scenarios import _param_group, _wrap, install_recorder, record
 from engine_scenarios import assert_lockstep
 from models import batch, hf_generate, tiny_model
+from numerics import Row, assert_ids_agree, assert_rows_agree
 from world import rank, world_size
 
 import shardgen
@@ -54,7 +55,7 @@ def greedy_matches_hf(archs: list[str], backend: str, gather: str = "stationary"
                 kw = dict(max_new_tokens=6 + 3 * rank(), pad_token_id=0)
                 got = eng.generate_ids(ids, attention_mask=mask, **kw)
                 exp = hf_generate(ref, ids, mask, **kw)
-                assert torch.equal(got, exp), f"{name} rank {rank()}: {got.tolist()} != HF {exp.tolist()}"
+                assert_ids_agree(got, exp, mask, ref, what=f"{name} rank {rank()}")  # rows leave the batch
                 continue
             # one request at a time, different lengths: finished slots are refilled while others decode
             prompts = [ids[i][mask[i].bool()] for i in range(len(ids))]
@@ -64,7 +65,8 @@ def greedy_matches_hf(archs: list[str], backend: str, gather: str = "stationary"
                     ref, p[None], torch.ones_like(p[None]), max_new_tokens=3 + 4 * i, pad_token_id=0
                 )
                 got = f.result(timeout=120).token_ids
-                assert got == exp[0, p.numel() :].tolist(), f"{name} rank {rank()} request {i}: {got} != HF"
+                mine, alone = (Row(p.tolist(), t, None, None) for t in (got, exp[0, p.numel() :].tolist()))
+                assert_rows_agree([mine], [alone], model=ref, what=f"{name} rank {rank()} request {i}")
         eng.close()
         st = eng.stats()
         out[name] = {
@@ -150,7 +152,7 @@ def _uneven_greedy(eng, ref, vocab: int = 96) -> int:
         kw = dict(max_new_tokens=5 + 3 * c + rank(), pad_token_id=0)
         got = eng.generate_ids(ids, attention_mask=mask, **kw)
         exp = hf_generate(ref, ids, mask, **kw)
-        assert torch.equal(got, exp), f"rank {rank()} call {c}: {got.tolist()} != HF {exp.tolist()}"
+        assert_ids_agree(got, exp, mask, ref, what=f"rank {rank()} call {c}")  # rows leave the batch
     return calls
 
 

@@ -21,7 +21,7 @@ from cli_jobs import (
     SAMPLED,
     Job,
     assert_no_orphans,
-    comparable,
+    assert_results_agree,
     journal_lines,
     read_results,
     run,
@@ -88,7 +88,7 @@ def test_sigkill_mid_run_then_resume(workdir: Path, reference: list[dict]) -> No
     assert journal_lines(out) < len(reference)
 
     again = run([*args, "--resume", "--json-summary", "resumed.json"], workdir)
-    assert comparable(read_results(out)) == comparable(reference), again.output()
+    assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
     summary = json.loads((workdir / "resumed.json").read_text())
     assert summary["resumed"] >= 8 and summary["resumed"] + summary["completed"] == len(reference)
 
@@ -99,7 +99,7 @@ def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) 
     args = ["-m", "shardgen", "run", "--prompts", "prompts.jsonl", "--out", "torchrun.jsonl", "--quiet"]
     job = Job([*args, "--timeline", "timeline.png"], workdir, "torchrun", command=torchrun)
     assert job.wait(120) == 0, job.output()
-    assert comparable(read_results(workdir / "torchrun.jsonl")) == comparable(reference)
+    assert_results_agree(read_results(workdir / "torchrun.jsonl"), reference, "under torchrun")
     png = (workdir / "timeline.png").read_bytes()  # --timeline: one row per rank
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

@@ -15,8 +15,8 @@ import pytest
 from cli_jobs import (
     Job,
     assert_no_orphans,
+    assert_results_agree,
     assert_summary_only,
-    comparable,
     processes_mentioning,
     read_results,
     run,
@@ -49,7 +49,7 @@ def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list
     assert ranks, f"no rank 1 found\n{job.output()}"
     os.kill(ranks[0], signal.SIGKILL)  # one rank dies; torch's agent restarts the group
     assert job.wait(150) == 0, job.output()
-    assert comparable(read_results(out)) == comparable(reference)
+    assert_results_agree(read_results(out), reference, "restarted")
     assert json.loads((workdir / "restarted.json").read_text())["resumed"] >= 8
     assert_no_orphans(out)
 
@@ -59,7 +59,7 @@ def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dic
     args = ["run", "--prompts", "prompts.jsonl", "--out", "replicas.jsonl", "--nproc", "4"]
     args += ["--shard-size", "2"]
     job = run([*args, "--json-summary", "replicas.json"], workdir, timeout=240)
-    assert comparable(read_results(workdir / "replicas.jsonl")) == comparable(reference), job.output()
+    assert_results_agree(read_results(workdir / "replicas.jsonl"), reference, f"replicas\n{job.output()}")
     summary = json.loads((workdir / "replicas.json").read_text())
     reps = summary["replicas"]
     assert [r["ranks"] for r in reps] == [[0, 1], [2, 3]] and summary["shard_size"] == 2

@@ -36,8 +36,12 @@ def test_the_switch_changes_linears_of_at_most_3_rows_only(small_rows):
     full = linear(x, w, bias)
     for m in (1, 2, 3):  # flattened leading dims count: [1, m, 96] has m rows
         small = (F.linear(x[:m], w, bias), F.linear(x[None, :m], w, bias)[0], torch.addmm(bias, x[:m], w.T))
-        for got in small:
+        own = (linear(x[:m], w, bias), linear(x[None, :m], w, bias)[0], addmm(bias, x[:m], w.T))
+        for got, theirs in zip(small, own, strict=True):
             assert not torch.equal(got, full[:m]), f"{m} rows: the same bits as the 4+-row kernel"
+            assert not torch.equal(got, theirs), (
+                f"{m} rows: torch's own kernel (some CPUs switch at 3 rows too)"
+            )
             assert torch.allclose(got, full[:m], atol=1e-4) and got.dtype == full.dtype
     for m in (4, 5, 16):
         assert torch.equal(F.linear(x[:m], w, bias), linear(x[:m], w, bias)), f"{m} rows changed"
@@ -142,3 +146,30 @@ def test_a_sampled_difference_that_is_no_near_tie_fails():
             [_row([drawn], [-4.0], seed + 1, prompt)], [_row([other], [-4.0], seed + 1, prompt)],
             model=model, params=params,
         )  # fmt: skip
+
+
+def test_job_results_agree_under_the_promise_and_a_changed_answer_fails():
+    """``cli_jobs.assert_results_agree`` (the resumed and relaunched jobs of test_cli*.py):
+    rows that agree keep every field; a token that is not a near-tie fails."""
+    from cli_jobs import assert_results_agree
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardgen import toy
+
+    tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
+    model = AutoModelForCausalLM.from_pretrained(toy.toy_model_path()).eval()
+    prompt = "count from 3 to 9 :"
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
+    tokens = out[0, ids.shape[1] :].tolist()
+    ref = [
+        {"id": "a", "prompt": prompt, "token_ids": tokens, "text": "x", "rank": 0},
+        {"id": "b", "error": "E"},
+    ]
+    assert_results_agree([dict(ref[0], rank=1), ref[1]], ref)
+    with pytest.raises(AssertionError):
+        assert_results_agree([dict(ref[0], text="y"), ref[1]], ref)  # the same tokens, another field
+    changed = tokens[:2] + [(tokens[2] + 1) % model.config.vocab_size] + tokens[3:]
+    with pytest.raises(AssertionError, match="no near-tie"):
+        assert_results_agree([dict(ref[0], token_ids=changed), ref[1]], ref)
