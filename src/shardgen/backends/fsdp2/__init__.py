@@ -75,34 +75,23 @@ class FSDP2Backend(PooledGathers, Backend):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule
 
+        user_groups = None
         if isinstance(model, FSDPModule) and getattr(model, "_shardgen_sharded", False):
-            # Sharded by shardgen on param_group already (Engine.from_pretrained, shardgen.loading).
-            backend = cls(model, model, device)
-            backend.param_group = param_group
-            backend._user_reshard = backend._reshard_settings()
-            backend.use_pool()
-            backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
-            backend.size_pool()
-            backend.free_gathers_early()
-            return backend
-        if isinstance(model, FSDPModule):
-            # The user's communicators, put back for training steps (enter_pause).
-            saved = move_to_group(model, param_group)
-            backend = cls(model, model, device)
-            backend.param_group = param_group
-            backend._user_groups = saved
-            backend._private_group = param_group
-            backend._user_reshard = backend._reshard_settings()
-            backend.use_pool()
-            backend.free_gathers_early()
-            return backend
-        shard_model(model, DeviceMesh.from_group(param_group, device.type))
+            pass  # sharded by shardgen on param_group already (Engine.from_pretrained, shardgen.loading)
+        elif isinstance(model, FSDPModule):
+            user_groups = move_to_group(model, param_group)  # put back for training steps (enter_pause)
+        else:
+            shard_model(model, DeviceMesh.from_group(param_group, device.type))
         backend = cls(model, model, device)
         backend.param_group = param_group
+        if user_groups is not None:
+            backend._user_groups = user_groups
+            backend._private_group = param_group
         backend._user_reshard = backend._reshard_settings()
         backend.use_pool()
-        backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
-        backend.size_pool()
+        if user_groups is None:  # shardgen's units: the embeddings and the head in row chunks
+            backend.chunked = chunk_vocab(model, param_group, chunk_bytes, backend.pool)
+            backend.size_pool()
         backend.free_gathers_early()
         return backend
 
