@@ -84,6 +84,8 @@ class Engine:
         **overrides: Any,
     ) -> None:
         cfg = (config if config is not None else EngineConfig()).replace(**overrides)
+        if cfg.backend is not None:
+            check_backend_name(cfg.backend)  # a name first, then what the model can run on
         if source_of(model) is None:  # a from_pretrained skeleton runs on any backend
             picked = backend_for(cfg.backend, model, distributed=dist.is_initialized())
             cfg = cfg.replace(backend=picked)  # None: the model's own
