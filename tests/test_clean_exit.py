@@ -37,24 +37,30 @@ def test_two_agent_job_exits_zero_with_no_thread_left(tmp_path: Path):
     assert not res["threads_at_exit"], out
 
 
-def test_last_collectives_right_before_exit_do_not_abort():
-    """The exit guard gives the GIL to gloo's workers before the interpreter finalizes
-    (core/process.py): a rank whose last collectives finish just before it exits exits 0."""
+def _two_ranks(script: str, argv) -> list[subprocess.Popen]:
+    """Start ``tests/<script>`` as ranks 0 and 1 (``argv(rank)``: its arguments), with this
+    checkout's sources first on the path; their output piped."""
     here = Path(__file__).parent
     path = os.pathsep.join([str(here.parent / "src"), str(here)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    return [
+        subprocess.Popen(
+            [sys.executable, str(here / script), *argv(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+
+
+def test_last_collectives_right_before_exit_do_not_abort():
+    """The exit guard gives the GIL to gloo's workers before the interpreter finalizes
+    (core/process.py): a rank whose last collectives finish just before it exits exits 0."""
     for attempt in range(2):  # without the guard 7 of 10 such runs aborted: both pass by chance ~9%
         port = free_port()
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(here / "exit_gil_rank.py"), str(r), "2", str(port)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )  # fmt: skip
-            for r in range(2)
-        ]
+        procs = _two_ranks("exit_gil_rank.py", lambda r: [str(r), "2", str(port)])
         try:
             outs = [p.communicate(timeout=120)[0] for p in procs]
         except subprocess.TimeoutExpired:
@@ -76,20 +82,8 @@ def test_gloo_worker_releasing_a_tick_after_its_caller_needs_no_gil_at_exit():
     gloo worker that releases a tick's work after the caller let go of it does not take the GIL
     (core/protocol.py). Without it, rank 0 of tests/exit_tick_rank.py aborts at exit every time
     (its worker waits for the GIL into finalization)."""
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here.parent / "src"), str(here)])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(here / "exit_tick_rank.py"), str(r), str(port)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for r in range(2)
-    ]
+    procs = _two_ranks("exit_tick_rank.py", lambda r: [str(r), str(port)])
     try:
         outs = [p.communicate(timeout=90)[0] for p in procs]
     except subprocess.TimeoutExpired:
