@@ -60,7 +60,7 @@ def test_last_collectives_right_before_exit_do_not_abort():
     (core/process.py): a rank whose last collectives finish just before it exits exits 0."""
     for attempt in range(2):  # without the guard 7 of 10 such runs aborted: both pass by chance ~9%
         port = free_port()
-        procs = _two_ranks("exit_gil_rank.py", lambda r: [str(r), "2", str(port)])
+        procs = _two_ranks("exit_gil_rank.py", lambda r, port=port: [str(r), "2", str(port)])
         try:
             outs = [p.communicate(timeout=120)[0] for p in procs]
         except subprocess.TimeoutExpired:
