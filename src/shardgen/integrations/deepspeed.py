@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import importlib
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -61,7 +62,7 @@ DEEPSPEED_VERSION = "0.19"
 
 def _import_rollout() -> Any:
     try:
-        from deepspeed.runtime import rollout
+        rollout = importlib.import_module("deepspeed.runtime.rollout")
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "shardgen.integrations.deepspeed needs DeepSpeed >= 0.19 (deepspeed.runtime.rollout): "
