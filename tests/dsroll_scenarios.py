@@ -183,10 +183,13 @@ def train_between(steps: int = 2) -> dict:
     """generate, train, generate, train ... on the DeepSpeed engine (uneven B per rank): the
     training losses equal the same steps with no rollout engine, bit for bit, and each rollout's
     greedy rows equal the single-process layout on the weights gathered at that step (which
-    change: the rows differ from the first weights')."""
+    change: the rows differ from the first weights'); between calls the model is on DeepSpeed's
+    own setup (groups, prefetch, persistence)."""
+    from rollout_scenarios import _user_setup_in_place
+
     from shardgen.integrations.deepspeed import ShardgenRollout
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     seed = 17
     tok = Tok(eos=EOS)
     train_ids = batch([6, 6], seed=200 + rank)[0]
@@ -197,17 +200,18 @@ def train_between(steps: int = 2) -> dict:
     ds = _ds_engine(seed)
     first = tiny_model("llama", seed=seed)
     rollout = ShardgenRollout(ds, tok)
-    losses, equal, changed = [], [], []
+    losses, equal, changed, restored = [], [], [], []
     for step in range(steps + 1):
         req = _request([5, 6] if rank == 0 else [7], seed=300 + step)  # the same prompts each step
         got = _as_lists(rollout.generate(req, _greedy()))
+        restored.append(_user_setup_in_place(rollout.engine, "deepspeed"))  # paused: DeepSpeed's own
         ref = _gathered_ref(ds, seed)  # in the pause: DeepSpeed's own groups, every rank
         equal.append(got == single_process_layout(ref, req, tok))
         changed.append(got != single_process_layout(first, req, tok))
         if step < steps:
             losses.append(_train_step(ds, train_ids))
     rollout.shutdown()
-    return {"base": base, "losses": losses, "equal": equal, "changed": changed, "world": world}
+    return {"base": base, "losses": losses, "equal": equal, "changed": changed, "restored": restored}
 
 
 def hybrid_uneven(engine: str) -> dict:

@@ -62,8 +62,9 @@ def test_missing_deepspeed_gives_install_hint(monkeypatch):
 
 def test_layout_of_the_default_path_is_hybrid_engine_rollouts():
     """The batch built from completions equals HybridEngineRollout's post-processing of the same
-    tokens decoded to max_new_tokens: the first EOS kept, later ones and a generated pad id
-    masked, the response as wide as max_new_tokens; the continuous path marks every token."""
+    tokens decoded to max_new_tokens: the first EOS kept, what follows and a generated pad id
+    masked, the response as wide as max_new_tokens; the continuous path marks every token and is
+    as wide as the longest row."""
     from deepspeed.runtime.rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
 
     from shardgen.generation.requests import Completion
@@ -72,15 +73,21 @@ def test_layout_of_the_default_path_is_hybrid_engine_rollouts():
     ours = object.__new__(ShardgenRollout)
     ours.pad, ours.eos = 0, [2]
     req = RolloutRequest(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]))
-    # row 0 stops at its EOS (2) at step 3; row 1 runs to the end, a pad id (0) among its tokens
-    done = [Completion([11, 12, 2], "eos", [5, 6]), Completion([13, 0, 14, 15], "length", [7, 8, 9])]
-    decoded = torch.tensor([[0, 5, 6, 11, 12, 2, 2], [7, 8, 9, 13, 0, 14, 15]])  # HF, EOS off
+    # Both rows stop at an EOS (2) before max_new_tokens = 6, row 1 with a pad id (0) among its
+    # tokens. HF, EOS off, decodes 6 tokens in every row (its later tokens: 7, 9).
+    done = [Completion([11, 12, 2], "eos", [5, 6]), Completion([13, 0, 14, 2], "eos", [7, 8, 9])]
+    decoded = torch.tensor([[0, 5, 6, 11, 12, 2, 2, 7, 7], [7, 8, 9, 13, 0, 14, 2, 9, 9]])
     ids, resp_attn = HybridEngineRollout._pad_after_eos(decoded, 3, 2, 0)
-    got = ours._layout(req, done, 1, SamplingConfig(max_new_tokens=4))
-    assert got.input_ids.tolist() == ids.tolist() == [[0, 5, 6, 11, 12, 2, 0], [7, 8, 9, 13, 0, 14, 15]]
+    got = ours._layout(req, done, 1, SamplingConfig(max_new_tokens=6))
+    assert (
+        got.input_ids.tolist()
+        == ids.tolist()
+        == [[0, 5, 6, 11, 12, 2, 0, 0, 0], [7, 8, 9, 13, 0, 14, 2, 0, 0]]
+    )
     assert got.attention_mask.tolist() == torch.cat([req.prompt_attention_mask, resp_attn], 1).tolist()
     assert got.response_start_idx.tolist() == [3, 3]
-    cont = ours._layout(req, done, 1, SamplingConfig(max_new_tokens=4, continuous_batch_size=2))
+    cont = ours._layout(req, done, 1, SamplingConfig(max_new_tokens=6, continuous_batch_size=2))
+    assert cont.input_ids.tolist() == [row[:7] for row in ids.tolist()]  # as wide as the longest
     assert cont.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]
 
 
@@ -133,6 +140,7 @@ def test_training_step_between_rollouts(worlds):
     for r, res in enumerate(worlds.get(2).run(sc.train_between, timeout=240)):
         assert res["losses"] == res["base"], f"rank {r}: training changed by the rollout engine: {res}"
         assert all(res["equal"]), f"rank {r}: {res['equal']}"
+        assert all(res["restored"]), f"rank {r}: not paused between calls: {res['restored']}"
         assert res["changed"][0] is False and all(res["changed"][1:]), f"rank {r}: {res['changed']}"
 
 
