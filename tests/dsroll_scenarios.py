@@ -166,6 +166,15 @@ def shardgen_uneven(steps: int = 3) -> dict:
             req, SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.8, top_k=20, n_samples_per_prompt=2)
         )
         ResponseTokenBatch.from_rollout(sampled)
+        b, width = req.prompt_ids.shape
+        lps = rollout.last_batch.logprobs  # shardgen's own batch of the same rows
+        if (
+            tuple(sampled.input_ids.shape) != (2 * b, width + MAX_NEW)
+            or not torch.equal(sampled.input_ids[:, :width], req.prompt_ids.repeat_interleave(2, 0))
+            or lps.shape[0] != 2 * b
+            or bool((lps > 0).any())
+        ):
+            mismatches.append(f"sampled {step}")
         shapes.append((tuple(got.input_ids.shape), tuple(sampled.input_ids.shape)))
     elapsed = time.monotonic() - t0
     rollout.shutdown()
