@@ -112,7 +112,7 @@ def greedy_vs_hybrid() -> dict:
     seed, lengths = 11, [4, 7, 5]
     tok = Tok(eos=EOS)
     ds = _ds_engine(seed)
-    req = _request(lengths, seed=seed)
+    req = _request(lengths, seed=seed + dist.get_rank())  # equal B, each rank its own prompts
     configs = [_greedy(), _greedy(n_samples_per_prompt=2), _greedy(continuous_batch_size=2)]
     hybrid = HybridEngineRollout(ds, tok)
     # Its continuous path does not run with transformers 5 (DeepSpeedStaticCache has no
