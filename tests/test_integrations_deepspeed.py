@@ -91,6 +91,51 @@ def test_layout_of_the_default_path_is_hybrid_engine_rollouts():
     assert cont.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]
 
 
+class _FakeEngine:
+    """Completes each submitted row after a moment, on a timer thread; counts rows in flight."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock, self.live, self.most, self.calls = threading.Lock(), 0, 0, []
+
+    def submit_many(self, prompts, params, *, seed, **options):
+        import threading
+        from concurrent.futures import Future
+
+        from shardgen.generation.requests import Completion
+
+        self.calls.append((len(prompts), list(seed)))
+        futures = []
+        for p in prompts:
+            f: Future = Future()
+            with self.lock:
+                self.live += 1
+                self.most = max(self.most, self.live)
+
+            def done(f=f, p=p):
+                with self.lock:
+                    self.live -= 1
+                f.set_result(Completion([7], "length", p))
+
+            threading.Timer(0.01 * (1 + len(futures) % 3), done).start()
+            futures.append(f)
+        return futures
+
+
+@pytest.mark.parametrize("window, most", [(None, 7), (3, 3), (1, 1)])
+def test_continuous_batch_size_bounds_the_rows_in_flight(window, most):
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    ours = object.__new__(ShardgenRollout)
+    ours.engine = _FakeEngine()
+    prompts = [[3 + i] for i in range(7)]
+    done = ours._serve(prompts, list(range(7)), {}, window)
+    assert [c.prompt_token_ids for c in done] == prompts  # in order
+    assert ours.engine.most == most
+    assert [s for _, seeds in ours.engine.calls for s in seeds] == list(range(7))
+
+
 def test_bad_sampling_settings_raise_with_the_numbers():
     from deepspeed.runtime.rollout import SamplingConfig
 
