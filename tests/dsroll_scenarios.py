@@ -12,6 +12,7 @@ import torch.distributed as dist
 from models import batch, tiny_model
 
 PAD, MAX_NEW = 0, 10
+DROPOUT = {"attention_dropout": 0.3}  # the train_between model: dropout changes what a forward gives
 EOS = list(range(2, 10))  # many EOS ids: a random tiny model stops rows at different steps
 
 
@@ -36,10 +37,10 @@ def warm_up() -> bool:
     return True
 
 
-def _ds_engine(seed: int, lr: float = 0.5):
+def _ds_engine(seed: int, lr: float = 0.5, **over):
     import deepspeed
 
-    model = tiny_model("llama", seed=seed).train()
+    model = tiny_model("llama", seed=seed, **over).train()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -47,7 +48,8 @@ def _ds_engine(seed: int, lr: float = 0.5):
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    engine.module.eval()  # no dropout while generating (the tiny llama has none anyway)
+    if not over:
+        engine.module.eval()  # for HybridEngineRollout, which leaves the mode alone
     return engine
 
 
@@ -89,11 +91,12 @@ def single_process_layout(ref, request, tok: Tok, n: int = 1):
     return out.tolist(), attn.tolist(), [width] * ids.shape[0]
 
 
-def _gathered_ref(ds, seed: int):
+def _gathered_ref(ds, seed: int, **over):
     """An unsharded copy of ``ds``'s current weights. Collective (a ZeRO-3 gather, every rank)."""
     import deepspeed
 
-    ref = tiny_model("llama", seed=seed)
+    with torch.random.fork_rng():  # tiny_model seeds torch: the trainer's dropout draws stay as they are
+        ref = tiny_model("llama", seed=seed, **over)
     with deepspeed.zero.GatheredParameters(list(ds.module.parameters())):
         state = {k: v.detach().clone() for k, v in ds.module.state_dict().items()}
     ref.load_state_dict(state)
@@ -193,7 +196,8 @@ def train_between(steps: int = 2) -> dict:
     training losses equal the same steps with no rollout engine, bit for bit, and each rollout's
     greedy rows equal the single-process layout on the weights gathered at that step (which
     change: the rows differ from the first weights'); between calls the model is on DeepSpeed's
-    own setup (groups, prefetch, persistence)."""
+    own setup (groups, prefetch, persistence). The model has dropout and is in training mode:
+    rollouts run in eval mode, the trainer's steps in its own."""
     from rollout_scenarios import _user_setup_in_place
 
     from shardgen.integrations.deepspeed import ShardgenRollout
@@ -202,25 +206,30 @@ def train_between(steps: int = 2) -> dict:
     seed = 17
     tok = Tok(eos=EOS)
     train_ids = batch([6, 6], seed=200 + rank)[0]
-    ds = _ds_engine(seed)
+    torch.manual_seed(1)  # the trainer's dropout draws
+    ds = _ds_engine(seed, **DROPOUT)
     base = [_train_step(ds, train_ids) for _ in range(steps)]
     del ds
 
-    ds = _ds_engine(seed)
-    first = tiny_model("llama", seed=seed)
+    torch.manual_seed(1)
+    ds = _ds_engine(seed, **DROPOUT)  # in training mode, as a trainer leaves it
+    with torch.random.fork_rng():
+        first = tiny_model("llama", seed=seed, **DROPOUT)
     rollout = ShardgenRollout(ds, tok)
-    losses, equal, changed, restored = [], [], [], []
+    losses, equal, changed, restored, modes = [], [], [], [], []
     for step in range(steps + 1):
         req = _request([5, 6] if rank == 0 else [7], seed=300 + step)  # the same prompts each step
         got = _as_lists(rollout.generate(req, _greedy()))
         restored.append(_user_setup_in_place(rollout.engine, "deepspeed"))  # paused: DeepSpeed's own
-        ref = _gathered_ref(ds, seed)  # in the pause: DeepSpeed's own groups, every rank
+        modes.append(ds.module.training)  # back in the trainer's mode
+        ref = _gathered_ref(ds, seed, **DROPOUT)  # in the pause: DeepSpeed's own groups, every rank
         equal.append(got == single_process_layout(ref, req, tok))
         changed.append(got != single_process_layout(first, req, tok))
         if step < steps:
             losses.append(_train_step(ds, train_ids))
     rollout.shutdown()
-    return {"base": base, "losses": losses, "equal": equal, "changed": changed, "restored": restored}
+    return {"base": base, "losses": losses, "equal": equal, "changed": changed, "restored": restored,
+            "modes": modes}  # fmt: skip
 
 
 def hybrid_uneven(engine: str) -> dict:

@@ -186,6 +186,7 @@ def test_training_step_between_rollouts(worlds):
         assert res["losses"] == res["base"], f"rank {r}: training changed by the rollout engine: {res}"
         assert all(res["equal"]), f"rank {r}: {res['equal']}"
         assert all(res["restored"]), f"rank {r}: not paused between calls: {res['restored']}"
+        assert all(res["modes"]), f"rank {r}: not back in training mode: {res['modes']}"
         assert res["changed"][0] is False and all(res["changed"][1:]), f"rank {r}: {res['changed']}"
 
 

@@ -32,6 +32,7 @@ How it fits DeepSpeed 0.19.8 (``deepspeed/runtime/rollout``):
   engine is paused (``Engine.paused()``), so the trainer's forward, backward and step run on
   DeepSpeed's own setup, as without shardgen; leaving the pause drops what generation kept (a
   gathered replica, kept small parameters, the prefix cache): the weights may have changed.
+  Out of the pause the model is in eval mode (no dropout while sampling), then back in yours.
 - Unlike ``HybridEngineRollout``, a rank's rows never decide how many forwards another rank runs:
   ranks may hold different numbers of prompts, zero included, and stop at different steps.
 
@@ -158,12 +159,21 @@ class ShardgenRollout(_ds.RolloutEngine):
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:
-        """Out of the pause for the block (local), back in after it (collective: ``paused()``)."""
+        """Out of the pause for the block (local), back in after it (collective: ``paused()``).
+
+        The engine's forwards all run out of the pause, so the model is in eval mode (no dropout)
+        for exactly that long, and back in the trainer's mode for its step."""
+        module = getattr(self.ds_engine, "module", self.ds_engine)
+        was_training = module.training
+        module.eval()
         self._pause.close()
         try:
             yield
         finally:
-            self._pause.enter_context(self.engine.paused())
+            try:
+                self._pause.enter_context(self.engine.paused())
+            finally:
+                module.train(was_training)
 
     @staticmethod
     def _check(sampling: Any) -> tuple[int, int | None]:
