@@ -2,4 +2,6 @@
 
 - ``shardgen.integrations.trl``: TRL's ``GRPOTrainer`` generating on a shardgen ``Engine``
   (``pip install 'shardgen[trl]'``).
+- ``shardgen.integrations.deepspeed``: ``ShardgenRollout``, DeepSpeed's ``RolloutEngine`` (a
+  drop-in for ``HybridEngineRollout``) on a shardgen ``Engine`` (``pip install 'shardgen[deepspeed]'``).
 """

@@ -1,0 +1,252 @@
+"""DeepSpeed's ``RolloutEngine`` on a shardgen ``Engine``: ``ShardgenRollout``, a drop-in for
+``HybridEngineRollout``.
+
+    torchrun --nproc-per-node 2 train.py     # DS_ACCELERATOR=cpu on a CPU machine
+
+    from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    ds_engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=zero3_config)
+    rollout = ShardgenRollout(ds_engine, tokenizer)      # collective; instead of HybridEngineRollout
+    for ids, mask in loader:                             # any rows per rank, zero included
+        batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=64))
+        loss = ...                                       # ds_engine's forward / backward / step
+    rollout.shutdown()                                   # collective
+
+Install: ``pip install 'shardgen[deepspeed]'`` (DeepSpeed 0.19, whose ``deepspeed.runtime.rollout``
+defines the interface).
+
+How it fits DeepSpeed 0.19.8 (``deepspeed/runtime/rollout``):
+
+- ``generate`` returns DeepSpeed's ``RolloutBatch`` in ``HybridEngineRollout``'s layout: the
+  request's left-padded prompt columns unchanged, then the response right-padded with the pad id;
+  the first EOS (the tokenizer's ``eos_token_id``, the one id ``HybridEngineRollout`` cuts at) is
+  kept, later positions are pad with attention 0; ``response_start_idx`` is the prompt width.
+  Without ``continuous_batch_size`` the response has ``max_new_tokens`` columns and a generated
+  token equal to the pad id has attention 0, as there (HF decodes ``max_new_tokens`` with EOS
+  off, then masks by id); with it, the width is the longest response and every generated token
+  has attention 1, as its continuous path builds them. Rows ``i * n .. i * n + n - 1`` are the
+  samples of prompt ``i``. ``ResponseTokenBatch.from_rollout`` takes it as it is.
+- The engine is created once, at construction, on the ZeRO-3 model itself (``backend="deepspeed"``:
+  its shards are kept, its gathers move to shardgen's private groups). Outside ``generate`` the
+  engine is paused (``Engine.paused()``), so the trainer's forward, backward and step run on
+  DeepSpeed's own setup, as without shardgen; leaving the pause drops what generation kept (a
+  gathered replica, kept small parameters, the prefix cache): the weights may have changed.
+  Out of the pause the model is in eval mode (no dropout while sampling), then back in yours.
+- Unlike ``HybridEngineRollout``, a rank's rows never decide how many forwards another rank runs:
+  ranks may hold different numbers of prompts, zero included, and stop at different steps.
+
+``SamplingConfig``: ``temperature <= 0`` is greedy; ``top_k <= 0`` is off; ``top_p``,
+``max_new_tokens`` and ``n_samples_per_prompt`` as there; ``continuous_batch_size`` bounds the
+rows this rank decodes at once (a finished row's slot goes to the next one), under the engine's
+own ``max_batch_size``; unlike there, it also takes sampling and ``n > 1``. Sampling draws are
+seeded per row (``seed``: reproducible runs), not from torch's global generator.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import importlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from shardgen.generation.requests import Completion, unpadded_rows
+from shardgen.generation.rollout import RolloutBatch as ShardgenBatch
+from shardgen.generation.rollout import pack, sample_seed
+
+DEEPSPEED_VERSION = "0.19"
+
+
+def _import_rollout() -> Any:
+    try:
+        rollout = importlib.import_module("deepspeed.runtime.rollout")
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "shardgen.integrations.deepspeed needs DeepSpeed >= 0.19 (deepspeed.runtime.rollout): "
+            "pip install 'shardgen[deepspeed]'"
+        ) from e
+    return rollout
+
+
+_ds = _import_rollout()
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+class ShardgenRollout(_ds.RolloutEngine):
+    """``RolloutEngine`` on a shardgen ``Engine`` over ``ds_engine``'s ZeRO-3 model (module docstring).
+
+    Constructing it is collective: every rank of the DeepSpeed engine's data-parallel group
+    constructs it, in the same order, with the same ``engine_options`` (``EngineConfig`` fields,
+    or ``config=``); it builds the ``Engine`` and enters its pause. ``seed``: the base of every
+    sampled row's seed (None: drawn per call).
+    """
+
+    name = "shardgen"
+
+    def __init__(
+        self, ds_engine: Any, tokenizer: Any, *, seed: int | None = None, **engine_options: Any
+    ) -> None:
+        import shardgen
+
+        backend = engine_options.pop("backend", "deepspeed")
+        if backend != "deepspeed":
+            raise ValueError(f"ShardgenRollout runs on backend='deepspeed', got backend={backend!r}")
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.eos = _eos_ids(tokenizer)
+        if pad is None:
+            pad = self.eos[0] if self.eos else None
+        if pad is None:
+            raise ValueError("The tokenizer must define pad_token_id or eos_token_id")
+        self.pad = int(pad)
+        self.seed, self.calls, self.ds_engine, self.tokenizer = seed, 0, ds_engine, tokenizer
+        self.last_batch: ShardgenBatch | None = None
+        """The last ``generate``'s rows as shardgen's ``RolloutBatch``: logprobs, finish reasons, seeds."""
+        self.engine = shardgen.Engine(ds_engine, tokenizer, backend="deepspeed", **engine_options)
+        self._pause = contextlib.ExitStack()
+        self._pause.enter_context(self.engine.paused())  # collective: every rank, here
+
+    # ------------------------------------------------------------------ RolloutEngine
+    @torch.no_grad()
+    def generate(self, request: Any, sampling: Any) -> Any:
+        """Rollouts for ``request``'s prompts -> DeepSpeed's ``RolloutBatch`` (module docstring).
+
+        Collective only through the pause around it: every rank calls it once per trainer step,
+        in the same order as its other calls of ``generate``/``score`` (any number of rows,
+        zero included). It leaves the pause (local), waits for its own rows only (peers still
+        decoding are served meanwhile), and enters the pause again, which returns once every
+        rank has entered it and no rank has a live row.
+        """
+        n, window = self._check(sampling)
+        rows = unpadded_rows(request.prompt_ids, request.prompt_attention_mask)
+        empty = [i for i, r in enumerate(rows) if len(r) == 0]
+        if empty:
+            raise ValueError(f"prompt rows {empty[:8]} have no token (prompt_attention_mask is all 0)")
+        self.calls += 1
+        options, seeds = self._options(sampling, len(rows), n)
+        prompts = [r.tolist() for r in rows for _ in range(n)]
+        with self._running():
+            done = self._serve(prompts, seeds, options, window)
+        self.last_batch = pack(done, pad_id=self.pad, n=n, seeds=seeds, device=request.prompt_ids.device)
+        return self._layout(request, done, n, sampling)
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        """``Engine.score`` outside the pause (the OPSD teacher, a reference KL), same arguments.
+
+        Collective only through the pause, as ``generate``: every rank calls it the same number
+        of times, in the same order as its ``generate`` calls (any rows, zero included)."""
+        with self._running():
+            return self.engine.score(*args, **kwargs)
+
+    def sync_weights(self, step: int) -> None:  # noqa: ARG002
+        """No-op: the engine generates with the training weights themselves (their shards)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Close the engine. Collective: every rank calls it (``Engine.close``); idempotent."""
+        self._pause.close()
+        self.engine.close()
+
+    # ------------------------------------------------------------------ internals
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Out of the pause for the block (local), back in after it (collective: ``paused()``).
+
+        The engine's forwards all run out of the pause, so the model is in eval mode (no dropout)
+        for exactly that long, and back in the trainer's mode for its step."""
+        module = getattr(self.ds_engine, "module", self.ds_engine)
+        was_training = module.training
+        module.eval()
+        self._pause.close()
+        try:
+            yield
+        finally:
+            try:
+                self._pause.enter_context(self.engine.paused())
+            finally:
+                module.train(was_training)
+
+    @staticmethod
+    def _check(sampling: Any) -> tuple[int, int | None]:
+        n, new = sampling.n_samples_per_prompt, sampling.max_new_tokens
+        window = sampling.continuous_batch_size
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n_samples_per_prompt must be an integer >= 1, got {n!r}")
+        if not isinstance(new, int) or new < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {new!r}")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"continuous_batch_size must be None or an integer >= 1, got {window!r}")
+        if sampling.temperature > 0 and not 0.0 < sampling.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        return n, window
+
+    def _options(self, sampling: Any, prompts: int, n: int) -> tuple[dict[str, Any], list[int | None]]:
+        """The engine's request settings, and one seed per row (None: greedy)."""
+        options: dict[str, Any] = dict(
+            max_new_tokens=int(sampling.max_new_tokens), eos_token_id=self.eos, pad_token_id=self.pad,
+            logprobs=True,
+        )  # fmt: skip
+        if sampling.temperature <= 0.0:
+            return {**options, "do_sample": False}, [None] * (prompts * n)
+        options.update(
+            do_sample=True,
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            top_k=max(int(sampling.top_k), 0),
+        )
+        base = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
+        rank = self.engine.rank
+        seeds: list[int | None] = [sample_seed(base, self.calls, f"{rank}:{r}") for r in range(prompts * n)]
+        return options, seeds
+
+    def _serve(
+        self, prompts: list[list[int]], seeds: list[int | None], options: dict[str, Any], window: int | None
+    ) -> list[Completion]:
+        """Every row's completion; at most ``window`` rows in flight, a finished one's place going to
+        the next. Not collective (the engine's requests)."""
+        window = window or max(len(prompts), 1)
+        futures: list[cf.Future] = []
+        while len(futures) < len(prompts):
+            running = [f for f in futures if not f.done()]
+            if len(running) >= window:
+                cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                continue
+            take = range(len(futures), min(len(prompts), len(futures) + window - len(running)))
+            futures += self.engine.submit_many(
+                [prompts[i] for i in take], None, seed=[seeds[i] for i in take], **options
+            )
+        return [f.result() for f in futures]
+
+    def _layout(self, request: Any, done: list[Completion], n: int, sampling: Any) -> Any:
+        """DeepSpeed's ``RolloutBatch`` of the rows, in ``HybridEngineRollout``'s layout."""
+        device, dtype = request.prompt_ids.device, request.prompt_ids.dtype
+        continuous = sampling.continuous_batch_size is not None
+        rows, width = len(done), request.prompt_ids.shape[1]
+        g = max((len(c.token_ids) for c in done), default=0) if continuous else int(sampling.max_new_tokens)
+        resp = torch.full((rows, g), self.pad, dtype=dtype)
+        made = torch.zeros((rows, g), dtype=torch.bool)
+        for i, c in enumerate(done):
+            resp[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=dtype)
+            made[i, : len(c.token_ids)] = True
+        if continuous:  # its continuous path: 1 on every generated token
+            attn = made.to(request.prompt_attention_mask.dtype)
+        else:  # its default path: masked by id, the first EOS kept (_pad_after_eos)
+            is_eos = torch.isin(resp, torch.tensor(self.eos, dtype=dtype)) & made
+            first = is_eos & (is_eos.long().cumsum(-1) == 1)
+            attn = (((resp != self.pad) & made) | first).long()
+        prompt_ids = request.prompt_ids.repeat_interleave(n, dim=0)
+        prompt_mask = request.prompt_attention_mask.repeat_interleave(n, dim=0).to(attn.dtype)
+        return _ds.RolloutBatch(
+            input_ids=torch.cat([prompt_ids, resp.to(device)], dim=1),
+            attention_mask=torch.cat([prompt_mask, attn.to(device)], dim=1),
+            response_start_idx=torch.full((rows,), width, dtype=torch.long, device=device),
+        )

@@ -1,0 +1,224 @@
+"""``shardgen.integrations.deepspeed.ShardgenRollout`` against DeepSpeed 0.19.8's own
+``HybridEngineRollout``, on ``deepspeed.initialize`` ZeRO-3 engines at 2 and 3 gloo ranks
+(DS_ACCELERATOR=cpu), every run under a hard timeout.
+
+One World per size for the module (DeepSpeed leaves process-wide state in its ranks); each
+size's hang test runs last on it, expects the World to hang and kill its ranks (by pid).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+pytest.importorskip("deepspeed.runtime.rollout")
+
+import dsroll_scenarios as sc  # noqa: E402
+import torch  # noqa: E402
+from world import World, WorldHang  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+HANG_S = 20.0  # the same step through ShardgenRollout returns in about a second
+
+
+class _Worlds:
+    """A World per size for this module, restarted if a test left it broken."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, World] = {}
+
+    def get(self, n: int) -> World:
+        world = self._worlds.get(n)
+        if world is None or world.broken:
+            if world is not None:
+                world.close()
+            world = self._worlds[n] = World(n, env=ENV, start_timeout=120.0)
+            world.run(sc.warm_up, timeout=300)  # so that no bound below includes a JIT build
+        return world
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    handle = _Worlds()
+    yield handle
+    handle.close()
+
+
+# ----------------------------------------------------------------------------- in-process
+def test_missing_deepspeed_gives_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.rollout", None)
+    monkeypatch.delitem(sys.modules, "shardgen.integrations.deepspeed", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'shardgen\[deepspeed\]'"):
+        importlib.import_module("shardgen.integrations.deepspeed")
+
+
+def test_layout_of_the_default_path_is_hybrid_engine_rollouts():
+    """The batch built from completions equals HybridEngineRollout's post-processing of the same
+    tokens decoded to max_new_tokens: the first EOS kept, what follows and a generated pad id
+    masked, the response as wide as max_new_tokens; the continuous path marks every token and is
+    as wide as the longest row."""
+    from deepspeed.runtime.rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
+
+    from shardgen.generation.requests import Completion
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    ours = object.__new__(ShardgenRollout)
+    ours.pad, ours.eos = 0, [2]
+    req = RolloutRequest(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    # Both rows stop at an EOS (2) before max_new_tokens = 6, row 1 with a pad id (0) among its
+    # tokens. HF, EOS off, decodes 6 tokens in every row (its later tokens: 7, 9).
+    done = [Completion([11, 12, 2], "eos", [5, 6]), Completion([13, 0, 14, 2], "eos", [7, 8, 9])]
+    decoded = torch.tensor([[0, 5, 6, 11, 12, 2, 2, 7, 7], [7, 8, 9, 13, 0, 14, 2, 9, 9]])
+    ids, resp_attn = HybridEngineRollout._pad_after_eos(decoded, 3, 2, 0)
+    got = ours._layout(req, done, 1, SamplingConfig(max_new_tokens=6))
+    assert (
+        got.input_ids.tolist()
+        == ids.tolist()
+        == [[0, 5, 6, 11, 12, 2, 0, 0, 0], [7, 8, 9, 13, 0, 14, 2, 0, 0]]
+    )
+    assert got.attention_mask.tolist() == torch.cat([req.prompt_attention_mask, resp_attn], 1).tolist()
+    assert got.response_start_idx.tolist() == [3, 3]
+    cont = ours._layout(req, done, 1, SamplingConfig(max_new_tokens=6, continuous_batch_size=2))
+    assert cont.input_ids.tolist() == [row[:7] for row in ids.tolist()]  # as wide as the longest
+    assert cont.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]
+
+
+class _FakeEngine:
+    """Completes each submitted row after a moment, on a timer thread; counts rows in flight."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock, self.live, self.most, self.calls = threading.Lock(), 0, 0, []
+
+    def submit_many(self, prompts, params, *, seed, **options):
+        import threading
+        from concurrent.futures import Future
+
+        from shardgen.generation.requests import Completion
+
+        self.calls.append((len(prompts), list(seed)))
+        futures = []
+        for p in prompts:
+            f: Future = Future()
+            with self.lock:
+                self.live += 1
+                self.most = max(self.most, self.live)
+
+            def done(f=f, p=p):
+                with self.lock:
+                    self.live -= 1
+                f.set_result(Completion([7], "length", p))
+
+            threading.Timer(0.01 * (1 + len(futures) % 3), done).start()
+            futures.append(f)
+        return futures
+
+
+@pytest.mark.parametrize("window, most", [(None, 7), (3, 3), (1, 1)])
+def test_continuous_batch_size_bounds_the_rows_in_flight(window, most):
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    ours = object.__new__(ShardgenRollout)
+    ours.engine = _FakeEngine()
+    prompts = [[3 + i] for i in range(7)]
+    done = ours._serve(prompts, list(range(7)), {}, window)
+    assert [c.prompt_token_ids for c in done] == prompts  # in order
+    assert ours.engine.most == most
+    assert [s for _, seeds in ours.engine.calls for s in seeds] == list(range(7))
+
+
+def test_bad_sampling_settings_raise_with_the_numbers():
+    from deepspeed.runtime.rollout import SamplingConfig
+
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    for cfg, words in [
+        (SamplingConfig(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        (SamplingConfig(max_new_tokens=4, n_samples_per_prompt=0), "got 0"),
+        (SamplingConfig(max_new_tokens=4, continuous_batch_size=0), "continuous_batch_size"),
+        (SamplingConfig(max_new_tokens=4, top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    ]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            ShardgenRollout._check(cfg)
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+def test_greedy_rows_equal_hybrid_engine_rollouts(worlds):
+    """Same engine, the default path at n = 1 and 2: tensor for tensor; DeepSpeed's own type, and
+    its ResponseTokenBatch takes it. The continuous path (HybridEngineRollout's own does not run
+    with transformers 5): the same rows, as wide as the longest."""
+    for r, res in enumerate(worlds.get(2).run(sc.greedy_vs_hybrid, timeout=180)):
+        assert res["type"] == "deepspeed.runtime.rollout.base.RolloutBatch"
+        for k, (theirs, ours) in enumerate(zip(res["theirs"], res["ours"][:2], strict=True)):
+            assert ours == theirs, f"rank {r}, config {k}: {ours} != HybridEngineRollout's {theirs}"
+        (ids, attn, start), (cont_ids, cont_attn, cont_start) = res["ours"][0], res["ours"][2]
+        assert res["ours"][0] == res["single"]  # = HybridEngineRollout's on one process
+        p = start[0]
+        stopped = [row for row in ids if any(t in res["eos"] for t in row[p:])]
+        assert stopped and any(0 in row[p:] for row in attn), (ids, attn)  # cut after an EOS
+        width = len(cont_ids[0])
+        assert cont_start == start and cont_ids == [row[:width] for row in ids]
+        assert all(t == sc.PAD for row in ids for t in row[width:])
+        assert all(m[p:] == [1] * sum(m[p:]) + [0] * (width - p - sum(m[p:])) for m in cont_attn)
+        for masked, attended in res["targets"]:
+            assert masked == attended
+
+
+def test_uneven_rows_per_rank_2(worlds):
+    """3, 1 and 0 prompts per rank, a different rank empty each step, greedy and sampled: every
+    step returns, greedy rows equal the single-process layout."""
+    for r, res in enumerate(worlds.get(2).run(sc.shardgen_uneven, timeout=180)):
+        assert res["mismatches"] == [], f"rank {r}: {res}"
+        assert any(s[0][0] == 0 for s in res["shapes"]), res["shapes"]
+
+
+def test_training_step_between_rollouts(worlds):
+    for r, res in enumerate(worlds.get(2).run(sc.train_between, timeout=240)):
+        assert res["losses"] == res["base"], f"rank {r}: training changed by the rollout engine: {res}"
+        assert all(res["equal"]), f"rank {r}: {res['equal']}"
+        assert all(res["restored"]), f"rank {r}: not paused between calls: {res['restored']}"
+        assert all(res["modes"]), f"rank {r}: not back in training mode: {res['modes']}"
+        assert res["changed"][0] is False and all(res["changed"][1:]), f"rank {r}: {res['changed']}"
+
+
+def test_hybrid_engine_rollout_hangs_on_uneven_rows_and_shardgen_does_not_2(worlds):
+    world = worlds.get(2)
+    for res in world.run(sc.hybrid_uneven, "shardgen", timeout=120):
+        assert res["error"] is None and res["elapsed"] < HANG_S, res
+    _assert_hybrid_hangs(world)
+
+
+# ----------------------------------------------------------------------------- 3 ranks
+def test_uneven_rows_per_rank_3(worlds):
+    for r, res in enumerate(worlds.get(3).run(sc.shardgen_uneven, timeout=240)):
+        assert res["mismatches"] == [], f"rank {r}: {res}"
+
+
+def test_hybrid_engine_rollout_hangs_on_uneven_rows_and_shardgen_does_not_3(worlds):
+    world = worlds.get(3)
+    for res in world.run(sc.hybrid_uneven, "shardgen", timeout=120):
+        assert res["error"] is None and res["elapsed"] < HANG_S, res
+    _assert_hybrid_hangs(world)
+
+
+def _assert_hybrid_hangs(world: World) -> None:
+    """The rank with no prompt cannot decode (HF's forward raises on 0 rows) and moves on to the
+    barrier; the ranks with prompts wait in ZeRO-3's gathers of their next decode step."""
+    with pytest.raises(WorldHang) as info:
+        world.run(sc.hybrid_uneven, "hybrid", timeout=HANG_S)
+    assert world.broken
+    stacks = info.value.stacks
+    empty = [r for r in stacks if "in barrier" in stacks[r]]
+    assert len(empty) == 1, stacks
+    for r, stack in stacks.items():
+        if r not in empty:
+            assert "in generate" in stack and "in barrier" not in stack, stack
