@@ -8,6 +8,7 @@ match and that nothing runs on the default group. Nothing is patched in the pyte
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -162,6 +163,26 @@ def warm_up() -> bool:
 
     ensure_ds_comm(deepspeed)
     return True
+
+
+def comm_layer_state() -> dict:
+    """After warm_up (shardgen started DeepSpeed's comm layer): was its CPU shm op built?"""
+    from deepspeed.comm import comm as ds_comm
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+
+    return {
+        "shm_op": ds_comm.cdb.shm_comm_op is not None,
+        "restored": ds_torch.build_shm_op.__name__ == "build_shm_op",
+        "all_reduce": _all_reduce_through_ds(),
+    }
+
+
+def _all_reduce_through_ds() -> float:
+    from deepspeed import comm as ds_comm
+
+    t = torch.ones(4) * (dist.get_rank() + 1)
+    ds_comm.inference_all_reduce(t, op=dist.ReduceOp.SUM)  # falls back to the process group
+    return float(t[0])
 
 
 def logits_match(arch: str = "llama", offload: bool = False) -> dict:

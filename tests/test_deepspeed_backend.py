@@ -231,6 +231,13 @@ def test_moe_routing_does_not_change_gathers(dsworld, user_partitioned):
     assert len(calls) > 1, f"routing did not vary, the test proves nothing: {calls}"
 
 
+def test_comm_layer_started_by_shardgen_builds_no_shm_op(dsworld):
+    """DeepSpeed's CPU shm all-reduce op (a ~30 s JIT build) serves only tensor-parallel inference:
+    shardgen starts the comm layer without it, and DeepSpeed's own function is put back."""
+    for r, res in enumerate(dsworld.run(sc.comm_layer_state)):
+        assert res == {"shm_op": False, "restored": True, "all_reduce": 3.0}, f"rank {r}: {res}"
+
+
 def test_engine_leaves_glibcs_mmap_threshold_alone(dsworld):
     for r, res in enumerate(dsworld.run(pool_sc.allocator_untouched, "deepspeed", timeout=120)):
         if res["after"] is None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardgen.backends.deepspeed.shm import no_shm_op
 from shardgen.backends.stationary.plan import hooks_aside
 from shardgen.log import get_logger, quiet_deprecated_gathers
 
@@ -59,7 +60,7 @@ def ensure_ds_comm(deepspeed) -> None:
         # DeepSpeed prints "DeepSpeed <op> built successfully" on every rank here (a bare print of
         # its comm-op loader): dropped; anything else printed meanwhile goes out as it came.
         said = io.StringIO()
-        with contextlib.redirect_stdout(said):
+        with contextlib.redirect_stdout(said), no_shm_op():
             deepspeed.init_distributed(
                 dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False
             )
