@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from shardgen.generation.requests import encode_prompt
+
 
 @dataclass(frozen=True)
 class ScoreParams:
@@ -142,11 +144,11 @@ def _responses(responses: Any, mask: torch.Tensor | None) -> list[list[int]]:
 
 
 def _prompt_ids(prompt: Any, tokenizer: Any, i: int) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"prompt {i} is text but the engine has no tokenizer: pass token ids")
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    return [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+    """Text as ``generate()`` encodes it (``requests.encode_prompt``), or ids."""
+    try:
+        return encode_prompt(prompt, tokenizer)
+    except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}") from None
 
 
 def check_rows(prompts: list[list[int]], responses: list[list[int]], vocab: int, context: int | None) -> None:
