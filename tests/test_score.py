@@ -45,6 +45,7 @@ def test_one_row_equals_hf_bit_for_bit(engine):
     p, r = [[5, 6, 7, 8, 9]], [[10, 11, 12, 13, 14, 15]]
     sb = engine.score(p, r, top_k=3, logits=True)
     want = reference(engine.ref, p, r, top_k=3)[0]
+    assert isinstance(sb, shardgen.ScoreBatch)
     assert torch.equal(sb.logprobs[0], want["logprobs"])
     assert torch.equal(sb.logits[0], want["logits"]) and sb.logits.dtype == torch.float32
     assert torch.equal(sb.top_logprobs[0], want["top_logprobs"])
