@@ -65,6 +65,12 @@ def test_padded_chunked_and_shared_rows_match_hf(max_prefill_tokens, share):
         stats = eng.stats()
     assert worst(sb, reference(ref, p, r, 0.8, 5), top_k=5) < TOL
     assert sb.logprobs.shape == (7, max(len(x) for x in r))
+    # tokens computed, left padding excluded: runs of rows 0-3 and 4-6, each response padded to
+    # its run's longest; with sharing, rows 1, 3 and 5 take their prompt from the row before
+    real = sum(len(p[i]) + max(len(r[j]) for j in run) for run in (range(4), range(4, 7)) for i in run)
+    if share:
+        real -= sum(len(p[i]) for i in (1, 3, 5))
+    assert stats["prefill_tokens"] == real, (stats["prefill_tokens"], real)
     if max_prefill_tokens == 1:  # one column a forward
         assert stats["prefill_forwards"] >= max(len(a) + len(b) for a, b in zip(p, r, strict=True))
 
@@ -116,6 +122,8 @@ def test_a_forward_holds_one_chunks_logits_at_most(engine, monkeypatch):
         monkeypatch.setattr(eng.backend, "forward", spy)
         p, r = [[4, 5, 6]] * 4, [list(range(10, 40))] * 4  # 4 rows of 33 tokens, one prompt
         sb = eng.score(p, r)
+        tokens = eng.stats()["prefill_tokens"]
+    assert tokens == 3 + 4 * 30  # the prompt once, then every row's response columns
     assert sb.logits is None and len(seen) > 8
     assert all(rows <= 8 and tokens <= 8 for tokens, rows in seen), seen
 

@@ -184,7 +184,7 @@ class ScoreRun:
             red = reduce(part.reshape(-1, part.shape[-1]), toks.reshape(-1), self.params)
             self._pieces.append({k: v.reshape(*toks.shape, *v.shape[1:]) for k, v in red.items()})
         del logits
-        return ch.c1 - ch.c0 if mask is None else int(mask[:, ch.c0 : ch.c1].sum())
+        return ids.shape[0] * (ch.c1 - ch.c0) if mask is None else int(mask[:, ch.c0 : ch.c1].sum())
 
     def results(self) -> list[tuple[ScoreRequest, RowScore]]:
         """Each row's scores, its own length (after the last ``step``)."""
