@@ -213,12 +213,20 @@ class LocalWork:
 
     def _score_take(self) -> int:
         """How many waiting score rows the next run takes: up to ``max_batch_size`` consecutive rows
-        of one setting (one call's rows share it), first come first served. Local."""
-        first, n = self.scoring[0].params, 0
-        room = self.config.max_batch_size
-        while n < len(self.scoring) and n < room and self.scoring[n].params == first:
-            n += 1
-        return n
+        of one setting (one call's rows share it), first come first served, a group of rows with
+        one prompt at a time (its prompt computed once), as ``_group_take`` does. Local."""
+        q, room = self.scoring, self.config.max_batch_size
+        first, taken = q[0].params, 0
+        while taken < len(q) and taken < room and q[taken].params == first:
+            key, size = (first, q[taken].prompt_ids), 0
+            while taken + size < len(q) and (q[taken + size].params, q[taken + size].prompt_ids) == key:
+                size += 1
+            if size > room - taken:
+                if taken:
+                    break  # the group waits for the next run
+                size = room  # a group larger than a run: the part that fits
+            taken += size
+        return taken
 
     def _start(self, take: list[Request], plan: PrefillPlan, forward: Callable[..., Any]) -> None:
         self.prefilling = Batch(self.model, [r.seq for r in take], self.device, plan)
