@@ -88,7 +88,7 @@ def test_a_runs_rows_are_whole_groups_of_one_prompt():
     assert tokens == 2 * (5 + 3 * 4), tokens
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt", "gemma", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "gemma", "mistral", "qwen2", "mixtral"])
 def test_architectures_match_hf(arch):
     """Absolute positions (GPT-2, OPT), a tied and scaled embedding (Gemma), a sliding window
     shorter than the rows (Mistral): chunked, shared prompts."""

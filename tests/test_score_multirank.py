@@ -49,9 +49,18 @@ def test_score_uneven_rows_match_hf(world2, backend, gather, max_prefill_tokens)
     assert out[1]["gen"] == 12  # rank 1 generated all along, beside rank 0's scoring
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-def test_score_tied_embeddings(world2, backend):
-    out = world2.run(sc.score_uneven, backend, "per-layer", 5, "gemma", timeout=180)
+@pytest.mark.parametrize(
+    "arch, backend, gather",
+    [
+        ("gemma", "fsdp2", "per-layer"),  # tied, scaled embeddings
+        ("gemma", "deepspeed", "per-layer"),
+        ("mixtral", "deepspeed", "per-layer"),  # MoE blocks gathered as one unit
+        ("gpt2", "fsdp2", "stationary"),  # Conv1D: per-module fallbacks beside the exchanges
+    ],
+)
+def test_score_architectures(world2, arch, backend, gather):
+    out = world2.run(sc.score_uneven, backend, gather, 5, arch, timeout=180)
+    assert all(res["policy"] == gather for res in out)
     assert all(res["diff"] < TOL for res in out), [res["diff"] for res in out]
 
 
