@@ -18,6 +18,7 @@ from shardgen.errors import (
     ShardgenError,
 )
 from shardgen.generation.requests import Completion
+from shardgen.generation.score import ScoreBatch
 from shardgen.rollout import RolloutBatch  # binds shardgen.rollout (public: shardgen.rollout.sample_seed)
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RolloutBatch",
     "SamplingParams",
+    "ScoreBatch",
     "ShardgenError",
     "init",
 ]

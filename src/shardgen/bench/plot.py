@@ -12,6 +12,7 @@ COLORS = {
     "prefill": "#1f77b4",
     "refill": "#17becf",
     "decode": "#2ca02c",
+    "score": "#bcbd22",
     "shadow": "#d62728",
     "gather": "#9467bd",
     "release": "#8c564b",

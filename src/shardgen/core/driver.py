@@ -123,8 +123,9 @@ class Driver:
         self.config = config = self._sized_batch(setup.hf_config)
         self.mode = ForwardMode(self.gather_policy, backend, self.ranks.index(rank))
         self.work = LocalWork(
-            backend.hf_model, backend, self.device, config, self.stats, on_finished=self._finished
-        )
+            backend.hf_model, backend, self.device, config, self.stats, on_finished=self._finished,
+            on_scored=self._scored,
+        )  # fmt: skip
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
         self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
@@ -247,9 +248,9 @@ class Driver:
         idle = 0
         while True:
             new, closed, pause = sh.take_inbox()
-            self.work.pending.extend(new)
+            self.work.add(new)
             row = [0] * NCOLS
-            row[LIVE], row[PENDING], row[OPEN] = self.work.live, len(self.work.pending), int(not closed)
+            row[LIVE], row[PENDING], row[OPEN] = self.work.live, self.work.waiting, int(not closed)
             row[PAUSE] = int(pause)
             row[FINGERPRINT] = self.fp.value if cfg.debug_collectives else 0
             # One plan per outcome of the tick's admission, decided before it and carried in it.
@@ -362,6 +363,11 @@ class Driver:
         req: Request = seq.tag
         self.shared.resolved(req)
         resolve_future(req.future, result=completion_of(seq, self.tokenizer, self.rank))
+
+    def _scored(self, req: Any, row: Any) -> None:
+        """A score row is done: resolve its future."""
+        self.shared.resolved(req)
+        resolve_future(req.future, result=row)
 
     def _pause_here(self) -> None:
         """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits."""

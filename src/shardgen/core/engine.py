@@ -36,7 +36,7 @@ import torch.distributed as dist
 from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.base import describe_model
 from shardgen.backends.kinds import backend_for
-from shardgen.config import EngineConfig, SamplingParams
+from shardgen.config import EngineConfig, SamplingParams, context_length
 from shardgen.core import comm, groups, process
 from shardgen.core.driver import Driver, DriverSetup
 from shardgen.core.protocol import OPEN, PAUSE
@@ -44,6 +44,7 @@ from shardgen.core.shared import EngineStats, Shared
 from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
 from shardgen.generation import rollout as rollout_api
+from shardgen.generation import score as score_api
 from shardgen.generation.requests import (
     Completion,
     build_requests,
@@ -201,6 +202,45 @@ class Engine:
 
     # n samples per prompt as a RolloutBatch, or streamed by prompt (shardgen.rollout). Not collective.
     rollout, rollout_iter = rollout_api.rollout, rollout_api.rollout_iter
+
+    def score(
+        self,
+        source: Any = None,
+        responses: Any = None,
+        *,
+        prompts: Any = None,
+        response_mask: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        logits: bool = False,
+        entropy: bool = True,
+    ) -> score_api.ScoreBatch:
+        """Teacher forcing: the model's logprobs of each given response token. Not collective: any
+        rank, any number of calls, zero rows included, from any thread, beside ``generate()``s.
+
+        ``score(prompts, responses)``: prompts as text (needs the tokenizer) or ids, responses as
+        id lists (or a ``[R, G]`` tensor with ``response_mask``). ``score(batch)``: a
+        ``RolloutBatch``'s own rows; ``score(batch, prompts=other)``: its responses under other
+        prompts, one per row (a teacher's). Returns a ``ScoreBatch`` (``generation/score.py``):
+        ``logprobs`` / ``mask`` / ``entropy`` ``[R, G]`` (log softmax(logits / temperature)),
+        ``top_ids`` / ``top_logprobs`` ``[R, G, k]`` with ``top_k``, ``logits`` ``[R, G, V]`` (model
+        dtype, CPU) with ``logits=True``. The rows run through the tick like prefills, in
+        ``max_prefill_tokens`` chunks, rows of one prompt computing it once.
+        """
+        self._check_usable()
+        text = self._hf_config.get_text_config(decoder=True)
+        vocab = int(text.vocab_size)
+        params = score_api.check_params(temperature, top_k, logits, entropy, vocab)
+        p, r = score_api.rows_of(source, responses, prompts, response_mask, self.tokenizer)
+        score_api.check_rows(p, r, vocab, context_length(text))
+        dtype = getattr(self.model, "dtype", torch.float32)
+        if all(len(x) == 0 for x in r):  # nothing to score (zero rows included): no engine work
+            empty = [score_api.RowScore(torch.zeros(0, dtype=torch.float32)) for _ in r]
+            return score_api.pack(empty, params, vocab, dtype)
+        reqs = score_api.requests_of(p, r, params)
+        if not self._shared.enqueue(reqs):  # type: ignore[arg-type]
+            raise EngineClosedError(f"rank {self.rank}: engine is closed")
+        return score_api.pack([q.future.result() for q in reqs], params, vocab, dtype)
 
     def timeline(self) -> list[Span]:
         """The driver's ``(t0, t1, kind)`` spans so far (``EngineConfig.timeline``; ``core/timeline.py``)."""

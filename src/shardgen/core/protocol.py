@@ -61,6 +61,7 @@ class Phase(str, enum.Enum):
     PREFILL = "prefill"
     REFILL = "refill"
     DECODE = "decode"
+    SCORE = "score"
     SHADOW = "shadow"
     IDLE = "idle"
     PAUSED = "paused"

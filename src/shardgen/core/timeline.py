@@ -6,8 +6,9 @@ returns the spans, in seconds on this process's ``time.perf_counter()`` clock. S
 different ranks are put on one axis by subtracting each rank's own start time, which is
 taken right after a collective, so the ranks' origins agree to within that collective's skew.
 
-Kinds: ``prefill``, ``refill`` (a prefill joining a running batch) and ``decode`` (real
-forwards), ``shadow`` (a forward that only joins the peers' parameter collectives),
+Kinds: ``prefill``, ``refill`` (a prefill joining a running batch), ``decode`` and ``score`` (a
+forward of ``engine.score``): real forwards; ``shadow`` (a forward that only joins the peers'
+parameter collectives),
 ``gather``/``release`` (whole-model gathers of ``gather='once'``), ``tick`` (the tick's
 all-reduce: where a rank waits for slower peers), ``idle`` (nobody has work) and ``paused``.
 Per-layer gathers happen inside forwards and are not separate spans.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-KINDS = ("prefill", "refill", "decode", "shadow", "gather", "release", "tick", "idle", "paused")
+KINDS = ("prefill", "refill", "decode", "score", "shadow", "gather", "release", "tick", "idle", "paused")
 Span = tuple[float, float, str]
 
 

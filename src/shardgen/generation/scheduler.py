@@ -27,6 +27,8 @@ from shardgen.config import EngineConfig
 from shardgen.generation.batch import Batch
 from shardgen.generation.prefill import PrefillPlan
 from shardgen.generation.requests import Request
+from shardgen.generation.score import RowScore, ScoreRequest
+from shardgen.generation.scoring import ScorePlan, ScoreRun
 from shardgen.generation.sequence import SeqState
 
 
@@ -38,6 +40,7 @@ class Work(str, enum.Enum):
     REFILL = "refill"  # a prefill joining a running batch
     CHUNK = "chunk"  # the next chunk of the prefill under way (the phase stays the prefill's)
     DECODE = "decode"
+    SCORE = "score"  # a forward of a score run (teacher forcing: a prefill with the head on responses)
 
     def __str__(self) -> str:
         return self.value
@@ -54,7 +57,9 @@ class ForwardPlan:
 
     ``kind``: ``IDLE`` (no forward of this rank's own: a shadow where the tick forwards),
     ``PREFILL`` / ``REFILL`` (the first ``take`` pending requests start a prefill, by
-    ``prefill``), ``CHUNK`` (the next forward of the prefill under way), ``DECODE``.
+    ``prefill``), ``CHUNK`` (the next forward of the prefill under way), ``DECODE``, ``SCORE``
+    (with ``score``: the first ``take`` waiting score rows start a run by that plan; without:
+    the next forward of the run under way).
     ``tokens``, ``head_rows``: what every layer's input and the LM head's input hold (rows x
     columns, padding included; one position per head row, or every row at the last chunk of a
     shared prefill): the tick carries them. ``mode`` and ``shapes`` are set by ``agreed`` from
@@ -68,6 +73,7 @@ class ForwardPlan:
     head_rows: int = 0
     mode: str = "per-layer"
     shapes: Shapes | None = None
+    score: ScorePlan | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,6 +98,7 @@ class LocalWork:
         config: EngineConfig,
         stats: Any,
         on_finished: Callable[[SeqState], None],
+        on_scored: Callable[[ScoreRequest, RowScore], None] | None = None,
     ) -> None:
         self.model = model
         self.backend = backend  # its forward is looked up per forward (late binding: tests wrap it)
@@ -99,7 +106,10 @@ class LocalWork:
         self.config = config
         self.stats = stats
         self.on_finished = on_finished
+        self.on_scored = on_scored
         self.pending: deque[Request] = deque()
+        self.scoring: deque[ScoreRequest] = deque()  # score rows waiting for a run
+        self.scorer: ScoreRun | None = None  # the score run under way
         self.batch: Batch | None = None
         self.prefilling: Batch | None = None  # a prefill under way (chunked), to join the batch
         self.phase = Work.IDLE
@@ -108,7 +118,18 @@ class LocalWork:
     def live(self) -> int:
         """Unfinished rows: the batch's and those of a prefill under way."""
         pre = len(self.prefilling.seqs) if self.prefilling is not None else 0
-        return pre + (self.batch.live if self.batch is not None else 0)
+        scoring = len(self.scorer.reqs) if self.scorer is not None else 0
+        return pre + scoring + (self.batch.live if self.batch is not None else 0)
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet admitted: generation and score rows."""
+        return len(self.pending) + len(self.scoring)
+
+    def add(self, reqs: list[Any]) -> None:
+        """New requests from the inbox, in order, each to its queue."""
+        for r in reqs:
+            (self.scoring if isinstance(r, ScoreRequest) else self.pending).append(r)
 
     def plan(self, admit: bool) -> ForwardPlan:
         """The forward ``step`` would run now: ``admit`` says whether the agreed state allows taking
@@ -118,16 +139,24 @@ class LocalWork:
         batch, mini = self.batch, self.prefilling
         if mini is not None:
             return ForwardPlan(Work.CHUNK, 0, None, *mini.next_prefill_shape())
+        if self.scorer is not None:
+            return ForwardPlan(Work.SCORE, 0, None, *self.scorer.next_shape())
         kind, n = Work.IDLE, 0
         if batch is None and self.pending and admit:
             kind, n = Work.PREFILL, self._group_take(self.config.max_batch_size)
         elif batch is not None and self.pending and admit and (n := self._refill_count(batch)):
             kind = Work.REFILL
+        cfg = self.config
         if kind is not Work.IDLE:
-            cfg = self.config
             prompts = [self.pending[i].seq.prompt_ids for i in range(n)]
             pre = PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens)
             return ForwardPlan(kind, n, pre, *pre.shape(0))
+        if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
+            n = self._score_take()
+            rows = [self.scoring[i] for i in range(n)]
+            prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
+            sp = ScorePlan.of(prompts, responses, cfg.share_prefill, cfg.max_prefill_tokens)
+            return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp)
         if batch is not None:
             return ForwardPlan(Work.DECODE, 0, None, len(batch.seqs), len(batch.seqs))
         return IDLE_PLAN
@@ -141,7 +170,9 @@ class LocalWork:
             return False
         t0 = time.perf_counter()
         forward = functools.partial(self.backend.forward, mode=plan.mode, shapes=plan.shapes)
-        if plan.kind is Work.CHUNK:
+        if plan.kind is Work.SCORE:
+            self._score_forward(plan, forward)
+        elif plan.kind is Work.CHUNK:
             assert self.prefilling is not None, "a chunk planned with no prefill under way"
             self._prefill_forward(forward)
         elif plan.kind in (Work.PREFILL, Work.REFILL):
@@ -160,6 +191,42 @@ class LocalWork:
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
+
+    def _score_forward(self, plan: ForwardPlan, forward: Callable[..., Any]) -> None:
+        """The first forward of a new score run (``plan.score``), or the next of the one under way;
+        once its last is done, every row's future is resolved."""
+        self.phase = Work.SCORE
+        if plan.score is not None:
+            assert self.scorer is None and self.prefilling is None
+            take = [self.scoring.popleft() for _ in range(plan.take)]
+            self.stats.requests += len(take)
+            self.scorer = ScoreRun(self.model, take, self.device, plan.score)
+        run = self.scorer
+        assert run is not None, "a score forward planned with no run"
+        self.stats.prefill_tokens += run.step(forward)
+        self.stats.prefill_forwards += 1
+        if run.done:
+            self.scorer = None
+            assert self.on_scored is not None, "score rows with no one to resolve them"
+            for req, row in run.results():
+                self.on_scored(req, row)
+
+    def _score_take(self) -> int:
+        """How many waiting score rows the next run takes: up to ``max_batch_size`` consecutive rows
+        of one setting (one call's rows share it), first come first served, a group of rows with
+        one prompt at a time (its prompt computed once), as ``_group_take`` does. Local."""
+        q, room = self.scoring, self.config.max_batch_size
+        first, taken = q[0].params, 0
+        while taken < len(q) and taken < room and q[taken].params == first:
+            key, size = (first, q[taken].prompt_ids), 0
+            while taken + size < len(q) and (q[taken + size].params, q[taken + size].prompt_ids) == key:
+                size += 1
+            if size > room - taken:
+                if taken:
+                    break  # the group waits for the next run
+                size = room  # a group larger than a run: the part that fits
+            taken += size
+        return taken
 
     def _start(self, take: list[Request], plan: PrefillPlan, forward: Callable[..., Any]) -> None:
         self.prefilling = Batch(self.model, [r.seq for r in take], self.device, plan)
