@@ -224,8 +224,8 @@ def reference_select_tokens(
     logits: torch.Tensor, params: list[SamplingParams], generators: list
 ) -> torch.Tensor:
     """The oracle: the row-by-row sampler (HF's warpers on each row alone, one ``torch.rand``
-    float64 from the row's generator, then ``reference_nucleus_draw`` for top-p rows and
-    ``reference_draw`` for the others)."""
+    float64 from the row's generator, then ``reference_nucleus_draw`` for top-p rows from
+    ``NUCLEUS_MIN_VOCAB`` on and ``reference_draw`` for the others)."""
     out = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if not p.do_sample:
@@ -233,7 +233,7 @@ def reference_select_tokens(
         r = p.resolved()
         t, k, tp = float(r.temperature), int(r.top_k), float(r.top_p)
         u = torch.rand((), generator=generators[i], dtype=torch.float64)
-        if tp < 1.0:
+        if tp < 1.0 and logits.shape[1] >= sampling.NUCLEUS_MIN_VOCAB:
             out[i] = reference_nucleus_draw(logits[i], t, k, tp, u)
         else:
             out[i] = reference_draw(hf_chain(t, k, tp)(None, logits[i : i + 1])[0], u)
@@ -323,11 +323,14 @@ def test_batched_warp_is_hf_warpers_on_real_vocabularies(vocab, kind, path):
         assert torch.equal(got[row], expected), f"{kind} V={vocab} t={t} k={k} p={p}"
 
 
+@pytest.mark.parametrize("nucleus_from", [None, 2])  # None: the module's NUCLEUS_MIN_VOCAB
 @pytest.mark.parametrize("kind", ["normal", "bf16", "ints"])
 @pytest.mark.parametrize("vocab", [8, 72, 4099])
-def test_same_tokens_as_the_row_by_row_sampler(vocab, kind):
+def test_same_tokens_as_the_row_by_row_sampler(vocab, kind, nucleus_from, monkeypatch):
     """64 requests with mixed parameters (greedy ones among them), several steps: the batched
     sampler gives exactly the tokens of the row-by-row oracle for the same seeds."""
+    if nucleus_from is not None:
+        monkeypatch.setattr(sampling, "NUCLEUS_MIN_VOCAB", nucleus_from)
     params = mixed_params(64, seed=vocab)
     ours, theirs = generators_for(params), generators_for(params)
     for step in range(4):
@@ -577,12 +580,13 @@ def test_nucleus_cut_keeps_exactly_what_hf_keeps(case):
 
 
 @pytest.mark.parametrize("vocab", [72, 4099])
-def test_a_row_without_top_p_draws_the_same_beside_top_p_rows(vocab):
+def test_a_row_without_top_p_draws_the_same_beside_top_p_rows(vocab, monkeypatch):
     """The CPU path a row takes is chosen by its own knobs: rows without top-p (temperature and
     top-k only) draw the same tokens alone as in a chunk of top-p rows, and top-p rows the same
     alone as beside them."""
     plain = SamplingParams(do_sample=True, temperature=0.9, top_k=30, seed=7).resolved()
     nucleus = SamplingParams(do_sample=True, temperature=0.7, top_p=0.95, seed=8).resolved()
+    monkeypatch.setattr(sampling, "NUCLEUS_MIN_VOCAB", 2)  # both paths at both vocabularies
     batch = [nucleus, plain, nucleus, plain]
     together, alone = generators_for(batch), generators_for(batch)
     for step in range(8):
@@ -594,12 +598,13 @@ def test_a_row_without_top_p_draws_the_same_beside_top_p_rows(vocab):
         assert got == one_by_one, f"step {step}"
 
 
-def test_top_p_draws_follow_hf_frequencies_on_tied_rows():
+def test_top_p_draws_follow_hf_frequencies_on_tied_rows(monkeypatch):
     """Tied scores inside the nucleus: each tied token drawn at HF's probability (the draw maps
     a position in the tie group to a token), over a row of 40 tokens in 5 tied levels."""
     logits = torch.tensor([float(i % 5) for i in range(40)])
     expected = hf_probs(logits, 1.0, 0, 0.95)  # removes the two lowest levels whole
     assert not bool(sampling._nucleus_cut(logits[None], [(1.0, 0, 0.95)]).split)
+    monkeypatch.setattr(sampling, "NUCLEUS_MIN_VOCAB", 2)  # the top-p path at this small vocabulary
     rows, draws = 8, 500
     params = [sampled(1.0, 0, 0.95)] * rows
     gens = [make_generator(99 + r) for r in range(rows)]

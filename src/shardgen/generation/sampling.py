@@ -225,11 +225,18 @@ def select_tokens(
     return tokens if index is None else torch.argmax(logits, dim=-1).index_copy_(0, index, tokens)
 
 
+# From this vocabulary on, CPU top-p rows take ``_nucleus_draw``; below it its extra calls cost more
+# than the warped scores and second softmax they save (at 72: 0.21 against 0.18 ms for 64 rows).
+NUCLEUS_MIN_VOCAB = 1024
+
+
 def _select_chunk(logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor, fast: bool) -> torch.Tensor:
-    """Tokens [S] for sampled rows: on the CPU (``fast``) the rows with top-p take ``_nucleus_draw``,
-    the others (and every row elsewhere) HF's warped scores and ``draw_tokens``. Which way a row
-    goes depends on its own knobs only, never on its neighbours."""
-    nucleus = [i for i, (_, _, p) in enumerate(knobs) if p < 1.0] if fast else []
+    """Tokens [S] for sampled rows: on the CPU (``fast``), from ``NUCLEUS_MIN_VOCAB`` on, the rows
+    with top-p take ``_nucleus_draw``; the others (and every row elsewhere) HF's warped scores and
+    ``draw_tokens``. Which way a row goes depends on its own knobs, the vocabulary and the device,
+    never on its neighbours."""
+    on = fast and logits.shape[1] >= NUCLEUS_MIN_VOCAB  # the same for every row of a batch
+    nucleus = [i for i, (_, _, p) in enumerate(knobs) if p < 1.0] if on else []
     if len(nucleus) == len(knobs):
         return _nucleus_draw(logits, knobs, u)
     if not nucleus:
