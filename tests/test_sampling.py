@@ -618,3 +618,13 @@ def test_top_p_draws_follow_hf_frequencies_on_tied_rows(monkeypatch):
     for tok in allowed(expected):
         q = float(expected[tok])
         assert abs(float(counts[tok]) / n - q) <= 5 * math.sqrt(q * (1 - q) / n), f"token {tok}"
+
+
+@pytest.mark.parametrize("vocab", [72, 4099, 32000, 152064])
+def test_float32_cumsum_is_the_float64_running_sum_rounded(vocab):
+    """What ``_nucleus_cut`` relies on to have HF's cumulative probabilities without a float32
+    cumsum: torch's CPU float32 ``cumsum`` accumulates in float64 and rounds each sum."""
+    g = torch.Generator().manual_seed(vocab)
+    for scale in (0.3, 3.0, 30.0):
+        q = torch.softmax(torch.sort(torch.randn(4, vocab, generator=g) * scale).values, -1)
+        assert torch.equal(q.cumsum(-1), q.cumsum(-1, dtype=torch.float64).float()), f"scale {scale}"

@@ -306,7 +306,7 @@ def _nucleus_draw(logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor) -> 
     pos = torch.searchsorted(c.cdf, x, right=True).clamp_(max=V - 1)  # >= m: cdf[m - 1] <= x
     value = c.ordered.gather(1, pos)  # [S, 1]
     rank = (pos - torch.searchsorted(c.ordered, value)).flatten()  # place in its tie group
-    equal = c.scores.numpy() == value.numpy()  # [S, V] (numpy's compare: ~10x torch's here)
+    equal = c.scores.detach().numpy() == value.numpy()  # [S, V] (numpy's compare: ~10x torch's)
     tokens = torch.from_numpy(np.argmax(equal, axis=-1))  # the first token of that value
     for row in rank.nonzero().flatten().tolist():  # tied values: the rank-th one of them
         tokens[row] = int(np.flatnonzero(equal[row])[int(rank[row])])
