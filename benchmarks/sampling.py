@@ -99,10 +99,12 @@ def step_part(args, params, samplers: dict[str, Callable]) -> dict:
     wall = {(m, key): [] for m in methods for key in data}
     gens = [make_generator(s) for s in range(rows)]
     g = torch.Generator().manual_seed(0)
-    for _ in range(args.rounds):
+    order = list(methods)
+    for r in range(args.rounds):
         for key, x in data.items():
             reps = max(1, 4096 // key[1])  # short steps are timed over several calls
-            for m, f in methods.items():
+            for m in order[r % len(order) :] + order[: r % len(order)]:  # each method's place rotates
+                f = methods[m]
                 w0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(reps):
                     f(x, gens, g)
