@@ -4,7 +4,8 @@ The oracle is built here the way HF ``generate()`` builds it (``_get_logits_proc
 ``TemperatureLogitsWarper`` if temperature != 1, ``TopKLogitsWarper`` if top_k != 0,
 ``TopPLogitsWarper`` if top_p < 1, in that order, ``min_tokens_to_keep=1``. shardgen's reference
 chain is ``sampling.warpers_for``; ``select_tokens`` applies the batched ``warp_scores``, checked
-bit for bit against HF's chain in the second half, and its draws against the row-by-row sampler.
+bit for bit against HF's chain in the second half, and its draws against a row-by-row sampler;
+the last part checks the CPU top-p path (HF's kept set from one sort, the draw in sorted order).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -196,18 +199,44 @@ def reference_draw(scores: torch.Tensor, u: torch.Tensor) -> int:
     return idx
 
 
+def reference_nucleus_draw(logits: torch.Tensor, t: float, k: int, p: float, u: torch.Tensor) -> int:
+    """The top-p draw row by row, from HF's kept set: ascending sort of the top-k filtered row,
+    its float64 CDF, the first position above ``removed + u * kept`` among HF's kept tokens, and
+    the r-th token of that value for the r-th position of its tie group; ``reference_draw`` on
+    HF's scores where HF's cut keeps part of a tie group."""
+    kept_scores = hf_chain(t, k, p)(None, logits[None].clone())[0]
+    scores = hf_chain(t, k, 1.0)(None, logits[None].clone())[0]  # temperature and top-k only
+    V = scores.numel()
+    m = V - int(torch.isfinite(kept_scores).sum())  # HF removed the m smallest
+    ordered = torch.sort(scores).values
+    if m > 0 and not torch.equal(torch.isfinite(kept_scores), scores > ordered[m - 1]):
+        return reference_draw(kept_scores, u)  # a split tie group
+    cdf = torch.softmax(ordered, -1).double().cumsum(-1)
+    removed = float(cdf[m - 1]) if m > 0 else 0.0
+    x = removed + float(u) * (float(cdf[-1]) - removed)
+    pos = min(int(torch.searchsorted(cdf, torch.tensor([x], dtype=torch.float64), right=True)), V - 1)
+    value = ordered[pos]
+    rank = pos - int(torch.nonzero(ordered == value)[0])
+    return int(torch.nonzero(scores == value).flatten()[rank])
+
+
 def reference_select_tokens(
     logits: torch.Tensor, params: list[SamplingParams], generators: list
 ) -> torch.Tensor:
-    """The oracle: the row-by-row sampler shardgen had (HF's warpers on each row alone, then
-    ``reference_draw`` with one ``torch.rand`` float64 from the row's generator)."""
+    """The oracle: the row-by-row sampler (HF's warpers on each row alone, one ``torch.rand``
+    float64 from the row's generator, then ``reference_nucleus_draw`` for top-p rows from
+    ``NUCLEUS_MIN_VOCAB`` on and ``reference_draw`` for the others)."""
     out = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if not p.do_sample:
             continue
         r = p.resolved()
-        scores = hf_chain(float(r.temperature), int(r.top_k), float(r.top_p))(None, logits[i : i + 1])
-        out[i] = reference_draw(scores[0], torch.rand((), generator=generators[i], dtype=torch.float64))
+        t, k, tp = float(r.temperature), int(r.top_k), float(r.top_p)
+        u = torch.rand((), generator=generators[i], dtype=torch.float64)
+        if tp < 1.0 and logits.shape[1] >= sampling.NUCLEUS_MIN_VOCAB:
+            out[i] = reference_nucleus_draw(logits[i], t, k, tp, u)
+        else:
+            out[i] = reference_draw(hf_chain(t, k, tp)(None, logits[i : i + 1])[0], u)
     return out
 
 
@@ -294,11 +323,14 @@ def test_batched_warp_is_hf_warpers_on_real_vocabularies(vocab, kind, path):
         assert torch.equal(got[row], expected), f"{kind} V={vocab} t={t} k={k} p={p}"
 
 
+@pytest.mark.parametrize("nucleus_from", [None, 2])  # None: the module's NUCLEUS_MIN_VOCAB
 @pytest.mark.parametrize("kind", ["normal", "bf16", "ints"])
 @pytest.mark.parametrize("vocab", [8, 72, 4099])
-def test_same_tokens_as_the_row_by_row_sampler(vocab, kind):
+def test_same_tokens_as_the_row_by_row_sampler(vocab, kind, nucleus_from, monkeypatch):
     """64 requests with mixed parameters (greedy ones among them), several steps: the batched
-    sampler gives exactly the tokens the row-by-row one gave for the same seeds."""
+    sampler gives exactly the tokens of the row-by-row oracle for the same seeds."""
+    if nucleus_from is not None:
+        monkeypatch.setattr(sampling, "NUCLEUS_MIN_VOCAB", nucleus_from)
     params = mixed_params(64, seed=vocab)
     ours, theirs = generators_for(params), generators_for(params)
     for step in range(4):
@@ -483,3 +515,116 @@ def test_on_cuda_a_request_draws_the_same_tokens_alone_and_in_a_batch():
         together = select_tokens(logits, batch, batch_gens, None)
         alone = select_tokens(logits[17:18].clone(), [me], alone_gens, None)
         assert together.device.type == "cuda" and int(together[17]) == int(alone[0]), f"step {step}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU top-p path (``_nucleus_cut`` / ``_nucleus_draw``): HF's kept set found from one sort,
+# the draw in sorted order. Random rows with ties and exact top-p boundaries, against HF's warpers.
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def nucleus_case(draw):
+    """(logits [V], temperature, top_k, top_p): ties (small integers, bf16 rounding) or distinct
+    scores; top_p random or exactly at (or one float step beside) one of HF's cumulative sums."""
+    V = draw(st.integers(2, 300))
+    seed = draw(st.integers(0, 2**31 - 1))
+    kind = draw(st.sampled_from(["normal", "flat", "bf16", "ints", "masked"]))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(V, generator=g) * (0.2 if kind == "flat" else 3.0)
+    if kind == "bf16":
+        x = x.to(torch.bfloat16).float()
+    elif kind == "ints":
+        x = torch.randint(0, draw(st.integers(1, 5)), (V,), generator=g).float()
+    elif kind == "masked":
+        x = x.masked_fill(torch.rand(V, generator=g) < 0.5, NEG).clone()
+        x[int(torch.randint(0, V, (1,), generator=g))] = 1.0  # at least one finite score
+    t = draw(st.sampled_from([1.0, 0.7, 1.9]))
+    k = draw(st.sampled_from([0, 0, 1, 3, 17, V, V + 5]))
+    scores = hf_chain(t, k, 1.0)(None, x[None].clone())[0]
+    cums = torch.softmax(torch.sort(scores).values, -1).cumsum(-1)  # HF's float32 cum, ascending
+    if draw(st.booleans()):
+        p = draw(st.floats(1e-6, 1.0, exclude_max=True))
+    else:  # HF compares cum <= float32(1 - top_p): put 1 - top_p on a cum, or one float32 step off
+        c = float(cums[draw(st.integers(0, V - 1))])
+        c = draw(st.sampled_from([c, math.nextafter(c, 0.0), math.nextafter(c, 2.0)]))
+        c32 = torch.tensor(c, dtype=torch.float32)
+        c32 = draw(st.sampled_from([c32, torch.nextafter(c32, torch.tensor(2.0))]))
+        p = 1.0 - float(c32)
+        if not 0.0 < p < 1.0:
+            p = 0.5
+    return x, t, k, p
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nucleus_case())
+def test_nucleus_cut_keeps_exactly_what_hf_keeps(case):
+    """HF's kept set is every top-k kept score above the cut's ``ordered[m - 1]`` (all at m = 0),
+    or the cut says ``split`` and then HF's set is no threshold set; every draw (u from 0 to just
+    below 1) lands in HF's kept set."""
+    x, t, k, p = case
+    V = x.numel()
+    hf_kept = torch.isfinite(hf_chain(t, k, p)(None, x[None].clone())[0])
+    cut = sampling._nucleus_cut(x[None], [(t, k, p)])
+    m, split = int(cut.removed), bool(cut.split)
+    assert V - m == int(hf_kept.sum()), f"removed {m}, HF removed {V - int(hf_kept.sum())}"
+    filtered = hf_chain(t, k, 1.0)(None, x[None].clone())[0]  # temperature and top-k
+    threshold_set = filtered > cut.ordered[0, m - 1] if m > 0 else torch.ones(V, dtype=torch.bool)
+    if split:
+        assert not torch.equal(threshold_set, hf_kept), "split, but HF's kept set is a threshold set"
+    else:
+        assert torch.equal(threshold_set, hf_kept), f"kept {threshold_set.nonzero().flatten().tolist()}"
+    us = torch.tensor([0.0, 0.25, 0.5, 0.75, math.nextafter(1.0, 0.0)], dtype=torch.float64)
+    tokens = sampling._nucleus_draw(x[None].repeat(len(us), 1), [(t, k, p)] * len(us), us)
+    assert all(bool(hf_kept[tok]) for tok in tokens.tolist()), f"drew {tokens.tolist()} outside HF's set"
+
+
+@pytest.mark.parametrize("vocab", [72, 4099])
+def test_a_row_without_top_p_draws_the_same_beside_top_p_rows(vocab, monkeypatch):
+    """The CPU path a row takes is chosen by its own knobs: rows without top-p (temperature and
+    top-k only) draw the same tokens alone as in a chunk of top-p rows, and top-p rows the same
+    alone as beside them."""
+    plain = SamplingParams(do_sample=True, temperature=0.9, top_k=30, seed=7).resolved()
+    nucleus = SamplingParams(do_sample=True, temperature=0.7, top_p=0.95, seed=8).resolved()
+    monkeypatch.setattr(sampling, "NUCLEUS_MIN_VOCAB", 2)  # both paths at both vocabularies
+    batch = [nucleus, plain, nucleus, plain]
+    together, alone = generators_for(batch), generators_for(batch)
+    for step in range(8):
+        logits = make_logits(4, vocab, "normal", seed=step)
+        got = select_tokens(logits, batch, together, None).tolist()
+        one_by_one = [
+            int(select_tokens(logits[i : i + 1], [p], [alone[i]], None)) for i, p in enumerate(batch)
+        ]
+        assert got == one_by_one, f"step {step}"
+
+
+def test_top_p_draws_follow_hf_frequencies_on_tied_rows(monkeypatch):
+    """Tied scores inside the nucleus: each tied token drawn at HF's probability (the draw maps
+    a position in the tie group to a token), over a row of 40 tokens in 5 tied levels."""
+    logits = torch.tensor([float(i % 5) for i in range(40)])
+    expected = hf_probs(logits, 1.0, 0, 0.95)  # removes the two lowest levels whole
+    assert not bool(sampling._nucleus_cut(logits[None], [(1.0, 0, 0.95)]).split)
+    monkeypatch.setattr(sampling, "NUCLEUS_MIN_VOCAB", 2)  # the top-p path at this small vocabulary
+    rows, draws = 8, 500
+    params = [sampled(1.0, 0, 0.95)] * rows
+    gens = [make_generator(99 + r) for r in range(rows)]
+    counts = torch.zeros(40, dtype=torch.float64)
+    for _ in range(draws):
+        counts += torch.bincount(
+            select_tokens(logits[None].repeat(rows, 1), params, gens, None), minlength=40
+        )
+    n = rows * draws
+    assert set(counts.nonzero().flatten().tolist()) <= allowed(expected)
+    for tok in allowed(expected):
+        q = float(expected[tok])
+        assert abs(float(counts[tok]) / n - q) <= 5 * math.sqrt(q * (1 - q) / n), f"token {tok}"
+
+
+@pytest.mark.parametrize("vocab", [72, 4099, 32000, 152064])
+def test_float32_cumsum_is_the_float64_running_sum_rounded(vocab):
+    """What ``_nucleus_cut`` relies on to have HF's cumulative probabilities without a float32
+    cumsum: torch's CPU float32 ``cumsum`` accumulates in float64 and rounds each sum."""
+    g = torch.Generator().manual_seed(vocab)
+    for scale in (0.3, 3.0, 30.0):
+        q = torch.softmax(torch.sort(torch.randn(4, vocab, generator=g) * scale).values, -1)
+        assert torch.equal(q.cumsum(-1), q.cumsum(-1, dtype=torch.float64).float()), f"scale {scale}"
