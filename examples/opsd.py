@@ -109,9 +109,10 @@ def main() -> None:
     rng = random.Random(args.seed)
     pad = tok.pad_token_id
     history: list[float] = []
+    # The same prompts every step (a fixed seed), so the loss of one step compares with the next.
+    tasks = [toy.format_prompt(*toy.sample_task(rng, rng.randint(3, 8))) for _ in range(args.prompts)]
     for step in range(args.steps):
         t0 = time.perf_counter()
-        tasks = [toy.format_prompt(*toy.sample_task(rng, rng.randint(3, 8))) for _ in range(args.prompts)]
         # Uneven shares (rank 0 the most); the last rank has none on odd steps.
         weights = [2] + [1] * (world - 1)
         if world > 1 and step % 2 == 1:
