@@ -257,3 +257,44 @@ def hybrid_uneven(engine: str) -> dict:
     elapsed = time.monotonic() - t0
     rollout.shutdown()
     return {"rows": rows, "error": error, "elapsed": elapsed}
+
+
+def rollout_score(steps: int = 2) -> dict:
+    """The OPSD teacher through ``ShardgenRollout.score``, rows uneven per rank (a different rank
+    with none each step): a sampled rollout (n = 2), then ``score`` of its own rows (equal to the
+    rollout's logprobs), of its responses under teacher prompts (HINT + prompt, top-k) against a
+    single-process HF forward on the weights gathered at that step, then a training step: the
+    next step scores on the new weights. -> per step: (self diff, teacher diff, rows)."""
+    from deepspeed.runtime.rollout import SamplingConfig
+    from score_scenarios import HINT, reference, worst
+
+    from shardgen.generation.requests import unpadded_rows
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seed, temp, k = 19, 0.8, 3
+    ds = _ds_engine(seed, lr=0.5)
+    ds.module.train()  # as a trainer leaves it
+    rollout = ShardgenRollout(ds, Tok(eos=EOS), seed=5)
+    train_ids = batch([6, 6], seed=400 + rank)[0]
+    out: dict = {"self": [], "teacher": [], "rows": [], "modes": []}
+    for step in range(steps):
+        req = _request(_steps_b(rank, world, step), seed=500 * step + rank)
+        cfg = SamplingConfig(max_new_tokens=MAX_NEW, temperature=temp, n_samples_per_prompt=2)
+        rollout.generate(req, cfg)
+        b = rollout.last_batch
+        own = rollout.score(b, temperature=temp)
+        rows = unpadded_rows(req.prompt_ids, req.prompt_attention_mask) if len(b) else []
+        prompts = [r.tolist() for r in rows]
+        teacher = [HINT + p for p in prompts for _ in range(2)]
+        sb = rollout.score(b, prompts=teacher, top_k=k)
+        lengths = b.response_lengths.tolist()
+        responses = [b.response_ids[i, : int(g)].tolist() for i, g in enumerate(lengths)]
+        out["modes"].append(ds.module.training)  # score leaves the module in the trainer's mode
+        ref = _gathered_ref(ds, seed)  # in the pause: collective, every rank
+        out["self"].append((own.logprobs - b.logprobs).abs().max().item() if len(b) else 0.0)
+        out["teacher"].append(worst(sb, reference(ref, teacher, responses, top_k=k), top_k=k))
+        out["rows"].append((len(b), len(own), len(sb)))
+        _train_step(ds, train_ids)  # every rank trains, rows or not
+    rollout.shutdown()
+    return out

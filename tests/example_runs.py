@@ -29,11 +29,11 @@ def launcher(console_script: str, module: str) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", module]
 
 
-def torchrun(script: str, *args: str) -> list[str]:
+def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
     return [
         *launcher("torchrun", "torch.distributed.run"),
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-port",
         str(free_port()),
         str(EXAMPLES / script),
@@ -41,12 +41,12 @@ def torchrun(script: str, *args: str) -> list[str]:
     ]
 
 
-def deepspeed_launcher(script: str, *args: str) -> list[str]:
+def deepspeed_launcher(script: str, *args: str, nproc: int = 2) -> list[str]:
     # On CPU (DS_ACCELERATOR=cpu) --num_gpus N starts N CPU ranks.
     return [
         *launcher("deepspeed", "deepspeed.launcher.runner"),
         "--num_gpus",
-        "2",
+        str(nproc),
         "--master_port",
         str(free_port()),
         str(EXAMPLES / script),

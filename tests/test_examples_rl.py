@@ -45,3 +45,43 @@ def test_trl_grpo_fsdp2_torchrun():
     assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
     assert len(re.findall(r"'reward': '[\d.]+'", out)) == 2, out  # TRL logs each step once (rank 0)
     assert re.search(r"^reward: first 1 steps [\d.]+ -> last 1 steps [\d.]+$", out, flags=re.M), out
+
+
+def _check_opsd(rc: int, out: str, steps: int, world: int) -> None:
+    """One line per step on rank 0, a finite non-negative divergence, the final summary; the last
+    rank has no rows on odd steps and the step still runs (its tokens leave the total)."""
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    lines = re.findall(
+        r"^step +(\d+)  loss ([\d.eE+-]+|nan|inf)  rows here (\d+)  tokens (\d+) ", out, flags=re.M
+    )
+    assert [int(s) for s, *_ in lines] == list(range(steps)), f"rank 0 prints one line per step\n{out}"
+    assert all(0.0 <= float(loss) < 10.0 for _, loss, *_ in lines), out  # finite: nan/inf fail here
+    assert all(int(t) > 0 for *_, t in lines), out
+    for step, _, here, _ in lines:  # rank 0's share: 2 parts of 1 + world; the last rank none on odd steps
+        weights = [2] + [1] * (world - 1)
+        weights[-1] = 0 if int(step) % 2 else weights[-1]
+        assert int(here) == 2 * round(5 * 2 / sum(weights)), (step, here, out)
+    assert re.search(r"^loss: first \d+ steps [\d.]+ -> last \d+ steps [\d.]+$", out, flags=re.M), out
+
+
+OPSD_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2"]
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_opsd_torchrun_full_logits():
+    _check_opsd(*run(torchrun("opsd.py", *OPSD_ARGS), timeout=2 * RUN_TIMEOUT_S)[:2], steps=2, world=2)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_opsd_deepspeed_launcher_3_ranks_top_k():
+    cmd = deepspeed_launcher("opsd.py", *OPSD_ARGS, "--top-k", "4", nproc=3)
+    _check_opsd(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2, world=3)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_opsd_separate_teacher_model():
+    """``--teacher PATH``: a second engine (another model, from_pretrained, sharded on the same ranks)."""
+    from shardgen import toy
+
+    cmd = torchrun("opsd.py", *OPSD_ARGS, "--teacher", str(toy.toy_model_path()), nproc=3)
+    _check_opsd(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2, world=3)

@@ -190,6 +190,21 @@ def test_training_step_between_rollouts(worlds):
         assert res["changed"][0] is False and all(res["changed"][1:]), f"rank {r}: {res['changed']}"
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_score_teacher_rows_uneven(worlds, n):
+    """``ShardgenRollout.score``: a rollout's own rows give back its logprobs, its responses under
+    teacher prompts equal HF teacher forcing on the gathered weights (top-k too), with a rank
+    that has no rows each step, across a training step."""
+    results = worlds.get(n).run(sc.rollout_score, timeout=240)
+    rows = [step[0] for res in results for step in res["rows"]]
+    assert 0 in rows and max(rows) > 0, rows  # a rank with none, and rows elsewhere
+    for r, res in enumerate(results):
+        assert all(rows[0] == rows[1] == rows[2] for rows in res["rows"]), f"rank {r}: {res['rows']}"
+        assert max(res["self"]) < 1e-5, f"rank {r}: score(last_batch) != its logprobs: {res['self']}"
+        assert max(res["teacher"]) < 2e-5, f"rank {r}: teacher scores off HF's: {res['teacher']}"
+        assert all(res["modes"]), f"rank {r}: the module left out of training mode"
+
+
 def test_hybrid_engine_rollout_hangs_on_uneven_rows_and_shardgen_does_not_2(worlds):
     world = worlds.get(2)
     for res in world.run(sc.hybrid_uneven, "shardgen", timeout=120):

@@ -31,7 +31,7 @@ How it fits DeepSpeed 0.19.8 (``deepspeed/runtime/rollout``):
   its shards are kept, its gathers move to shardgen's private groups). Outside ``generate`` the
   engine is paused (``Engine.paused()``), so the trainer's forward, backward and step run on
   DeepSpeed's own setup, as without shardgen; leaving the pause drops what generation kept (a
-  gathered replica, kept small parameters, the prefix cache): the weights may have changed.
+  gathered replica, kept small parameters): the weights may have changed.
   Out of the pause the model is in eval mode (no dropout while sampling), then back in yours.
 - Unlike ``HybridEngineRollout``, a rank's rows never decide how many forwards another rank runs:
   ranks may hold different numbers of prompts, zero included, and stop at different steps.
