@@ -229,6 +229,12 @@ class EngineConfig:
     a larger prefill runs in chunks, one per tick, so that a long prompt does not hold every
     rank's tick for many decode steps (at least one column of every row per chunk). None: whole
     prompts (docs/PERFORMANCE.md: 1024-2048 evens ticks at the same throughput on CPU)."""
+    prefix_cache_tokens: int | None = None
+    """The prefix cache (``generation/prefix_cache.py``): finished sequences' KV, kept per rank up to
+    this many tokens, least recently used out, so that a prompt that extends one (the next turn
+    of a conversation) or shares a prefix with one (a system prompt) prefills only the rest.
+    Dropped whenever the weights may change (``paused()``, a ``train()``/``eval()`` switch,
+    ``close()``). None: a quarter of ``memory_budget_gb`` left beside the batch's KV cache; 0: off."""
 
     def validate(self) -> None:
         if self.gather not in GATHER_POLICIES:
@@ -250,6 +256,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        v = self.prefix_cache_tokens
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"prefix_cache_tokens must be None or an integer >= 0, got {v!r}")
         for name in ("init_timeout", "stall_timeout"):  # finite: nothing waits without a bound
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be > 0 seconds and finite, got {getattr(self, name)}")

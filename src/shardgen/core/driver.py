@@ -124,7 +124,7 @@ class Driver:
         self.mode = ForwardMode(self.gather_policy, backend, self.ranks.index(rank))
         self.work = LocalWork(
             backend.hf_model, backend, self.device, config, self.stats, on_finished=self._finished,
-            on_scored=self._scored,
+            on_scored=self._scored, prefix_cache_tokens=self._prefix_tokens(setup.hf_config),
         )  # fmt: skip
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
@@ -248,6 +248,7 @@ class Driver:
         idle = 0
         while True:
             new, closed, pause = sh.take_inbox()
+            self.work.check_mode()  # a train()/eval() switch drops the prefix cache
             self.work.add(new)
             row = [0] * NCOLS
             row[LIVE], row[PENDING], row[OPEN] = self.work.live, self.work.waiting, int(not closed)
@@ -317,9 +318,11 @@ class Driver:
 
     def _drop_kept(self) -> None:
         """The stationary mode's kept parameters and cut rows go (a pause may change the weights;
-        the next stationary forward gathers them again). Local; every rank on the same tick."""
+        the next stationary forward gathers them again), and the prefix cache (KV of the weights
+        before). Local; every rank on the same tick."""
         if self.backend.stationary is not None:
             self.backend.stationary.invalidate()
+        self.work.forget_prefixes()
 
     def _forward_tick(self, state: TickState, plan: ForwardPlan) -> None:
         """Exactly one forward on this rank: ``plan`` (its prefill, chunk, refill or decode), or a
@@ -405,6 +408,17 @@ class Driver:
         rows = batch_rows(free, kv_cache_bytes(hf_config, 1))
         log.info("max_batch_size unset: %d rows (%.1f MB of budget for the KV cache)", rows, free / 1e6)
         return self.config.replace(max_batch_size=rows)
+
+    def _prefix_tokens(self, hf_config: Any) -> int:
+        """The prefix cache's bound in tokens: as configured, else a quarter of the memory budget
+        left beside the batch's KV cache (``max_batch_size`` rows of 2048 tokens). Per rank."""
+        if self.config.prefix_cache_tokens is not None:
+            return self.config.prefix_cache_tokens
+        held = self.backend.full_param_bytes() if self.gather_policy == "once" else 0
+        rows = self.config.max_batch_size or 1
+        free = memory_budget(self.config.memory_budget_gb, self.device) - held
+        free -= kv_cache_bytes(hf_config, rows)
+        return max(0, int(0.25 * free) // max(kv_cache_bytes(hf_config, 1, tokens=1), 1))
 
     def _attribute(self, err: BaseException) -> BaseException:
         """Blame the right rank: a broken collective is a symptom; wait for liveness to name the cause."""

@@ -22,6 +22,9 @@ class EngineStats:
     refills: int = 0  # prefills that joined a running batch
     prefill_forwards: int = 0  # forwards that prefilled (more than prefills under max_prefill_tokens)
     prefill_tokens: int = 0  # prompt tokens computed (a prompt shared by n rows counts once)
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache instead (counted alike)
+    prefix_cache_evictions: int = 0  # entries the prefix cache's bound pushed out
+    prefix_cache_drops: int = 0  # entries dropped because the weights may have changed
     decode_steps: int = 0
     shadow_forwards: int = 0
     idle_ticks: int = 0

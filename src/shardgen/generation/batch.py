@@ -84,6 +84,8 @@ class Batch:
                 layers[i] = ReservedLayer()
         self._reserve()
         self._plan_prefill(plan)
+        if plan.start:
+            self._install_cached(plan)
 
     def _reserve(self) -> None:
         """Tell the cache layers how many columns the rows can reach: the batch's width now plus
@@ -105,6 +107,41 @@ class Batch:
         self._pre_mask = None if self.attention_mask is None else self.attention_mask.index_select(0, idx)
         self._chunks = plan.chunks
         self._chunk = 0
+
+    def _install_cached(self, plan: PrefillPlan) -> None:
+        """The cache's columns ``[0, plan.start)`` for the computed rows, from the prefix cache: a
+        row's cached tokens at its own columns (left padding first), zeros on its padding (masked
+        out, as the padding's own KV is). The chunks then run from ``plan.start`` on, as the
+        later chunks of a chunked prefill do."""
+        start, width = plan.start, self.input_ids.shape[1]
+        used = [(u, e, c) for u, (e, c) in enumerate(plan.reuse) if c]
+        first = used[0][1].kv  # start > 0: some row takes columns from an entry
+        for li, (k0, v0) in enumerate(first):
+            keys = k0.new_zeros((len(plan.rows), k0.shape[0], start, k0.shape[-1]))
+            values = v0.new_zeros((len(plan.rows), v0.shape[0], start, v0.shape[-1]))
+            for u, entry, c in used:
+                col = width - len(self.seqs[plan.rows[u]].prompt_ids)  # the row's first column
+                keys[u, :, col : col + c] = entry.kv[li][0][:, :c]
+                values[u, :, col : col + c] = entry.kv[li][1][:, :c]
+            self.cache.update(keys.to(self.device), values.to(self.device), li)
+
+    def cacheable(self) -> bool:
+        """Its rows' KV can go to the prefix cache: plain cache layers only (a sliding window's
+        cache forgets columns, a recurrent state is not per column)."""
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and all(
+            type(layer) in (DynamicLayer, ReservedLayer) and layer.is_initialized for layer in layers
+        )
+
+    def row_kv(self, i: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row ``i``'s KV for its last ``length`` computed columns (its real tokens: a
+        row's columns are left padding, then its tokens, with no gap), per layer ``[H, length, D]``."""
+        out = []
+        for layer in self.cache.layers:
+            t = layer.keys.shape[-2]
+            assert length <= t, f"row {i}: {length} tokens kept of {t} columns"
+            out.append((layer.keys[i, :, t - length :].clone(), layer.values[i, :, t - length :].clone()))
+        return out
 
     def next_prefill_shape(self) -> tuple[int, int]:
         """``PrefillPlan.shape`` of the next ``prefill_step()``."""

@@ -1,5 +1,6 @@
 """The plan of one prefill: which rows it computes (one per distinct prompt when the rows share
-it), how each row takes its prompt's cache, and the column chunks under a token budget.
+it), how each row takes its prompt's cache, the columns the rank's prefix cache already holds,
+and the column chunks under a token budget.
 
 Pure: the scheduler computes it once, before the batch exists, to carry the prefill's shape in
 the tick (``scheduler.ForwardPlan``); the batch then runs exactly that plan.
@@ -8,6 +9,7 @@ the tick (``scheduler.ForwardPlan``); the batch then runs exactly that plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,11 +23,24 @@ class PrefillPlan:
     rows: list[int]
     fork: list[int] | None
     chunks: list[tuple[int, int]]
+    start: int = 0
+    """Columns before it come from the prefix cache (the left-padded batch's columns ``[0, start)``;
+    the chunks cover ``[start, width)``)."""
+    reuse: tuple[tuple[Any, int], ...] = ()
+    """With ``start``: per computed row, its prefix-cache entry (None: none) and how many of the
+    row's first tokens the columns before ``start`` take from it."""
 
     @staticmethod
-    def of(prompts: list[list[int]], share: bool, max_tokens: int | None) -> PrefillPlan:
+    def of(
+        prompts: list[list[int]],
+        share: bool,
+        max_tokens: int | None,
+        matches: list[tuple[Any, int]] | None = None,
+    ) -> PrefillPlan:
         """``share``: rows with the same prompt prefill it once. ``max_tokens``: most tokens (rows x
-        columns, padding included) one forward computes; None: all."""
+        columns, padding included) one forward computes; None: all. ``matches``: per row, the
+        prefix-cache entry sharing its longest prefix and that prefix's length (``(None, 0)``:
+        none): the columns every computed row has cached are not computed."""
         first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
         rows: list[int] = []
         fork: list[int] = []
@@ -37,10 +52,19 @@ class PrefillPlan:
         if not (share and len(rows) < len(prompts)):
             rows, fork = list(range(len(prompts))), None  # type: ignore[assignment]
         width = max(len(p) for p in prompts)
-        per_row = width if max_tokens is None else max(1, max_tokens // len(rows))
-        k = -(-width // per_row)  # chunks, of near-equal widths (balanced ticks)
-        chunks = [(width * j // k, width * (j + 1) // k) for j in range(k)]
-        return PrefillPlan(len(prompts), rows, fork, chunks)
+        # Left padding puts row i's first token at column width - len(p_i): the columns cached in
+        # every computed row end at the smallest width - len(p_i) + cached_i (= width minus the
+        # longest uncached suffix).
+        start, reuse = 0, ()
+        if matches is not None:
+            start = max(0, min(width - len(prompts[i]) + matches[i][1] for i in rows))
+            if start:
+                reuse = tuple((matches[i][0], max(0, start - (width - len(prompts[i])))) for i in rows)
+        span = width - start
+        per_row = span if max_tokens is None else max(1, max_tokens // len(rows))
+        k = -(-span // per_row)  # chunks, of near-equal widths (balanced ticks)
+        chunks = [(start + span * j // k, start + span * (j + 1) // k) for j in range(k)]
+        return PrefillPlan(len(prompts), rows, fork, chunks, start, reuse)
 
     def shape(self, chunk: int) -> tuple[int, int]:
         """``(tokens, head_rows)`` of forward ``chunk``: every layer computes the computed rows'

@@ -16,7 +16,11 @@ every prompt of the call (a step number, say); a list gives one per prompt; None
 The ``n`` rows of a prompt go to the engine as consecutive requests with the same prompt: they
 join a batch together and the prompt is prefilled once, its KV cache forked into the n rows
 (``EngineConfig.share_prefill``). ``rollout_iter`` streams the same rows, one prompt's group at a
-time, as each group is done: ``for i, group in engine.rollout_iter(prompts, n=4): ...``.
+time, as each group is done: ``for i, group in engine.rollout_iter(prompts, n=4): ...``, ``i``
+the prompt's index in ``prompts``.
+
+Multi-turn (``env=step_fn, max_turns=T``): each row is a conversation with an environment that
+replies in token ids; ``turns.py``.
 """
 
 from __future__ import annotations
@@ -50,10 +54,11 @@ class RolloutBatch:
     input_ids: torch.Tensor
     """[R, P + G] long: the prompt left-padded to P, then the response right-padded to G (pad id)."""
     attention_mask: torch.Tensor
-    """[R, P + G] long: 1 on prompt tokens and on response tokens where ``response_mask`` is 1."""
+    """[R, P + G] long: 1 on every real token (the prompt, the response), 0 on padding."""
     response_mask: torch.Tensor
     """[R, G] long: 1 on generated tokens up to and including the first stop (EOS id, the token
-    completing a stop string), 0 after it."""
+    completing a stop string), 0 after it; multi-turn, 1 on model tokens and 0 on the
+    environment's."""
     logprobs: torch.Tensor
     """[R, G] float32: log p of each response token under ``softmax(logits / temperature)``
     (``raw_logprobs=True``: untempered); 0 where ``response_mask`` is 0."""
@@ -69,6 +74,8 @@ class RolloutBatch:
     """Per row: the generated text, when the engine has a tokenizer."""
     pad_id: int = 0
     """The id in padded positions of ``input_ids``."""
+    turns: list[int] | None = None
+    """Multi-turn (``env=``): the model turns of each row; None for single-turn rollouts."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -85,8 +92,9 @@ class RolloutBatch:
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """[R] tokens generated per row (the stop included)."""
-        return self.response_mask.sum(-1)
+        """[R] response tokens per row: generated (the stop included), and multi-turn the
+        environment's too."""
+        return self.attention_mask[:, self.prompt_width :].sum(-1)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         """The same batch with its tensors on ``device``."""
@@ -115,14 +123,27 @@ def rollout(
     params: SamplingParams | None = None,
     *,
     n: int = 1,
+    env: Any = None,
+    max_turns: int | None = None,
     **overrides: Any,
 ) -> RolloutBatch:
     """Generate ``n`` samples for each prompt and pack them as a ``RolloutBatch``. Not collective.
 
     ``params`` defaults to ``ROLLOUT_DEFAULTS`` (sampling, temperature 1); ``overrides`` are
     ``SamplingParams`` fields (``seed`` may be a list, one per prompt). Logprobs are always
-    computed (the ``logprobs`` flag is forced on).
+    computed (the ``logprobs`` flag is forced on). ``env``: a ``step_fn(row, completion)`` that
+    replies in token ids (None ends the row), for multi-turn rows of at most ``max_turns``
+    model turns (``turns.py``); ``max_new_tokens`` is then per turn.
     """
+    if env is not None:
+        from shardgen.generation import turns
+
+        groups = dict(turns.conversations(engine, prompts, params, n, overrides, env, max_turns))
+        if not groups:  # no prompt: the empty batch
+            return _Plan(engine, prompts, params, n, overrides).pack([], range(0))
+        return concat([groups[i] for i in range(len(groups))])
+    if max_turns is not None:
+        raise ValueError("max_turns goes with env= (a multi-turn rollout)")
     plan = _Plan(engine, prompts, params, n, overrides)
     return plan.pack([f.result() for f in plan.futures], range(len(plan.futures)))
 
@@ -133,6 +154,8 @@ def rollout_iter(
     params: SamplingParams | None = None,
     *,
     n: int = 1,
+    env: Any = None,
+    max_turns: int | None = None,
     **overrides: Any,
 ) -> Iterator[tuple[int, RolloutBatch]]:
     """``rollout()``, streamed: ``(i, group)`` for each prompt as soon as its ``n`` samples are
@@ -142,8 +165,16 @@ def rollout_iter(
     The requests are submitted (and the arguments checked) by the call itself, before the first
     group is asked for; the groups are the rows ``rollout()`` returns for the same arguments:
     ``concat`` of them in prompt order is ``rollout()``'s batch. Leaving the loop early does
-    not cancel the rest: the engine still decodes them (their results are dropped).
+    not cancel the rest: the engine still decodes them (their results are dropped). With
+    ``env``, a group is prompt ``i``'s n conversations once every one has ended; leaving the loop
+    early starts no further turns.
     """
+    if env is not None:
+        from shardgen.generation import turns
+
+        return turns.conversations(engine, prompts, params, n, overrides, env, max_turns)
+    if max_turns is not None:
+        raise ValueError("max_turns goes with env= (a multi-turn rollout)")
     plan = _Plan(engine, prompts, params, n, overrides)
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
     for k, f in enumerate(plan.futures):
@@ -164,11 +195,12 @@ def _groups(plan: _Plan, done: queue.SimpleQueue[int]) -> Iterator[tuple[int, Ro
 def concat(groups: Sequence[RolloutBatch]) -> RolloutBatch:
     """One batch of ``groups``' rows, in order, re-padded to their common widths: ``concat`` of
     ``rollout_iter``'s groups in prompt order equals ``rollout()``'s batch, tensor for tensor."""
-    done, seeds = [], []
+    done, seeds, masks, turns = [], [], [], []
     for g in groups:
         p_width = g.prompt_width
         for i in range(len(g)):
             p, r = int(g.prompt_lengths[i]), int(g.response_lengths[i])
+            masks.append(g.response_mask[i, :r].tolist())
             done.append(
                 Completion(
                     token_ids=g.response_ids[i, :r].tolist(),
@@ -179,10 +211,15 @@ def concat(groups: Sequence[RolloutBatch]) -> RolloutBatch:
                 )
             )
         seeds += g.seeds
+        turns += g.turns or []
     first = groups[0] if groups else None
     device = first.input_ids.device if first is not None else "cpu"
     pad = first.pad_id if first is not None else 0
-    return pack(done, pad_id=pad, n=first.n if first is not None else 1, seeds=seeds, device=device)
+    multi = first is not None and first.turns is not None
+    return pack(
+        done, pad_id=pad, n=first.n if first is not None else 1, seeds=seeds, device=device,
+        masks=masks if multi else None, turns=turns if multi else None,
+    )  # fmt: skip
 
 
 class _Plan:
@@ -219,6 +256,7 @@ class _Plan:
             self.seeds = [None] * (len(prompts) * n)
         rows = [p for p in prompts for _ in range(n)]
         options = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "seed"}
+        self.options = options  # every row's settings but its seed (a multi-turn row's next turns)
         # One submission: a prompt's rows reach the queue together and consecutive (shared prefill).
         self.futures: list[Future] = []
         if rows:
@@ -238,8 +276,11 @@ def pack(
     n: int,
     seeds: list[int | None],
     device: torch.device | str = "cpu",
+    masks: list[list[int]] | None = None,
+    turns: list[int] | None = None,
 ) -> RolloutBatch:
-    """Completions -> padded tensors (prompt left-padded, response right-padded)."""
+    """Completions -> padded tensors (prompt left-padded, response right-padded). ``masks``: per
+    row, the response mask of its tokens (multi-turn: 0 on the environment's); None: all 1."""
     rows = len(done)
     p_width = max((len(c.prompt_token_ids) for c in done), default=0)
     g_width = max((len(c.token_ids) for c in done), default=0)
@@ -256,7 +297,7 @@ def pack(
         if g:
             ids[i, p_width : p_width + g] = torch.tensor(c.token_ids, dtype=torch.long)
             attn[i, p_width : p_width + g] = 1
-            resp[i, :g] = 1
+            resp[i, :g] = 1 if masks is None else torch.tensor(masks[i], dtype=torch.long)
             assert c.logprobs is not None and len(c.logprobs) == g, "rollout rows carry logprobs"
             lps[i, :g] = torch.tensor(c.logprobs, dtype=torch.float32)
     texts = [c.text for c in done] if done and all(c.text is not None for c in done) else None
@@ -271,5 +312,6 @@ def pack(
         n=n,
         texts=texts,
         pad_id=pad_id,
+        turns=None if turns is None else list(turns),
     )
     return batch.to(device)

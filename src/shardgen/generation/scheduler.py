@@ -8,7 +8,8 @@ under ``max_prefill_tokens``, one chunk of it), the next chunk of a prefill unde
 decode step. Nothing is decided twice: the prefill's ``PrefillPlan`` computed for the tick is
 the one the batch runs. vLLM v1's ``schedule() -> SchedulerOutput`` has the same shape.
 Requests with the same prompt join a batch together, so that the batch prefills their prompt
-once (``share_prefill``, ``prefill.py``).
+once (``share_prefill``, ``prefill.py``). A finished row's KV goes to the rank's prefix cache
+(``prefix_cache.py``), and a prefill skips the columns it holds for every row it computes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from shardgen.config import EngineConfig
 from shardgen.generation.batch import Batch
 from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.prefix_cache import BLOCK, PrefixCache
 from shardgen.generation.requests import Request
 from shardgen.generation.score import RowScore, ScoreRequest
 from shardgen.generation.scoring import ScorePlan, ScoreRun
@@ -99,6 +101,7 @@ class LocalWork:
         stats: Any,
         on_finished: Callable[[SeqState], None],
         on_scored: Callable[[ScoreRequest, RowScore], None] | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend  # its forward is looked up per forward (late binding: tests wrap it)
@@ -113,6 +116,20 @@ class LocalWork:
         self.batch: Batch | None = None
         self.prefilling: Batch | None = None  # a prefill under way (chunked), to join the batch
         self.phase = Work.IDLE
+        self.prefixes = PrefixCache(prefix_cache_tokens)
+        self._training = bool(getattr(model, "training", False))  # the mode the cache was filled in
+
+    def forget_prefixes(self) -> None:
+        """Drop the prefix cache: the weights may change (a pause, ``close()``). Driver thread."""
+        self.stats.prefix_cache_drops += self.prefixes.clear()
+
+    def check_mode(self) -> None:
+        """Drop the prefix cache when the model's ``train()``/``eval()`` mode changed since it was
+        filled: a mode switch is where a trainer's step begins or ends. Driver thread, each tick."""
+        training = bool(getattr(self.model, "training", False))
+        if training != self._training:
+            self._training = training
+            self.forget_prefixes()
 
     @property
     def live(self) -> int:
@@ -149,7 +166,8 @@ class LocalWork:
         cfg = self.config
         if kind is not Work.IDLE:
             prompts = [self.pending[i].seq.prompt_ids for i in range(n)]
-            pre = PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens)
+            matches = [self.prefixes.match(p) for p in prompts] if len(self.prefixes) else None
+            pre = PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens, matches)
             return ForwardPlan(kind, n, pre, *pre.shape(0))
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
             n = self._score_take()
@@ -229,6 +247,10 @@ class LocalWork:
         return taken
 
     def _start(self, take: list[Request], plan: PrefillPlan, forward: Callable[..., Any]) -> None:
+        for entry, cached in plan.reuse:
+            if entry is not None and cached:
+                self.prefixes.touch(entry)
+                self.stats.cached_prompt_tokens += cached
         self.prefilling = Batch(self.model, [r.seq for r in take], self.device, plan)
         self.stats.prefills += 1
         self._prefill_forward(forward)
@@ -268,6 +290,18 @@ class LocalWork:
             i += size
         return taken
 
+    def _keep(self, batch: Batch, i: int, s: SeqState) -> None:
+        """Row ``i`` (just finished) to the prefix cache: the KV of its prompt and its tokens but the
+        last (never fed: the next turn's prompt computes it)."""
+        cache = self.prefixes
+        length = len(s.prompt_ids) + len(s.tokens) - 1
+        if not cache.capacity or length <= BLOCK or length > cache.capacity or not batch.cacheable():
+            return
+        assert batch.cache.layers[0].keys.shape[-2] == batch.input_ids.shape[1] - 1, "cache and ids apart"
+        evicted = cache.evictions
+        cache.add(s.prompt_ids + s.tokens[:-1], batch.row_kv(i, length))
+        self.stats.prefix_cache_evictions += cache.evictions - evicted
+
     def _take(self, n: int) -> list[Request]:
         take = [self.pending.popleft() for _ in range(n)]
         self.stats.requests += len(take)
@@ -291,9 +325,10 @@ class LocalWork:
         batch = self.batch
         if batch is None:
             return
-        for s in batch.seqs:
+        for i, s in enumerate(batch.seqs):
             if s.finished and not s.tag.future.done():
                 self.stats.generated_tokens += len(s.tokens)
+                self._keep(batch, i, s)
                 self.on_finished(s)
         if batch.done:
             self.batch = None

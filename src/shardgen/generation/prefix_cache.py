@@ -1,0 +1,151 @@
+"""A rank's prefix cache: the KV of finished sequences, kept so that a later prompt that extends
+one (the next turn of a conversation: the prompt, the answer, the tool's reply) or shares a
+prefix with one (a system prompt, a few-shot header) prefills only the rest.
+
+No ``torch.distributed``; the driver thread only. Each rank keeps its own, with no agreement
+across ranks: a hit only changes how many columns this rank's next prefill computes, which the
+tick carries as that forward's shape, as it carries every shape.
+
+Entries are whole sequences, least recently used first out, bounded in tokens
+(``EngineConfig.prefix_cache_tokens``). A lookup walks the prompt in blocks of ``BLOCK`` tokens
+through a chain of block hashes (vLLM's prefix-caching key: a block's hash folds in its
+predecessor's), so it costs one pass over the prompt whatever the number of entries, then
+extends the deepest match token by token. The KV of a token depends only on the tokens before
+it and its position, and a row's positions count from its first real token, so an entry's
+columns serve any row whose prompt starts with the same tokens, at any column of any batch.
+
+The weights may change while the engine is paused (a training step), or whenever the model's
+``train()``/``eval()`` mode changes: the scheduler then drops every entry (``clear``), so no KV
+computed by other weights is ever served.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+#: Tokens per hashed block: prompts share a prefix in whole blocks before the token-by-token
+#: extension (a shorter common prefix is not worth a lookup).
+BLOCK = 16
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per decoder layer: keys and values ``[kv_heads, L, head_dim]`` of one sequence."""
+
+
+@dataclass(eq=False)  # identity: entries are keys of the block index
+class Entry:
+    """One kept sequence: its tokens and their KV (column j holds token j's keys and values)."""
+
+    tokens: tuple[int, ...]
+    kv: KV
+    hashes: list[int] = field(default_factory=list)  # its blocks' chain hashes, for the index
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _chain(tokens: tuple[int, ...] | list[int], blocks: int) -> list[int]:
+    """The chain hashes of the first ``blocks`` whole blocks of ``tokens``."""
+    out, h = [], 0
+    for b in range(blocks):
+        h = hash((h, tuple(tokens[b * BLOCK : (b + 1) * BLOCK])))
+        out.append(h)
+    return out
+
+
+class PrefixCache:
+    """Finished sequences' KV on one rank, at most ``capacity`` tokens in all (0: off)."""
+
+    def __init__(self, capacity: int) -> None:
+        assert capacity >= 0, capacity
+        self.capacity = capacity
+        self.tokens = 0  # tokens held now
+        self.evictions = 0
+        self._lru: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # least recent first
+        self._index: dict[int, Entry] = {}  # block chain hash -> the latest entry holding it
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the KV held (keys and values, every layer)."""
+        return sum(k.numel() * k.element_size() * 2 for e in self._lru.values() for k, _ in e.kv)
+
+    def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with ``prompt`` and that prefix's length, at most
+        ``len(prompt) - 1`` (the last prompt token is always computed: its logits give the first
+        token). ``(None, 0)`` for no match. Pure: the order of use changes in ``touch``."""
+        if not self._lru or len(prompt) <= BLOCK:
+            return None, 0
+        best, depth, h = None, 0, 0
+        for b in range((len(prompt) - 1) // BLOCK):
+            h = hash((h, tuple(prompt[b * BLOCK : (b + 1) * BLOCK])))
+            e = self._index.get(h)
+            if e is None:
+                break
+            best, depth = e, (b + 1) * BLOCK
+        if best is None or tuple(prompt[:depth]) != best.tokens[:depth]:  # a hash collision
+            return None, 0
+        most = min(len(best), len(prompt) - 1)
+        n = depth
+        while n < most and best.tokens[n] == prompt[n]:
+            n += 1
+        return best, n
+
+    def touch(self, entry: Entry) -> None:
+        """``entry`` was used: the last to be evicted."""
+        if self._lru.get(entry.tokens) is entry:
+            self._lru.move_to_end(entry.tokens)
+
+    def add(self, tokens: list[int], kv: KV) -> None:
+        """Keep ``tokens``' KV (``kv[l]``: ``[kv_heads, len(tokens), head_dim]`` each), evicting the
+        least recently used entries to stay within ``capacity``. An entry that is a prefix of the
+        new one goes (the new one serves every prompt it served)."""
+        key = tuple(tokens)
+        if not self.capacity or len(key) <= BLOCK or len(key) > self.capacity:
+            return
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return
+        entry = Entry(key, kv, _chain(key, len(key) // BLOCK))
+        for h in entry.hashes:  # entries this one extends (the previous turn of its conversation)
+            old = self._index.get(h)
+            if old is not None and len(old) < len(entry) and key[: len(old)] == old.tokens:
+                self._remove(old)
+        while self._lru and self.tokens + len(key) > self.capacity:
+            self._remove(next(iter(self._lru.values())))
+            self.evictions += 1
+        self._lru[key] = entry
+        self.tokens += len(key)
+        for h in entry.hashes:
+            self._index[h] = entry
+
+    def clear(self) -> int:
+        """Drop every entry (the weights may have changed); the entries dropped."""
+        n = len(self._lru)
+        self._lru.clear()
+        self._index.clear()
+        self.tokens = 0
+        return n
+
+    def _remove(self, entry: Entry) -> None:
+        if self._lru.pop(entry.tokens, None) is None:
+            return
+        self.tokens -= len(entry)
+        lost = set()
+        for h in entry.hashes:
+            if self._index.get(h) is entry:
+                del self._index[h]
+                lost.add(h)
+        # A block another entry also holds (a shared system prompt) points at the latest holder
+        # left: the most recent first, until every lost block has one or none is left.
+        for other in reversed(self._lru.values()):
+            if not lost:
+                break
+            for h in other.hashes:
+                if h in lost:
+                    self._index[h] = other
+                    lost.discard(h)

@@ -1,0 +1,59 @@
+"""Multi-turn rollouts and the prefix cache on 2 and 3 gloo ranks, FSDP2 and DeepSpeed, every
+gather mode: conversations with uneven turns per rank and row (a rank with none), the cache on
+against off (the same rows), and no stale KV after a ``paused()`` that changed the weights.
+
+One World of 2 ranks for the module, one of 3 for the last test; every run under a hard timeout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import turns_scenarios as ts
+from rollout_scenarios import warm_up
+from test_turns import assert_conversations
+from world import World
+
+pytestmark = pytest.mark.multirank
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    world = World(2, env=ENV, start_timeout=120.0)
+    try:
+        world.run(warm_up, timeout=300)
+        yield world
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize(
+    "backend, gather, max_prefill_tokens",
+    [
+        ("fsdp2", "per-layer", None),
+        ("deepspeed", "per-layer", 7),
+        ("fsdp2", "once", 7),
+        ("deepspeed", "once", None),
+        ("fsdp2", "stationary", None),
+        ("deepspeed", "stationary", 7),
+    ],
+)
+def test_conversations_uneven_turns_2_ranks(world2, backend, gather, max_prefill_tokens):
+    out = world2.run(ts.conversations, backend, gather, max_prefill_tokens, timeout=240)
+    for r, res in enumerate(out):
+        assert res["on"]["policy"] == gather
+        assert_conversations(res)
+    turns = [[row["turns"] for row in res["on"]["greedy"]] for res in out]
+    assert turns[0] != turns[1], turns  # ranks took different numbers of turns
+
+
+def test_conversations_3_ranks_both_backends():
+    """Rank 2 has no prompt: it joins every tick, pause included, with no conversation."""
+    with World(3, env=ENV, start_timeout=120.0) as world:
+        world.run(warm_up, timeout=300)
+        for backend, gather in (("fsdp2", "per-layer"), ("deepspeed", "stationary")):
+            out = world.run(ts.conversations, backend, gather, 7, timeout=240)
+            for res in out[:2]:
+                assert_conversations(res)
+            assert out[2]["on"]["greedy"] == [] and out[2]["on"]["computed"] == 0
