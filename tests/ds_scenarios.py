@@ -168,6 +168,7 @@ def warm_up() -> bool:
 def comm_layer_state() -> dict:
     """After warm_up (shardgen started DeepSpeed's comm layer): was its CPU shm op built?"""
     from deepspeed.comm import comm as ds_comm
+
     ds_torch = importlib.import_module("deepspeed.comm.torch")
 
     return {

@@ -95,9 +95,24 @@ def test_engine_config_refuses_with_a_value_error_naming_the_field(kw):
 
 LINE = st.one_of(
     st.dictionaries(
-        st.sampled_from(["id", "prompt", "temperature", "max_new_tokens", "top_p", "top_k", "seed",
-                         "stop", "eos_token_id", "temprature", "do_sample", "raw_logprobs"]),  # fmt: skip
-        VALUES, max_size=5,
+        st.sampled_from(
+            [
+                "id",
+                "prompt",
+                "temperature",
+                "max_new_tokens",
+                "top_p",
+                "top_k",
+                "seed",
+                "stop",
+                "eos_token_id",
+                "temprature",
+                "do_sample",
+                "raw_logprobs",
+            ]
+        ),  # fmt: skip
+        VALUES,
+        max_size=5,
     ).map(lambda d: json.dumps(d, allow_nan=True)),
     st.text(max_size=40),  # not JSON, or plain-text prompts
     st.sampled_from(["", "{", "[]", "null", '{"prompt": "x"}', '{"id": 1, "prompt": "count :"}', "\ufeff"]),

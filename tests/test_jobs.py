@@ -427,12 +427,24 @@ def test_summary_numbers():
 def test_summary_per_replica():
     stats = {"busy_s": 1.0, "forwards": 4, "shadow_forwards": 1, "ticks": 5}
     reports = [
-        {"rank": r, "engine_ranks": [r // 2 * 2, r // 2 * 2 + 1], "prompts": p, "errors": 0, "tokens": 3 * p,
-         "stats": stats}  # fmt: skip
+        {
+            "rank": r,
+            "engine_ranks": [r // 2 * 2, r // 2 * 2 + 1],
+            "prompts": p,
+            "errors": 0,
+            "tokens": 3 * p,
+            "stats": stats,
+        }  # fmt: skip
         for r, p in enumerate([4, 3, 1, 2])
     ]
     s = progress.summarize(
-        reports, prompts=10, resumed=0, wall_s=1.0, load_s=0.0, out="o", shard_size=2,
+        reports,
+        prompts=10,
+        resumed=0,
+        wall_s=1.0,
+        load_s=0.0,
+        out="o",
+        shard_size=2,
         engine_cfg=EngineConfig(),
     )
     assert s["replicas"] == [

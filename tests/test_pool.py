@@ -79,6 +79,7 @@ def test_gather_in_place_equals_all_gather(world3):
     for r, res in enumerate(world3.run(sc.gather_in_place_matches_all_gather, timeout=60)):
         assert res and all(res), (r, res)
 
+
 @pytest.mark.multirank
 def test_an_fsdp2_engine_leaves_glibcs_mmap_threshold_alone(world2):
     for r, res in enumerate(world2.run(sc.allocator_untouched, "fsdp2", timeout=120)):

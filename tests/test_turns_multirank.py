@@ -41,7 +41,7 @@ def world2():
 )
 def test_conversations_uneven_turns_2_ranks(world2, backend, gather, max_prefill_tokens):
     out = world2.run(ts.conversations, backend, gather, max_prefill_tokens, timeout=240)
-    for r, res in enumerate(out):
+    for res in out:
         assert res["on"]["policy"] == gather
         assert_conversations(res)
     turns = [[row["turns"] for row in res["on"]["greedy"]] for res in out]

@@ -74,8 +74,12 @@ def _scale(model: Any, factor: float) -> None:
 
 
 def conversations(
-    backend: str, gather: str = "per-layer", max_prefill_tokens: int | None = None, arch: str = "llama",
-    counts: tuple[int, ...] = (2, 1, 0), share_prefill: bool = True,
+    backend: str,
+    gather: str = "per-layer",
+    max_prefill_tokens: int | None = None,
+    arch: str = "llama",
+    counts: tuple[int, ...] = (2, 1, 0),
+    share_prefill: bool = True,
 ) -> dict[str, Any]:
     """On each engine (cache on: ``prefix_cache_tokens`` None; off: 0): greedy conversations
     (n = 1), sampled ones (n = 2), then ``paused()`` with the weights scaled inside, then the same

@@ -50,7 +50,6 @@ def model_shard_group(model: Any) -> Any | None:
     return group
 
 
-
 def replica_group(shard_size: int) -> tuple[Any, int]:
     """(this rank's shard group, its replica index) for world/``shard_size`` replicas of
     consecutive ranks (replica i: ranks i*K .. i*K+K-1); ``(None, 0)`` when K is the world.

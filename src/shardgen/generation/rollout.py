@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from shardgen.config import SamplingParams
+from shardgen.generation import turns
 from shardgen.generation.requests import Completion
 from shardgen.generation.sequence import resolve_special_ids
 
@@ -136,11 +137,11 @@ def rollout(
     model turns (``turns.py``); ``max_new_tokens`` is then per turn.
     """
     if env is not None:
-        from shardgen.generation import turns
-
-        groups = dict(turns.conversations(engine, prompts, params, n, overrides, env, max_turns))
+        most = turns.check_turn_args(env, max_turns)
+        plan = _Plan(engine, prompts, params, n, overrides)
+        groups = dict(turns.conversations(engine, plan, env, most))
         if not groups:  # no prompt: the empty batch
-            return _Plan(engine, prompts, params, n, overrides).pack([], range(0))
+            return plan.pack([], range(0))
         return concat([groups[i] for i in range(len(groups))])
     if max_turns is not None:
         raise ValueError("max_turns goes with env= (a multi-turn rollout)")
@@ -170,9 +171,8 @@ def rollout_iter(
     early starts no further turns.
     """
     if env is not None:
-        from shardgen.generation import turns
-
-        return turns.conversations(engine, prompts, params, n, overrides, env, max_turns)
+        most = turns.check_turn_args(env, max_turns)
+        return turns.conversations(engine, _Plan(engine, prompts, params, n, overrides), env, most)
     if max_turns is not None:
         raise ValueError("max_turns goes with env= (a multi-turn rollout)")
     plan = _Plan(engine, prompts, params, n, overrides)
@@ -264,9 +264,15 @@ class _Plan:
         self.n, self.prompts, self.device = n, len(prompts), engine.device
         _, self.pad = resolve_special_ids(base, gen_config, engine.tokenizer)
 
-    def pack(self, done: list[Completion], rows: range) -> RolloutBatch:
+    def pack(self, done: list[Completion], rows: range, **multi_turn: Any) -> RolloutBatch:
         seeds = [self.seeds[r] for r in rows]
-        return pack(done, pad_id=self.pad, n=self.n, seeds=seeds, device=self.device)
+        return pack(done, pad_id=self.pad, n=self.n, seeds=seeds, device=self.device, **multi_turn)
+
+    def seed_of(self, row: int, turn: int, prompt_ids: list[int]) -> int | None:
+        """The seed of a multi-turn row's turn ``turn`` (its first: the row's own seed), keyed by
+        the conversation so far; None for greedy rows."""
+        seed = self.seeds[row]
+        return None if seed is None else sample_seed(seed, turn, prompt_ids)
 
 
 def pack(

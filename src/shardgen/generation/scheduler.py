@@ -167,6 +167,13 @@ class LocalWork:
         if kind is not Work.IDLE:
             prompts = [self.pending[i].seq.prompt_ids for i in range(n)]
             matches = [self.prefixes.match(p) for p in prompts] if len(self.prefixes) else None
+            if matches is not None:
+                # A prefill computes every row from the first column no row has cached: rows with
+                # a cached prefix and rows without go in separate prefills (the first run of
+                # either kind now, the rest next tick), so that a miss does not undo the hits.
+                hit = matches[0][1] > 0
+                n = next((i for i, (_, c) in enumerate(matches) if (c > 0) != hit), n)
+                prompts, matches = prompts[:n], matches[:n]
             pre = PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens, matches)
             return ForwardPlan(kind, n, pre, *pre.shape(0))
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does

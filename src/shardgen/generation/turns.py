@@ -28,7 +28,6 @@ from typing import Any
 
 from shardgen.config import context_length
 from shardgen.generation.requests import Completion
-from shardgen.generation.rollout import RolloutBatch, _Plan, pack, sample_seed
 
 StepFn = Callable[[int, Completion], "Sequence[int] | None"]
 """``step_fn(row, completion)``: row ``i * n + j`` is sample j of prompt i; ``completion`` is its
@@ -81,17 +80,10 @@ def check_turn_args(env: Any, max_turns: Any) -> int:
     return max_turns
 
 
-def conversations(
-    engine: Any, prompts: Any, params: Any, n: int, overrides: dict[str, Any], env: StepFn, max_turns: Any
-) -> Iterator[tuple[int, RolloutBatch]]:
-    """The first turns submitted now (arguments checked in the call); then ``(i, group)`` per
-    prompt as its ``n`` conversations end, in the order they end. Not collective."""
-    most = check_turn_args(env, max_turns)
-    plan = _Plan(engine, prompts, params, n, overrides)
-    return _run(engine, plan, env, most)
-
-
-def _run(engine: Any, plan: _Plan, env: StepFn, most: int) -> Iterator[tuple[int, RolloutBatch]]:
+def conversations(engine: Any, plan: Any, env: StepFn, most: int) -> Iterator[tuple[int, Any]]:
+    """``(i, group)`` per prompt as its ``n`` conversations end, in the order they end: the
+    ``RolloutBatch`` of its rows. ``plan``: the call's ``rollout._Plan`` (its first turns already
+    submitted; ``seed_of`` and ``pack``); ``most``: ``check_turn_args``'s. Not collective."""
     text = engine.model.config.get_text_config(decoder=True)
     ctx = context_length(text)
     vocab = int(text.vocab_size)
@@ -118,9 +110,8 @@ def _run(engine: Any, plan: _Plan, env: StepFn, most: int) -> Iterator[tuple[int
                 reply = None
             else:
                 row.env_turn(reply)
-                seed = plan.seeds[r]
-                turn_seed = None if seed is None else sample_seed(seed, row.turns, nxt)
-                watch(r, engine.submit_many([nxt], None, seed=[turn_seed], **plan.options)[0])
+                seed = plan.seed_of(r, row.turns, nxt)
+                watch(r, engine.submit_many([nxt], None, seed=[seed], **plan.options)[0])
                 continue
         live -= 1
         i = r // plan.n
@@ -144,13 +135,10 @@ def _checked(reply: Any, row: int, vocab: int) -> list[int]:
     return ids
 
 
-def _pack(engine: Any, plan: _Plan, rows: list[_Row], index: range) -> RolloutBatch:
+def _pack(engine: Any, plan: Any, rows: list[_Row], index: range) -> Any:
     tok = getattr(engine, "tokenizer", None)
     done = [r.completion() for r in rows]
     if tok is not None:
         for c in done:
             c.text = tok.decode(c.token_ids, skip_special_tokens=True)
-    return pack(
-        done, pad_id=plan.pad, n=plan.n, seeds=[plan.seeds[k] for k in index], device=plan.device,
-        masks=[r.mask for r in rows], turns=[r.turns for r in rows],
-    )  # fmt: skip
+    return plan.pack(done, index, masks=[r.mask for r in rows], turns=[r.turns for r in rows])
