@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import run_as_ranks, script_args, write_json  # noqa: E402
+from common import reset_peak, run_as_ranks, script_args, vm_hwm_mb, write_json  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -110,6 +110,21 @@ def rank_main(args: argparse.Namespace) -> None:
         if rnd:
             for k, v in res.items():
                 secs[k] = secs.get(k, 0.0) + v
+    # Memory: each method once more, from a fresh peak (VmHWM growth, MiB, the worst rank).
+    eng0 = engines[f"shardgen_{first}"]
+    peaks: dict[str, float] = {}
+    for name, fn in (
+        ("ds_forward", lambda: ds_forward(ds)),
+        (f"shardgen_{first}", lambda: eng0.score(prompts.tolist(), responses.tolist())),
+        (f"shardgen_{first}_logits", lambda: eng0.score(prompts.tolist(), responses.tolist(), logits=True)),
+    ):
+        dist.barrier()
+        base = reset_peak()
+        out = fn()
+        grown = torch.tensor([vm_hwm_mb() - base], dtype=torch.float64)
+        del out
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+        peaks[name] = grown.item()
     for eng in [*engines.values(), *share.values()]:
         eng.close()
     total_rows = args.rows * world * args.rounds
@@ -120,7 +135,14 @@ def rank_main(args: argparse.Namespace) -> None:
         print("| method | rows/s | vs ds_forward |\n|---|---|---|")
         for k, v in rows_s.items():
             print(f"| {k} | {v:.2f} | {v / rows_s['ds_forward']:.2f}x |")
-        write_json(args.json, {"rows_s": rows_s, "max_logprob_diff": diff, "config": vars(args)})
+        full = args.rows * args.response_len * args.vocab * 4 / 2**20
+        print(f"\npeak memory growth of one pass, MiB (worst rank; a rank's full fp32 logits: {full:.0f})")
+        print("| method | MiB |\n|---|---|")
+        for k, v in peaks.items():
+            print(f"| {k} | {v:.0f} |")
+        write_json(
+            args.json, {"rows_s": rows_s, "max_logprob_diff": diff, "peak_mib": peaks, "config": vars(args)}
+        )
     dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ The policy is shardgen's shipped toy model (``shardgen.toy``: "count from 7 to 1
 sharpens it. Every step:
 
 1. ``engine.rollout_iter(prompts, n=...)`` (NOT collective): rank r has its own, uneven, share
-   of the prompts (rank 0 the most; any count works, zero included), n samples each, streamed
+   of the prompts (rank 0 the most; the last rank none on odd steps), n samples each, streamed
    one prompt's group at a time as each is done (its prompt prefilled once for the n samples);
 2. reward per sample, computed as each group arrives: the fraction of the expected numbers it
    got right, in order (1.0 when exact); advantage = reward - the mean reward of the same
@@ -20,7 +20,9 @@ sharpens it. Every step:
    of such "flat" prompts;
 3. inside ``with engine.paused():`` (collective), a policy-gradient step on the SAME sharded
    model: -advantage * log p(response token) under ``softmax(logits / T)``, masked by
-   ``response_mask``; the next rollout uses the new weights.
+   ``response_mask``; the next rollout uses the new weights. A rank with no rows joins the
+   step with one forward and backward on a dummy token and a zero loss: inside ``paused()`` the
+   step is ZeRO-3's, and every rank must run its collectives.
 
 FSDP2: shardgen shards the model and the torch optimizer steps its DTensor shards. DeepSpeed:
 ``deepspeed.initialize`` (ZeRO-3, a torch optimizer) and ``ds_engine.backward`` / ``step``.
@@ -68,12 +70,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(toy.toy_model_path())
     model.generation_config.do_sample = True
 
-    # Uneven shares: rank 0 takes about twice the others' (any split works, zero included).
     rng = random.Random(0)
     tasks = [toy.format_prompt(*toy.sample_task(rng, rng.randint(3, 8))) for _ in range(args.prompts)]
-    weights = [2] + [1] * (world - 1)
-    bounds = [round(args.prompts * sum(weights[:r]) / sum(weights)) for r in range(world + 1)]
-    mine = tasks[bounds[rank] : bounds[rank + 1]]
+
+    def my_share(step: int) -> list[str]:
+        """Uneven shares: rank 0 takes about twice the others'; the last rank none on odd steps."""
+        weights = [2] + [1] * (world - 1)
+        if world > 1 and step % 2 == 1:
+            weights[-1] = 0
+        bounds = [round(args.prompts * sum(weights[:r]) / sum(weights)) for r in range(world + 1)]
+        return tasks[bounds[rank] : bounds[rank + 1]]
 
     if args.backend == "deepspeed":
         import deepspeed
@@ -95,6 +101,7 @@ def main() -> None:
     with engine:
         for step in range(args.steps):
             t0 = time.perf_counter()
+            mine = my_share(step)
             # Each prompt's group of n samples as soon as it is done: scored while the rest decode.
             groups, scores = {}, {}
             for i, g in engine.rollout_iter(
@@ -113,8 +120,13 @@ def main() -> None:
                 dist.all_reduce(tokens)  # normalize by ALL ranks' tokens: one loss scale everywhere
                 dist.all_reduce(stats)
                 policy.train()
-                lp = token_logprobs(policy, b, args.temperature)
-                loss = -(adv[:, None] * lp * b.response_mask).sum() * world / tokens.item()
+                if len(b):
+                    lp = token_logprobs(policy, b, args.temperature)
+                    loss = -(adv[:, None] * lp * b.response_mask).sum() * world / tokens.item()
+                else:  # no rows here: ZeRO-3's forward and backward are collectives, so this rank
+                    # still runs one of each, on a dummy token, with a zero loss
+                    dummy = torch.full((1, 1), tok.pad_token_id or 0, dtype=torch.long)
+                    loss = policy(input_ids=dummy).logits.sum() * 0.0
                 if args.backend == "deepspeed":
                     policy.backward(loss)
                     policy.step()

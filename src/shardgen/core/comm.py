@@ -274,8 +274,8 @@ def forget_engine(
     as long as the process lives leave the store as they found it (soak: tests/test_soak.py).
 
     The keys: ``arrived``/``npg`` (``arrive``), ``hb``/``ack`` per rank and ``verdict``
-    (liveness, verdict.py), ``resume<n>`` of the last pause ``n`` = ``pauses`` (the driver deletes
-    each earlier one at the next pause), the ``closed`` count itself;
+    (liveness, verdict.py), ``resume<n>`` and ``resume<n>/who`` of the last pause ``n`` = ``pauses``
+    (the driver deletes each earlier one at the next pause), the ``closed`` count itself;
     and, for the world groups ``groups`` (torch's names; destroyed already), the keys their
     rendezvous left under ``<name>/`` (torch never deletes them), where the store can list keys.
     Only the last rank deletes: every other one has stopped reading. Not collective (one
@@ -284,7 +284,9 @@ def forget_engine(
         if int(store.add(f"{prefix}/closed", 1)) != len(ranks):
             return
         keys = [f"{prefix}/{kind}/{r}" for r in ranks for kind in ("arrived", "npg", "hb", "ack")]
-        keys += [f"{prefix}/verdict", f"{prefix}/closed"] + ([f"{prefix}/resume{pauses}"] if pauses else [])
+        keys += [f"{prefix}/verdict", f"{prefix}/closed"]
+        if pauses:  # the last pause's count and who had left it
+            keys += [f"{prefix}/resume{pauses}", f"{prefix}/resume{pauses}/who"]
         if groups:
             with contextlib.suppress(Exception):  # a store that cannot list its keys keeps torch's
                 starts = tuple(f"{name}/" for name in groups)

@@ -389,12 +389,39 @@ class Driver:
             # Peers may stay inside their block for long (a training step): wait on the store,
             # not in the next tick's all-reduce, whose group has a timeout.
             key = f"{self.key_prefix}/resume{pause}"  # the same number on every rank
+            self.store.append(f"{key}/who", f"{self.rank},")  # who has left: for the message below
             if int(self.store.add(key, 1)) == self.world and pause > 1:
                 # The last rank here: every rank has left the previous pause's wait, so its key
                 # goes (one key per engine, not one per pause; the last goes at close).
-                self.store.delete_key(f"{self.key_prefix}/resume{pause - 1}")
+                prev = f"{self.key_prefix}/resume{pause - 1}"
+                self.store.delete_key(prev)
+                self.store.delete_key(f"{prev}/who")
+            left, told = time.monotonic(), False
             while int(self.store.add(key, 0)) < self.world:
+                if not told and time.monotonic() - left > self.timeouts.stall:
+                    told = True  # once: a peer may stay inside on purpose (a checkpoint save)
+                    self._tell_still_inside(key, time.monotonic() - left)
                 time.sleep(0.005)
+            if told:
+                log.warning("rank %d: every rank has left paused(), %.1fs after this one", self.rank,
+                            time.monotonic() - left)  # fmt: skip
+
+    def _tell_still_inside(self, key: str, waited: float) -> None:
+        """This rank left ``paused()`` ``waited`` s ago and peers are still inside theirs: name
+        them, with their stacks where they run on this host. The usual cause is a collective of
+        the user's own inside the block that not every rank runs as often (which hangs there)."""
+        out = {int(r) for r in self.store.get(f"{key}/who").decode().split(",") if r}
+        inside = [r for r in self.ranks if r not in out]
+        where = "".join(f"\n--- {self.live.where_is(r)}" for r in inside) if self.live is not None else ""
+        names = ", ".join(map(str, inside))
+        log.error(
+            "rank %d: left paused() %.1fs ago (stall_timeout=%gs), but rank(s) %s are still inside "
+            "theirs. Inside paused() every rank must run the same collectives in the same order: "
+            "forwards and backwards of the sharded model, optimizer steps, all-reduces; a rank with "
+            "fewer rows still runs as many forwards (a dummy row) and the rank with none one, and "
+            "teacher or reference-model forwards belong in engine.score(), which is not collective. "
+            "Still waiting for them.%s", self.rank, waited, self.timeouts.stall, names, where,
+        )  # fmt: skip
 
     def _sized_batch(self, hf_config: Any) -> EngineConfig:
         """The config with ``max_batch_size`` set: as given, else as many rows as the memory

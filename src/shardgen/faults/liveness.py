@@ -241,6 +241,12 @@ class Liveness:
                 return json.loads(self.store.get(key))
         return None
 
+    def where_is(self, r: int) -> str:
+        """``rank R (host H, pid P)``, its last phase, and its Python stacks when it runs on this
+        host: for messages about a peer that is alive but elsewhere (not a verdict)."""
+        rec = self.peer(r)
+        return f"{describe(r, rec)}, {last_seen(rec)}" + (self._stack(rec) if rec else "")
+
     def leave(self, v: Verdict) -> None:
         """Leaving because of ``v``: say so in the heartbeat (nobody blames a rank that left) and
         acknowledge, so the store's host may exit."""
