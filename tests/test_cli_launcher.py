@@ -54,6 +54,40 @@ def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list
     assert_no_orphans(out)
 
 
+def test_a_killed_rank_is_one_line_with_the_resume_command(workdir: Path, reference: list[dict]) -> None:
+    """3 ranks, rank 1 killed (SIGKILL, by pid), no restarts: stderr names rank 1 and the signal,
+    says the journals are intact and gives the exact command; no torch traceback. The command
+    then resumes the job to the reference's results."""
+    out = workdir / "killed.jsonl"
+    args = [
+        "run",
+        "--prompts",
+        "prompts.jsonl",
+        "--out",
+        str(out),
+        "--nproc",
+        "3",
+        "--batch-size",
+        "1",
+        "--quiet",
+    ]
+    job = Job(args, workdir, "killed")
+    wait_for_journals(job, out, 6)
+    ranks = [pid for pid in processes_mentioning(str(out)) if b"RANK=1\0" in _environ(pid)]
+    assert ranks, f"no rank 1 found\n{job.output()}"
+    os.kill(ranks[0], signal.SIGKILL)
+    assert job.wait(150) != 0, job.output()
+    err = job.stderr
+    want = f"rank 1 (pid {ranks[0]}) was killed by signal 9 (SIGKILL); the other ranks were stopped."
+    assert want in err, job.output()
+    resume = "shardgen " + " ".join(args) + " --resume"
+    assert f"Results so far are in the journals, which are intact: resume with: {resume}" in err, job.output()
+    assert "Traceback" not in err and "ChildFailedError" not in err, job.output()
+    assert_no_orphans(out)
+    again = run([*resume.split()[1:]], workdir, timeout=240)
+    assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
+
+
 def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dict]) -> None:
     """``--nproc 4 --shard-size 2``: two replicas sharded 2 ways, one prompts file, the same results."""
     args = ["run", "--prompts", "prompts.jsonl", "--out", "replicas.jsonl", "--nproc", "4"]

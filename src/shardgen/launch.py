@@ -5,11 +5,15 @@
 
 Used by ``shardgen run --nproc``, ``shardgen demo`` and ``shardgen bench``. The ranks die with
 the launcher (``PR_SET_PDEATHSIG`` on Linux), so killing it never leaves ranks running alone.
+torch's launcher runs inside ``python -m shardgen.launch`` (``agent_main``): where a rank is
+lost, that says so in one line, naming the rank and, for ``shardgen run``, the exact command
+that resumes the job, in place of torch's ``ChildFailedError`` traceback and log lines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -25,12 +29,14 @@ def launch(
     max_restarts: int = 0,
     timeout: float | None = None,
     env: dict[str, str] | None = None,
+    resume: str | None = None,
 ) -> ExitCode:
     """Run ``python -m shardgen <argv>`` on ``nproc`` local ranks (gloo/c10d, torch's launcher).
 
     Returns ``OK`` when every rank succeeded, ``FAILED`` otherwise, ``TIMEOUT`` past ``timeout``.
+    ``resume``: the command that resumes the job, said when a rank is lost.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, "-m", "shardgen.launch", "--standalone", f"--nproc-per-node={nproc}"]
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
     cmd += ["-m", "shardgen", *argv]
@@ -39,6 +45,8 @@ def launch(
     # A store shared with the agent keeps the keys of a failed attempt, and the restarted ranks
     # then connect their gloo groups to dead peers (pytorch/pytorch#135712): one store per attempt.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if resume:
+        env[RESUME_ENV] = resume
     proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
     old = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # the agent stops its ranks
     try:
@@ -60,6 +68,51 @@ def launch(
     return ExitCode.OK if rc == 0 else ExitCode.FAILED
 
 
+RESUME_ENV = "SHARDGEN_RESUME_COMMAND"
+
+
+def lost_ranks_line(failures: dict[int, object], resume: str | None) -> str | None:
+    """One line for ranks that died by a signal (killed, out of memory): who, how, and how to go
+    on. None when every failed rank exited by itself: such a rank said why on its own."""
+    codes = {r: int(getattr(f, "exitcode", 0)) for r, f in failures.items()}
+    # The agent stops the others with SIGTERM once one fails: those are not the cause.
+    cause = {r: c for r, c in codes.items() if c != -signal.SIGTERM} or codes
+    if any(c > 0 for c in cause.values()):
+        return None  # a rank exited with an error of its own, and said it
+    lost = []
+    for rank, f in sorted(failures.items()):
+        code = codes[rank]
+        if rank in cause and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = "an unknown signal"
+            lost.append(f"rank {rank} (pid {getattr(f, 'pid', '?')}) was killed by signal {-code} ({name})")
+    if not lost:
+        return None
+    line = f"shardgen: error: {'; '.join(lost)}; the other ranks were stopped."
+    if resume:
+        line += f" Results so far are in the journals, which are intact: resume with: {resume}"
+    return line
+
+
+def agent_main(argv: list[str]) -> int:
+    """torch's launcher (``torch.distributed.run``'s arguments), with a lost rank said in one
+    line (``lost_ranks_line``) instead of its traceback; its own log lines below errors only."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as e:
+        line = lost_ranks_line(dict(e.failures), os.environ.get(RESUME_ENV))
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return int(ExitCode.FAILED)
+    return 0
+
+
 def die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (no orphaned ranks)."""
     if sys.platform.startswith("linux"):
@@ -72,3 +125,7 @@ def die_with_parent() -> None:
 def is_rank() -> bool:
     """Is this process one rank of a launched world (``RANK`` set by torchrun or our launcher)?"""
     return "RANK" in os.environ
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main(sys.argv[1:]))

@@ -142,4 +142,12 @@ def launch_job(
     argv = ["run"]
     for obj, (_, names) in zip((job, engine_cfg, base), RUN_FIELDS, strict=True):
         argv += to_argv(obj, names, skip=LAUNCHER_ONLY)
-    return launch(argv, job.nproc, max_restarts=job.max_restarts, timeout=timeout)
+    return launch(argv, job.nproc, max_restarts=job.max_restarts, timeout=timeout, resume=resume_command())
+
+
+def resume_command() -> str:
+    """The command line that resumes this job: the user's own, with ``--resume``."""
+    import shlex
+
+    args = sys.argv[1:]
+    return shlex.join(["shardgen", *args, *([] if "--resume" in args else ["--resume"])])
