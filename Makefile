@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardgen-installed
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test lint demo bench fuzz clean
+.PHONY: install test lint demo bench fuzz gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,12 @@ fuzz: $(STAMP)
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.
 bench: $(STAMP)
 	$(BIN)/shardgen bench --json bench.json --timeline bench.png
+
+# One GPU, a few minutes: the GPU-marker tests, then every gather mode at world size 1 on CUDA
+# (bf16) and a ~1B decode against HF generate(), as JSON (gpu.json). Needs a CUDA torch.
+gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+	$(BIN)/python -m torch.distributed.run --nproc-per-node=1 benchmarks/gpu_check.py --json gpu.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -85,3 +85,20 @@ def test_bench_two_ranks_four_methods(tmp_path: Path):
     assert "shardgen bench:" not in done.stderr, done.stderr[-4000:]
     png = (tmp_path / "b-w2.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_gpu_check_script_runs_its_steps_on_the_cpu(tmp_path):
+    """``make gpu``'s script, ``--smoke`` (CPU, tiny models): every gather mode of both backends
+    equal to HF, the prefix cache, the decode figures, as JSON."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu.json"
+    script = str(root / "benchmarks" / "gpu_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone", script,
+           "--smoke", "--rounds", "1", "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(root / "src")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["ok"] and len(res["modes"]) == 8, res
+    assert all(m["control_plane"] == "gloo" and m["equal_hf"] for m in res["modes"]), res["modes"]
+    assert res["prefix_cache"]["cached_tokens"] > 0 and res["decode"]["tok_s"]["shardgen"] > 0
