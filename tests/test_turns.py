@@ -241,3 +241,32 @@ def test_bad_multi_turn_arguments_raise_with_the_values():
         with pytest.raises(ValueError, match=f"outside the vocabulary of {VOCAB}: \\[{VOCAB}\\]"):
             eng.rollout(prompt, env=lambda r, c: [5, VOCAB], max_new_tokens=2)
         assert len(eng.generate([[5, 6, 7]], max_new_tokens=2)) == 1  # the engine still works
+
+
+def test_the_pool_stays_within_its_bound_over_1000_conversations(monkeypatch):
+    """1,000 two-turn conversations (20 rollouts of 50, as 20 trainer steps would) through a pool of
+    2,000 tokens: never above the bound, hits throughout, and nothing held after close."""
+    from shardgen.generation import prefix_cache
+
+    held: list[int] = []
+    add = prefix_cache.PrefixCache.add
+
+    def watched(self, tokens, kv):
+        add(self, tokens, kv)
+        held.append(self.tokens)
+
+    monkeypatch.setattr(prefix_cache.PrefixCache, "add", watched)
+    model = tiny_model("llama", seed=10)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (20,), generator=g).tolist() for _ in range(1000)]
+    with shardgen.Engine(model, backend="local", prefix_cache_tokens=2000, max_batch_size=64) as eng:
+        turns = []
+        for k in range(0, 1000, 50):
+            b = eng.rollout(prompts[k : k + 50], env=lambda r, c: [5] * 4, max_turns=2, max_new_tokens=3)
+            turns += b.turns
+        pool = eng._driver.work.prefixes
+        stats = eng.stats()
+    assert turns == [2] * 1000
+    assert len(held) >= 1000 and max(held) <= 2000, max(held)
+    assert stats["cached_prompt_tokens"] >= 1000 * 20, stats  # every second turn reused its first
+    assert len(pool) == 0 and pool.tokens == 0 and pool.bytes == 0  # close dropped everything
