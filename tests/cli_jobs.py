@@ -29,13 +29,17 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 class Job:
     """One ``shardgen`` command in its own process group, output to files."""
 
-    def __init__(self, args: list[str], cwd: Path, name: str = "job", command: list[str] = SHARDGEN) -> None:
+    def __init__(
+        self, args: list[str], cwd: Path, name: str = "job", command: list[str] = SHARDGEN,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.args = args
         self.stdout_path, self.stderr_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
-                command + args, cwd=cwd, env=ENV, stdout=out, stderr=err, start_new_session=True
-            )
+                command + args, cwd=cwd, env=ENV if env is None else env, stdout=out, stderr=err,
+                start_new_session=True,
+            )  # fmt: skip
         self.pgid = os.getpgid(self.proc.pid)
 
     @property
