@@ -118,8 +118,8 @@ def test_sliding_window_layers_fall_back_to_the_full_prefill():
     assert_conversations(ts.conversations("local", arch="mistral", counts=(2,)), cached=False)
 
 
-def _turn(eng, prompt, reply, **kw):
-    c = eng.generate([prompt], max_new_tokens=6, eos_token_id=None, logprobs=True, **kw)[0]
+def _turn(eng, prompt, reply, max_new_tokens=6):
+    c = eng.generate([prompt], max_new_tokens=max_new_tokens, eos_token_id=[], logprobs=True)[0]
     return c, prompt + c.token_ids + reply
 
 
@@ -149,19 +149,32 @@ BOUND = 70
 
 
 def test_eviction_under_a_small_bound_keeps_the_tokens():
-    """A bound of 70 tokens (4 conversations of 28 and more): entries go, the rows stay the same."""
+    """A bound of 70 tokens, conversations of 28 tokens after their first turn: A and B fit, C
+    pushes A (the least recently used) out; B's next turn hits, A's misses; every turn's tokens
+    equal the uncached engine's."""
     model = tiny_model("llama", seed=6)
-    prompts = ts.prompts_of(1, 4, length=24)
-    kw = dict(n=1, env=ts.env_for(1, 1), do_sample=False, max_new_tokens=5, eos_token_id=None, max_turns=3)
+    a, b, c = ts.prompts_of(1, 3, length=24)
+    a, b, c = a[:24], b[:24], c[:24]
     out = {}
     for cap in (0, BOUND):
-        with shardgen.Engine(model, backend="local", prefix_cache_tokens=cap, max_batch_size=4) as eng:
-            out[cap] = (ts.rows_of(eng.rollout(prompts, **{**kw, "env": ts.env_for(1, 1)})), eng.stats())
-            held = eng._driver.work.prefixes.tokens
-    assert_same_rows(out[BOUND][0], out[0][0], "bounded")
-    stats = out[BOUND][1]
-    assert stats["prefix_cache_evictions"] > 0 and stats["cached_prompt_tokens"] > 0, stats
-    assert 0 < held <= BOUND
+        with shardgen.Engine(model, backend="local", prefix_cache_tokens=cap) as eng:
+            turns, nxt = [], {}
+            for name, p in (("a", a), ("b", b), ("c", c)):
+                done, nxt[name] = _turn(eng, p, [7] * 5, max_new_tokens=5)
+                turns.append(done)
+            before = eng.stats()["cached_prompt_tokens"]
+            turns.append(_turn(eng, nxt["b"], [], max_new_tokens=5)[0])
+            hit_b = eng.stats()["cached_prompt_tokens"] - before
+            turns.append(_turn(eng, nxt["a"], [], max_new_tokens=5)[0])
+            stats, held = eng.stats(), eng._driver.work.prefixes.tokens
+            out[cap] = ([t.token_ids for t in turns], [t.logprobs for t in turns], stats, hit_b, held)
+    assert out[BOUND][0] == out[0][0]
+    for x, y in zip(out[BOUND][1], out[0][1], strict=True):
+        assert max(abs(p - q) for p, q in zip(x, y, strict=True)) <= LOGPROB_ATOL
+    stats, hit_b = out[BOUND][2], out[BOUND][3]
+    assert stats["prefix_cache_evictions"] >= 1, stats
+    assert hit_b == 24 + 5 - 1 and stats["cached_prompt_tokens"] == hit_b, stats  # A's was evicted
+    assert 0 < out[BOUND][4] <= BOUND
 
 
 def test_a_shared_system_prompt_is_prefilled_once():
