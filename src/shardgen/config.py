@@ -108,11 +108,12 @@ class SamplingParams:
         ``max_new_tokens``). None: nothing to check against."""
         if not isinstance(vocab_size, int) or vocab_size <= 0:
             return []
-        eos = self.eos_token_id
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        pad_ids = [] if self.pad_token_id is None else [self.pad_token_id]
         out = []
-        for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", pad_ids)):
+        for name in ("eos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            if v is None or SAMPLING_RULES[name].problem(name, v) is not None:
+                continue  # unset, or not ids at all (its rule says so: ``problems()``)
+            ids = list(v) if isinstance(v, list | tuple) else [v]
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
             if bad:
                 said = ", ".join(map(repr, bad))

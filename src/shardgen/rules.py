@@ -41,7 +41,12 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_finite(v: Any) -> bool:  # NaN passes no comparison: "x > 0" alone would let it by
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past any float: as the CLI reads it (inf), not finite
+        return False
 
 
 def integer(low: int | None = None) -> Rule:

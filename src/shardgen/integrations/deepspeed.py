@@ -48,7 +48,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import importlib
-import math
 import numbers
 import random
 from collections.abc import Iterator
@@ -80,7 +79,7 @@ _ds = _import_rollout()
 
 def _is_number(v: Any) -> bool:
     """A real number DeepSpeed's ``<= 0`` convention applies to (a bool or NaN is not one)."""
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v  # NaN != NaN; any int
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:
@@ -192,6 +191,9 @@ class ShardgenRollout(_ds.RolloutEngine):
             raise ValueError(f"n_samples_per_prompt must be an integer >= 1, got {n!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"continuous_batch_size must be None or an integer >= 1, got {window!r}")
+        for name in ("max_new_tokens", "temperature", "top_p", "top_k"):  # no unset values there
+            if getattr(sampling, name) is None:
+                raise ValueError(f"{name} must be set in a SamplingConfig, got None")
         SamplingParams(**ShardgenRollout._sampling_options(sampling)).validate()
         return n, window
 
