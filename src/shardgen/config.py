@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,8 +340,9 @@ class JobConfig:
 
     @property
     def model_path(self) -> str:
+        """``--model`` (``~`` expanded: ``--model=~/x`` reaches us unexpanded), else the toy model."""
         if self.model is not None:
-            return self.model
+            return os.path.expanduser(self.model)
         from shardgen.toy import toy_model_path
 
         return toy_model_path()
