@@ -580,3 +580,33 @@ def refusals() -> dict[str, str]:
     else:
         attempt("hpz", model)
     return out
+
+
+def model_kinds() -> dict[str, str]:
+    """Real models of each kind (a ZeRO-3 ``DeepSpeedEngine``, a ``zero.Init`` module, a
+    ``fully_shard``-ed module), each handed to ``shardgen.Engine`` with a backend that cannot run
+    it: ``type: message`` of each refusal (local, before any collective), and what
+    ``backend=None`` picks for each. Every rank builds the same models in the same order."""
+    from torch.distributed.fsdp import fully_shard
+
+    import shardgen
+    from shardgen.backends.kinds import backend_for
+
+    out: dict[str, str] = {}
+    engine = _ds_initialize(tiny_model("llama", seed=5), offload=False)
+    zero = _zero_init_model()
+    fsdp = tiny_model("llama", seed=5)
+    for layer in fsdp.model.layers:
+        fully_shard(layer)
+    fully_shard(fsdp)
+    for case, model, backend in [("engine", engine, "fsdp2"), ("engine_local", engine, "local"),
+                                 ("zero", zero, "fsdp2"), ("fsdp", fsdp, "deepspeed")]:  # fmt: skip
+        try:
+            shardgen.Engine(model, backend=backend).close()
+        except ValueError as e:
+            out[case] = f"ValueError: {e}"
+        else:
+            out[case] = "no error"
+    for case, model in [("engine", engine), ("zero", zero), ("fsdp", fsdp)]:
+        out[f"{case}_picks"] = backend_for(None, model)
+    return out

@@ -28,7 +28,7 @@ BAD_CASES = {
     "duplicate-ids": (GOOD + GOOD, [], 4, ["p.jsonl:2:", "duplicate id 1"]),
     "unknown-fields": (GOOD + '{"id": 2, "prompt": "x", "tempo": 1}\n', [], 4, ["p.jsonl:2:", "'tempo'"]),
     "bad-model": (GOOD, ["--model", "no/such/model/dir"], 5, ["model path no/such/model/dir does not exist"]),
-    "bad-flag-value": (GOOD, ["--batch-size", "0"], 2, ["--batch-size must be >= 1"]),
+    "bad-flag-value": (GOOD, ["--batch-size", "0"], 2, ["--batch-size must be an integer >= 1"]),
     "unwritable-summary": (GOOD, ["--json-summary", "no/such/dir/s.json"], 2, ["not a writable folder"]),
     # validated in the launcher, before torch's launcher starts any rank
     "launcher-validates": (GOOD + '{"id": 2}\n', ["--nproc", "2"], 4, ["p.jsonl:2:", "missing 'prompt'"]),

@@ -297,3 +297,20 @@ def test_refusals_of_a_user_partitioned_model(dsworld):
         assert set(r) == set(want), r
         for case, said in want.items():
             assert r[case].startswith(said) and "moved" not in r[case], (case, r[case])
+
+
+def test_real_models_refuse_a_backend_that_cannot_run_them(dsworld):
+    """Issue 33: a DeepSpeedEngine given backend='fsdp2' was constructed and the first generate()
+    died in backends/replica.py with a TypeError. Real objects of each kind, not look-alikes:
+    refused at construction with both named; backend=None picks the model's own."""
+    want = {
+        "engine": "ValueError: backend='fsdp2' cannot run the model given: it is a DeepSpeedEngine",
+        "engine_local": "ValueError: backend='local' cannot run the model given: it is a DeepSpeedEngine",
+        "zero": "ValueError: backend='fsdp2' cannot run the model given: it is a ZeRO-3-partitioned module",
+        "fsdp": "ValueError: backend='deepspeed' cannot run the model given: it is a module sharded with "
+        "fully_shard",
+    }
+    for r in dsworld.run(sc.model_kinds, timeout=180):
+        for case, said in want.items():
+            assert r[case].startswith(said), (case, r[case])
+        assert (r["engine_picks"], r["zero_picks"], r["fsdp_picks"]) == ("deepspeed", "deepspeed", "fsdp2")

@@ -100,7 +100,7 @@ def test_special_ids_outside_the_vocabulary_are_refused():
     vocab = model.config.vocab_size
     for bad, said in (
         ({"eos_token_id": vocab + 5}, f"{vocab + 5} is outside the model's vocabulary [0, {vocab})"),
-        ({"eos_token_id": [1, -1]}, "eos_token_id -1 is outside"),
+        ({"eos_token_id": [1, -1]}, "eos_token_id must be a token id (an integer >= 0) or a list of them"),
         ({"pad_token_id": vocab}, f"pad_token_id {vocab} is outside"),
     ):
         with pytest.raises(ValueError) as info:

@@ -364,7 +364,7 @@ def test_prefill_flags_reach_the_engine_config_and_the_ranks_argv():
     with pytest.raises(ValueError) as err:
         EngineConfig(max_prefill_tokens=0).validate()
     said = flags.flag_names(str(err.value), cli.RUN_FIELDS)
-    assert said == "--max-prefill-tokens must be >= 1, got 0"
+    assert said == "--max-prefill-tokens must be an integer >= 1, got 0"
 
 
 def test_child_argv_round_trips():

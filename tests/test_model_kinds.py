@@ -81,3 +81,35 @@ def test_from_pretrained_names_a_missing_local_path(path):
     """The hub's "Repo id must be in the form ..." is not what a user with a typo needs."""
     with pytest.raises(FileNotFoundError, match=f"model path {path} does not exist"):
         shardgen.Engine.from_pretrained(path)
+
+
+def test_from_pretrained_and_the_cli_say_the_same_of_a_missing_path(tmp_path):
+    """One rule, one message, from Python and from ``shardgen run --model`` (the CLI's own words
+    were the reference: "model path ... does not exist")."""
+    from shardgen.errors import ExitCode, JobError
+    from shardgen.jobs.run import check_model
+
+    for path in ["/no/such/dir", "./nope", "a/b/c", "C:\\models\\x"]:
+        with pytest.raises(FileNotFoundError) as py:
+            shardgen.Engine.from_pretrained(path)
+        with pytest.raises(JobError) as cli:
+            check_model(path)
+        assert cli.value.code == ExitCode.BAD_MODEL and str(py.value) == str(cli.value), (py, cli)
+
+
+def test_a_path_under_home_is_found_from_python_and_the_cli(tmp_path, monkeypatch):
+    """``~/models/toy`` is the user's home, as a shell reads it: it was "does not exist" (Python)
+    and the hub's repo-id error before."""
+    import shutil
+
+    from shardgen.config import JobConfig
+    from shardgen.jobs.run import check_model
+    from shardgen.toy import toy_model_path
+
+    shutil.copytree(toy_model_path(), tmp_path / "models" / "toy")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    job = JobConfig(prompts="p.jsonl", out="o.jsonl", model="~/models/toy")
+    check_model(job.model_path)  # no JobError
+    with shardgen.Engine.from_pretrained("~/models/toy", backend="local") as eng:
+        out = eng.generate(["count from 3 to 5 :"])[0]
+    assert out.text == "3 4 5", out

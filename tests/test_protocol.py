@@ -111,5 +111,5 @@ def test_engine_config_errors():
         shardgen.Engine(torch.nn.Linear(1, 1), backend="nope")
     with pytest.raises(ValueError, match="gather must be"):
         EngineConfig(gather="sometimes").validate()
-    with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1, got 0"):
         EngineConfig(max_batch_size=0).validate()

@@ -191,3 +191,29 @@ def test_greedy_generate_skewed_batch(model, tokenizer) -> None:
         zip(prompts, answers, strict=True)
     )
     assert min(eos_steps) <= 4 and max(eos_steps) >= 20
+
+
+def _doc(name: str) -> str:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return " ".join((root / name).read_text(encoding="utf-8").split())  # one line: prose wraps
+
+
+def test_the_docs_state_the_toy_models_limits_as_its_assets_have_them(model) -> None:
+    """Issue 33: a multi-turn example met "prompt of 221 tokens ... exceeds the model's context of
+    128 tokens" with no word of that limit where the toy model is introduced."""
+    readme = _doc("README.md")
+    toy_intro = readme[readme.index("shardgen ships a tiny model") :][:600]
+    assert f"a context of {model.config.max_position_embeddings} tokens" in toy_intro, toy_intro
+    assert f"answers of at most {toy.MAX_ANSWER_NUMBERS} numbers" in toy_intro, toy_intro
+
+
+def test_the_docs_say_what_rollout_iters_i_is_and_which_install_to_use() -> None:
+    readme, usage = _doc("README.md"), _doc("docs/USAGE.md")
+    for text in (readme, usage):
+        at = text.index("rollout_iter(prompts")
+        assert "`i` is the prompt's index" in text[at : at + 400], text[at : at + 400]
+    setup = readme[readme.index("## Set up") : readme.index("## Quick start")]
+    for command in ("pip install -e .", "make install"):
+        assert f"Use `{command}`" in setup, setup

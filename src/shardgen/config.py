@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardgen import rules
+from shardgen.rules import Rule, boolean, integer, mapping, number, one_of, strings, token_ids
 
 LIBRARY_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 64,
@@ -44,7 +47,8 @@ class SamplingParams:
     """Sample from the distribution (True) or take the argmax (False, greedy). None: the model's, else
     False."""
     temperature: float | None = None
-    """Softmax temperature when sampling; must be > 0. None: the model's, else 1.0."""
+    """Softmax temperature when sampling: a finite number >= 0, and > 0 when sampling (greedy
+    ignores it). None: the model's, else 1.0."""
     top_k: int | None = None
     """Keep only the k most likely tokens when sampling; 0 disables. None: the model's, else 0."""
     top_p: float | None = None
@@ -86,36 +90,17 @@ class SamplingParams:
     def problems(self) -> list[str]:
         """What makes this request impossible to run, one message per setting (with the numbers).
 
-        Unset fields are checked at their library default (the model's come from HF's own checks).
+        Every field is judged by its rule (``SAMPLING_RULES``, the same at every door: the API,
+        the CLI, the prompts file, ``ShardgenRollout``); unset fields at their library default
+        (the model's come from HF's own checks). Then the one rule between fields, HF's:
+        sampling needs a temperature > 0 (greedy ignores it).
         """
         p = self.resolved()
-        out = []
-
-        def number(name: str) -> float | None:  # NaN passes no comparison: "x > 0" would let it by
-            v = getattr(p, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                out.append(f"{name} must be a finite number, got {v!r}")
-                return None
-            return float(v)
-
-        def integer(name: str, low: int) -> None:
-            v = getattr(p, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                out.append(f"{name} must be an integer >= {low}, got {v!r}")
-
-        integer("max_new_tokens", 1)
-        top_p, temperature = number("top_p"), number("temperature")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            out.append(f"top_p must be in (0, 1], got {p.top_p!r}")
-        if not isinstance(p.do_sample, bool):
-            out.append(f"do_sample must be true or false, got {p.do_sample!r}")
-        elif p.do_sample and temperature is not None and not temperature > 0.0:
+        values = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+        out = rules.problems(SAMPLING_RULES, values)
+        temperature_ok = SAMPLING_RULES["temperature"].problem("temperature", p.temperature) is None
+        if p.do_sample is True and temperature_ok and p.temperature == 0:
             out.append(f"temperature must be > 0 when sampling, got {p.temperature!r}")
-        integer("top_k", 0)
-        if p.stop is not None:
-            ok = isinstance(p.stop, list | tuple) and all(isinstance(x, str) and x for x in p.stop)
-            if not ok:
-                out.append(f"stop must be a list of non-empty strings, got {p.stop!r}")
         return out
 
     def token_id_problems(self, vocab_size: int | None) -> list[str]:
@@ -124,11 +109,12 @@ class SamplingParams:
         ``max_new_tokens``). None: nothing to check against."""
         if not isinstance(vocab_size, int) or vocab_size <= 0:
             return []
-        eos = self.eos_token_id
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        pad_ids = [] if self.pad_token_id is None else [self.pad_token_id]
         out = []
-        for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", pad_ids)):
+        for name in ("eos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            if v is None or SAMPLING_RULES[name].problem(name, v) is not None:
+                continue  # unset, or not ids at all (its rule says so: ``problems()``)
+            ids = list(v) if isinstance(v, list | tuple) else [v]
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
             if bad:
                 said = ", ".join(map(repr, bad))
@@ -140,6 +126,26 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **changes)
+
+
+TEMPERATURE = number(0).optional()
+"""``temperature``'s rule, also ``--temperature``'s (``JobConfig``): a finite number >= 0; 0 is
+greedy (HF: sampling needs > 0, greedy ignores it)."""
+
+SAMPLING_RULES: dict[str, Rule] = {
+    "max_new_tokens": integer(1).optional(),
+    "do_sample": boolean().optional(),
+    "temperature": TEMPERATURE,
+    "top_k": integer(0).optional(),
+    "top_p": number(0, above=True, high=1).optional(),
+    "seed": integer().optional(),
+    "eos_token_id": token_ids().optional(),
+    "pad_token_id": integer(0).optional(),
+    "stop": strings().optional(),
+    "logprobs": boolean(),
+    "raw_logprobs": boolean(),
+}
+"""One rule per ``SamplingParams`` field, the same at every door (None: unset, where allowed)."""
 
 
 def model_defaults(generation_config: Any) -> dict[str, Any]:
@@ -237,35 +243,12 @@ class EngineConfig:
     ``close()``). None: a quarter of ``memory_budget_gb`` left beside the batch's KV cache; 0: off."""
 
     def validate(self) -> None:
-        if self.gather not in GATHER_POLICIES:
-            names = ", ".join(map(repr, GATHER_POLICIES))
-            raise ValueError(f"gather must be one of {names}, got {self.gather!r}")
-        if self.gil_switch_interval is not None and not 0 < self.gil_switch_interval < math.inf:
-            raise ValueError(
-                f"gil_switch_interval must be > 0 seconds or None, got {self.gil_switch_interval}"
-            )
-        if self.bucket_mb is not None and not 0 <= self.bucket_mb < math.inf:
-            raise ValueError(f"bucket_mb must be a finite number >= 0, got {self.bucket_mb}")
-        if self.chunk_mb is not None and not 0 <= self.chunk_mb < math.inf:
-            raise ValueError(f"chunk_mb must be a finite number >= 0, got {self.chunk_mb}")
-        for name in ("burst_steps", "max_batch_size", "max_prefill_tokens"):
-            v = getattr(self, name)
-            if v is None and name != "burst_steps":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        v = self.prefix_cache_tokens
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"prefix_cache_tokens must be None or an integer >= 0, got {v!r}")
-        for name in ("init_timeout", "stall_timeout"):  # finite: nothing waits without a bound
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be > 0 seconds and finite, got {getattr(self, name)}")
-        for name in ("idle_sleep_max", "memory_budget_gb"):
-            v = getattr(self, name)
-            if v is not None and not 0 <= v < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        """Raise ``ValueError`` naming every field its rule refuses (``ENGINE_RULES``, the same
+        for ``Engine(...)``, ``shardgen run``'s flags and ``ShardgenRollout``'s options)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        problems = rules.problems(ENGINE_RULES, values)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (``EngineConfig`` fields) applied; ``ValueError`` on unknown names."""
@@ -284,6 +267,30 @@ class EngineConfig:
             "chunk_mb": str(self.chunk_mb),
             "max_prefill_tokens": str(self.max_prefill_tokens),
         }
+
+
+SECONDS = number(0, above=True)  # finite: nothing waits without a bound
+ENGINE_RULES: dict[str, Rule] = {
+    "backend": one_of(BACKEND_NAMES).optional(),  # None: Engine(...) picks it from the model
+    "gather": one_of(GATHER_POLICIES),
+    "max_batch_size": integer(1).optional(),
+    "refill": boolean(),
+    "burst_steps": integer(1),
+    "gil_switch_interval": number(0, above=True).optional(),
+    "idle_sleep_max": number(0),
+    "init_timeout": SECONDS,
+    "stall_timeout": SECONDS,
+    "debug_collectives": boolean(),
+    "timeline": boolean(),
+    "memory_budget_gb": number(0).optional(),
+    "ds_config": mapping().optional(),
+    "bucket_mb": number(0).optional(),
+    "chunk_mb": number(0).optional(),
+    "share_prefill": boolean(),
+    "max_prefill_tokens": integer(1).optional(),
+    "prefix_cache_tokens": integer(0).optional(),
+}
+"""One rule per ``EngineConfig`` field, the same at every door (None: unset, where allowed)."""
 
 
 @dataclass(kw_only=True)
@@ -340,8 +347,9 @@ class JobConfig:
 
     @property
     def model_path(self) -> str:
+        """``--model`` (``~`` expanded: ``--model=~/x`` reaches us unexpanded), else the toy model."""
         if self.model is not None:
-            return self.model
+            return os.path.expanduser(self.model)
         from shardgen.toy import toy_model_path
 
         return toy_model_path()
@@ -351,8 +359,9 @@ class JobConfig:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.temperature is not None and not 0 <= self.temperature < math.inf:
-            raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        said = TEMPERATURE.problem("--temperature", self.temperature)  # a prompt line's rule too
+        if said is not None:
+            raise ValueError(said)
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"--shard-size must be >= 1, got {self.shard_size}")
         if self.shard_size is not None and self.nproc is not None and self.nproc % self.shard_size:

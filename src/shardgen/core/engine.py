@@ -49,6 +49,7 @@ from shardgen.generation.requests import (
     Completion,
     build_requests,
     encode_prompt,
+    id_batch,
     padded_output,
     resolve_future,
     unpadded_rows,
@@ -184,8 +185,8 @@ class Engine:
 
     def generate_ids(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
+        attention_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
         params: SamplingParams | None = None,
         **overrides: Any,
     ) -> torch.Tensor:
@@ -193,8 +194,10 @@ class Engine:
 
         Returns exactly what HF ``generate()`` returns for the same batch: the input
         columns unchanged, then G = the longest generation; finished rows are padded.
+        ``input_ids`` (and ``attention_mask``) may also be a list of ``B`` id lists of one length.
         Not collective.
         """
+        input_ids, attention_mask = id_batch(input_ids, attention_mask)
         reqs = self._submit_many(
             unpadded_rows(input_ids, attention_mask), params, overrides, as_requests=True
         )

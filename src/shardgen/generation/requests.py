@@ -177,6 +177,41 @@ def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
     return [int(t) for t in prompt]
 
 
+def id_batch(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``generate_ids``' input as tensors: a ``[B, T]`` tensor as given, or a list of ``B``
+    token-id lists of one length (and its mask likewise). Raises ``ValueError`` saying what is
+    expected."""
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids
+    else:
+        ids = _id_rows(input_ids, "input_ids")
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        attention_mask = _id_rows(attention_mask, "attention_mask")
+    return ids, attention_mask
+
+
+def _id_rows(rows: Any, name: str) -> torch.Tensor:
+    expected = f"{name} must be a [batch, length] tensor or a list of token-id lists of one length"
+    if not isinstance(rows, list | tuple) or not rows or not all(isinstance(r, list | tuple) for r in rows):
+        raise ValueError(f"{expected}, got {_shape_word(rows)}")
+    bad = [t for r in rows for t in r if isinstance(t, bool) or not isinstance(t, int)]
+    if bad:
+        raise ValueError(f"{expected}; got a {type(bad[0]).__name__} ({bad[0]!r}) among the ids")
+    lengths = sorted({len(r) for r in rows})
+    if len(lengths) > 1:
+        raise ValueError(
+            f"{expected}; got rows of lengths {lengths[0]} to {lengths[-1]} (left-pad them and pass "
+            "attention_mask, or give generate() the lists)"
+        )
+    return torch.tensor([list(r) for r in rows], dtype=torch.long)
+
+
+def _shape_word(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "an empty list" if not value else f"a list of {type(value[0]).__name__}"
+    return type(value).__name__
+
+
 def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """Each row's real ids from an HF-style left-padded ``[B, T]`` batch. Raises ``ValueError``."""
     if input_ids.dim() != 2:

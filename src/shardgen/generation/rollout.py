@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from shardgen.config import SamplingParams
+from shardgen.config import SAMPLING_RULES, SamplingParams
 from shardgen.generation import turns
 from shardgen.generation.requests import Completion
 from shardgen.generation.sequence import resolve_special_ids
@@ -160,8 +160,9 @@ def rollout_iter(
     **overrides: Any,
 ) -> Iterator[tuple[int, RolloutBatch]]:
     """``rollout()``, streamed: ``(i, group)`` for each prompt as soon as its ``n`` samples are
-    done, in the order groups finish; ``group`` is a ``RolloutBatch`` of prompt ``i``'s n rows,
-    padded on its own (its prompt, its longest response). Not collective.
+    done, in the order groups finish: ``i`` is the prompt's index in ``prompts`` (``prompts[i]``),
+    ``group`` a ``RolloutBatch`` of that prompt's n rows, padded on its own (its prompt, its
+    longest response). Not collective.
 
     The requests are submitted (and the arguments checked) by the call itself, before the first
     group is asked for; the groups are the rows ``rollout()`` returns for the same arguments:
@@ -236,16 +237,20 @@ class _Plan:
             raise ValueError("rollout() takes a list of prompts (strings or token-id lists), not one prompt")
         overrides = dict(overrides)
         seeds = overrides.pop("seed", None if params is None else params.seed)
-        base = (params if params is not None else ROLLOUT_DEFAULTS).replace(logprobs=True, **overrides)
+        base = (params if params is not None else ROLLOUT_DEFAULTS).replace(**overrides)
         gen_config = getattr(engine.model, "generation_config", None)
         base = base.resolved(gen_config)  # as every request will be
-        base.validate()
+        base.validate()  # the caller's values (logprobs too) by the rules of every door
+        base = base.replace(logprobs=True)  # then forced on: a rollout always returns them
         prompts = list(prompts)
         if isinstance(seeds, (list, tuple)):
             if len(seeds) != len(prompts):
                 raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
         else:
             seeds = [seeds] * len(prompts)
+        bad = [said for s in seeds if (said := SAMPLING_RULES["seed"].problem("seed", s)) is not None]
+        if bad:  # checked greedy too: the same value gets the same answer whatever it decodes
+            raise ValueError(bad[0])
         if base.do_sample:
             rng = random.SystemRandom()
             seeds = [rng.randrange(2**63) if s is None else int(s) for s in seeds]

@@ -48,12 +48,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import importlib
+import numbers
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from shardgen.config import SamplingParams
 from shardgen.generation.requests import Completion, unpadded_rows
 from shardgen.generation.rollout import RolloutBatch as ShardgenBatch
 from shardgen.generation.rollout import pack, sample_seed
@@ -73,6 +75,11 @@ def _import_rollout() -> Any:
 
 
 _ds = _import_rollout()
+
+
+def _is_number(v: Any) -> bool:
+    """A real number DeepSpeed's ``<= 0`` convention applies to (a bool or NaN is not one)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v  # NaN != NaN; any int
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:
@@ -177,32 +184,37 @@ class ShardgenRollout(_ds.RolloutEngine):
 
     @staticmethod
     def _check(sampling: Any) -> tuple[int, int | None]:
-        n, new = sampling.n_samples_per_prompt, sampling.max_new_tokens
-        window = sampling.continuous_batch_size
+        """``(n, continuous_batch_size)`` of ``sampling``; ``ValueError`` naming the field. What it
+        maps to (``_sampling_options``) is judged by ``SamplingParams``' rules, as at every door."""
+        n, window = sampling.n_samples_per_prompt, sampling.continuous_batch_size
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n_samples_per_prompt must be an integer >= 1, got {n!r}")
-        if not isinstance(new, int) or new < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {new!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"continuous_batch_size must be None or an integer >= 1, got {window!r}")
-        if sampling.temperature > 0 and not 0.0 < sampling.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p}")
+        for name in ("max_new_tokens", "temperature", "top_p", "top_k"):  # no unset values there
+            if getattr(sampling, name) is None:
+                raise ValueError(f"{name} must be set in a SamplingConfig, got None")
+        SamplingParams(**ShardgenRollout._sampling_options(sampling)).validate()
         return n, window
 
+    @staticmethod
+    def _sampling_options(sampling: Any) -> dict[str, Any]:
+        """DeepSpeed's ``SamplingConfig`` as ``SamplingParams`` fields, by its own convention (as
+        ``HybridEngineRollout`` reads it): a temperature <= 0 is greedy (top-p and top-k unused),
+        a top_k <= 0 is off. Anything else is passed on as given, for the rules to judge."""
+        t, k = sampling.temperature, sampling.top_k
+        options: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens}
+        if _is_number(t) and t <= 0.0:
+            return {**options, "do_sample": False}
+        top_k = 0 if _is_number(k) and k <= 0 else k
+        return {**options, "do_sample": True, "temperature": t, "top_p": sampling.top_p, "top_k": top_k}
+
     def _options(self, sampling: Any, prompts: int, n: int) -> tuple[dict[str, Any], list[int | None]]:
-        """The engine's request settings, and one seed per row (None: greedy)."""
-        options: dict[str, Any] = dict(
-            max_new_tokens=int(sampling.max_new_tokens), eos_token_id=self.eos, pad_token_id=self.pad,
-            logprobs=True,
-        )  # fmt: skip
-        if sampling.temperature <= 0.0:
-            return {**options, "do_sample": False}, [None] * (prompts * n)
-        options.update(
-            do_sample=True,
-            temperature=float(sampling.temperature),
-            top_p=float(sampling.top_p),
-            top_k=max(int(sampling.top_k), 0),
-        )
+        """The engine's request settings (``_check``-ed), and one seed per row (None: greedy)."""
+        options = self._sampling_options(sampling)
+        options.update(eos_token_id=self.eos, pad_token_id=self.pad, logprobs=True)
+        if not options["do_sample"]:
+            return options, [None] * (prompts * n)
         base = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
         rank = self.engine.rank
         seeds: list[int | None] = [sample_seed(base, self.calls, f"{rank}:{r}") for r in range(prompts * n)]

@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from shardgen.config import JobConfig, SamplingParams
+from shardgen.config import TEMPERATURE, JobConfig, SamplingParams
 from shardgen.errors import ExitCode, JobError
 from shardgen.jobs.journal import id_key
 from shardgen.suggest import did_you_mean
@@ -156,13 +156,19 @@ def request_params(
     """
     opts = dict(options)
     temperature = opts.pop("temperature", temperature)
+    # The line's temperature is judged as given, by the rule every door applies (-1 is refused
+    # here as by the API and --temperature, not taken for greedy); then 0 means greedy.
+    said = TEMPERATURE.problem("temperature", temperature)
+    early = [] if said is None else [said]
+    if early:
+        temperature = None  # named above; the line's other fields are still judged below
     do_sample = opts.pop("do_sample", None if temperature is None else temperature > 0)
     if temperature is not None and temperature <= 0 and not do_sample:
         temperature = None  # greedy: no temperature applies (sampling at 0 fails validation)
     params = base.replace(**opts, do_sample=do_sample, temperature=temperature)
     if params.do_sample is not False and params.seed is None:
         params = params.replace(seed=derive_seed(seed, rid))
-    problems = params.problems() + params.token_id_problems(vocab_size)
+    problems = early + params.problems() + params.token_id_problems(vocab_size)
     if problems:
         raise ValueError("; ".join(problems))
     return params

@@ -45,7 +45,7 @@ from shardgen.jobs.journal import (
     load_results,
 )
 from shardgen.jobs.prompts import PromptRecord
-from shardgen.loading.pretrained import looks_like_path
+from shardgen.loading.pretrained import missing_model_path
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -68,8 +68,9 @@ def check_model(path: str) -> None:
         return
     if os.path.exists(path):
         raise JobError(ExitCode.BAD_MODEL, f"cannot read model at {path}: a file, not a model folder")
-    if looks_like_path(path):
-        raise JobError(ExitCode.BAD_MODEL, f"model path {path} does not exist")
+    missing = missing_model_path(path)
+    if missing is not None:
+        raise JobError(ExitCode.BAD_MODEL, missing)
     try:  # a hub id: accept it only from the local cache (never download here)
         from transformers import AutoConfig
 

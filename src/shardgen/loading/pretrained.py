@@ -137,8 +137,18 @@ def _load_generation_config(model: nn.Module, path: str) -> None:
 
 def looks_like_path(name: str) -> bool:
     """``name`` can only be a local path, never a hub id (``repo`` or ``namespace/repo``): it
-    starts with ``.``, ``/`` or ``~``, or has more than one ``/``."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1
+    starts with ``.``, ``/`` or ``~``, has more than one ``/``, or a ``\\`` (Windows)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def missing_model_path(name: str) -> str | None:
+    """What to say of a model ``name`` that can only be a local path and does not exist
+    (``model path ... does not exist``: ``shardgen run --model`` and ``Engine.from_pretrained``
+    both say it, instead of the hub's "Repo id must be in the form ..."); None otherwise. ``~`` is
+    the user's home, as in a shell."""
+    if looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
+        return f"model path {name} does not exist"
+    return None
 
 
 def source_of(model: Any) -> Source | None:
@@ -232,8 +242,10 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
     """
     from transformers import AutoTokenizer
 
-    if not os.path.exists(path) and looks_like_path(path):  # not the hub's "Repo id must be ..."
-        raise FileNotFoundError(f"model path {path} does not exist")
+    missing = missing_model_path(path)
+    if missing is not None:
+        raise FileNotFoundError(missing)
+    path = os.path.expanduser(path)  # ~/models/x, as a shell would (transformers would not)
     if is_safetensors_checkpoint(path):
         model = skeleton(path, dtype)
     else:
