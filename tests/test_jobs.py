@@ -596,7 +596,8 @@ def test_special_ids_are_checked_against_the_vocabulary(tmp_path):
     path = jsonl(tmp_path, {"prompt": "a", "eos_token_id": [3, 72], "pad_token_id": -1})
     said = str(read_error(path, vocab_size=72))
     # the pad id's own rule (the same at every door) and the vocabulary's: both named at once
-    assert "eos_token_id 72 is outside" in said and "pad_token_id must be an integer >= 0, got -1" in said, said
+    assert "eos_token_id 72 is outside" in said, said
+    assert "pad_token_id must be an integer >= 0, got -1" in said, said
 
 
 def test_the_cli_checks_special_ids_against_the_model_before_any_rank(tmp_path, capsys):
