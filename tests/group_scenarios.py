@@ -177,6 +177,9 @@ def not_a_member():
     """Ranks 2 and 3 pass a group of ranks [0, 1] (``new_group`` gave them NON_GROUP_MEMBER)."""
     pg = dist.new_group(GROUPS[0])
     if rank() in GROUPS[0]:
+        # Both members through the group once before either closes it: under load, one member
+        # can return from new_group while the other is still connecting its gloo pair.
+        dist.barrier(group=pg)
         dist.destroy_process_group(pg)
         return None
     try:
