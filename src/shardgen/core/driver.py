@@ -430,8 +430,7 @@ class Driver:
         need not agree on it."""
         if self.config.max_batch_size is not None:
             return self.config
-        held = self.backend.full_param_bytes() if self.gather_policy == "once" else 0
-        free = memory_budget(self.config.memory_budget_gb, self.device) - held
+        free = self._kv_budget()
         rows = batch_rows(free, kv_cache_bytes(hf_config, 1))
         log.info("max_batch_size unset: %d rows (%.1f MB of budget for the KV cache)", rows, free / 1e6)
         return self.config.replace(max_batch_size=rows)
@@ -441,11 +440,14 @@ class Driver:
         left beside the batch's KV cache (``max_batch_size`` rows of 2048 tokens). Per rank."""
         if self.config.prefix_cache_tokens is not None:
             return self.config.prefix_cache_tokens
-        held = self.backend.full_param_bytes() if self.gather_policy == "once" else 0
-        rows = self.config.max_batch_size or 1
-        free = memory_budget(self.config.memory_budget_gb, self.device) - held
-        free -= kv_cache_bytes(hf_config, rows)
+        free = self._kv_budget() - kv_cache_bytes(hf_config, self.config.max_batch_size or 1)
         return max(0, int(0.25 * free) // max(kv_cache_bytes(hf_config, 1, tokens=1), 1))
+
+    def _kv_budget(self) -> int:
+        """Bytes of the memory budget left for KV caches beside the weights a forward keeps (the
+        whole model with ``once``; per layer, the gathered layer is transient and not counted)."""
+        held = self.backend.full_param_bytes() if self.gather_policy == "once" else 0
+        return memory_budget(self.config.memory_budget_gb, self.device) - held
 
     def _attribute(self, err: BaseException) -> BaseException:
         """Blame the right rank: a broken collective is a symptom; wait for liveness to name the cause."""

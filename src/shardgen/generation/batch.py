@@ -169,12 +169,7 @@ class Batch:
 
     def can_refill(self) -> bool:
         """Refill needs caches it can re-align: plain ``DynamicLayer``s (no sliding windows)."""
-        layers = getattr(self.cache, "layers", None)
-        return (
-            self.steps > 0
-            and bool(layers)
-            and all(type(layer) in (DynamicLayer, ReservedLayer) and layer.is_initialized for layer in layers)
-        )
+        return self.steps > 0 and self.cacheable()
 
     def drop_finished(self) -> int:
         """Take the finished rows out of the batch (their results are already collected), so the

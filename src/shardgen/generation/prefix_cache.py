@@ -100,12 +100,17 @@ class PrefixCache:
         if self._lru.get(entry.tokens) is entry:
             self._lru.move_to_end(entry.tokens)
 
+    def keeps(self, length: int) -> bool:
+        """Whether ``add`` keeps a sequence of ``length`` tokens: longer than a block, within the
+        bound (asked before the KV is copied out)."""
+        return BLOCK < length <= self.capacity
+
     def add(self, tokens: list[int], kv: KV) -> None:
         """Keep ``tokens``' KV (``kv[l]``: ``[kv_heads, len(tokens), head_dim]`` each), evicting the
         least recently used entries to stay within ``capacity``. An entry that is a prefix of the
         new one goes (the new one serves every prompt it served)."""
         key = tuple(tokens)
-        if not self.capacity or len(key) <= BLOCK or len(key) > self.capacity:
+        if not self.keeps(len(key)):
             return
         if key in self._lru:
             self._lru.move_to_end(key)

@@ -136,16 +136,12 @@ def rollout(
     replies in token ids (None ends the row), for multi-turn rows of at most ``max_turns``
     model turns (``turns.py``); ``max_new_tokens`` is then per turn.
     """
-    if env is not None:
-        most = turns.check_turn_args(env, max_turns)
-        plan = _Plan(engine, prompts, params, n, overrides)
-        groups = dict(turns.conversations(engine, plan, env, most))
+    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns)
+    if talks is not None:
+        groups = dict(talks)
         if not groups:  # no prompt: the empty batch
             return plan.pack([], range(0))
         return concat([groups[i] for i in range(len(groups))])
-    if max_turns is not None:
-        raise ValueError("max_turns goes with env= (a multi-turn rollout)")
-    plan = _Plan(engine, prompts, params, n, overrides)
     return plan.pack([f.result() for f in plan.futures], range(len(plan.futures)))
 
 
@@ -171,16 +167,33 @@ def rollout_iter(
     ``env``, a group is prompt ``i``'s n conversations once every one has ended; leaving the loop
     early starts no further turns.
     """
-    if env is not None:
-        most = turns.check_turn_args(env, max_turns)
-        return turns.conversations(engine, _Plan(engine, prompts, params, n, overrides), env, most)
-    if max_turns is not None:
-        raise ValueError("max_turns goes with env= (a multi-turn rollout)")
-    plan = _Plan(engine, prompts, params, n, overrides)
+    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns)
+    if talks is not None:
+        return talks
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
     for k, f in enumerate(plan.futures):
         f.add_done_callback(lambda _f, i=k // n: done.put(i))  # runs in the driver: only a put
     return _groups(plan, done)
+
+
+def _multi_turn(
+    engine: Any,
+    prompts: Any,
+    params: SamplingParams | None,
+    n: int,
+    overrides: dict[str, Any],
+    env: Any,
+    max_turns: int | None,
+) -> tuple[_Plan, Iterator[tuple[int, RolloutBatch]] | None]:
+    """The call's checked plan (its first turns submitted), and with ``env`` its conversations
+    (``turns.py``); None for a single-turn call."""
+    if env is None:
+        if max_turns is not None:
+            raise ValueError("max_turns goes with env= (a multi-turn rollout)")
+        return _Plan(engine, prompts, params, n, overrides), None
+    most = turns.check_turn_args(env, max_turns)
+    plan = _Plan(engine, prompts, params, n, overrides)
+    return plan, turns.conversations(engine, plan, env, most)
 
 
 def _groups(plan: _Plan, done: queue.SimpleQueue[int]) -> Iterator[tuple[int, RolloutBatch]]:

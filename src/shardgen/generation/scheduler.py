@@ -27,7 +27,7 @@ import torch
 from shardgen.config import EngineConfig
 from shardgen.generation.batch import Batch
 from shardgen.generation.prefill import PrefillPlan
-from shardgen.generation.prefix_cache import BLOCK, PrefixCache
+from shardgen.generation.prefix_cache import PrefixCache
 from shardgen.generation.requests import Request
 from shardgen.generation.score import RowScore, ScoreRequest
 from shardgen.generation.scoring import ScorePlan, ScoreRun
@@ -302,7 +302,7 @@ class LocalWork:
         last (never fed: the next turn's prompt computes it)."""
         cache = self.prefixes
         length = len(s.prompt_ids) + len(s.tokens) - 1
-        if not cache.capacity or length <= BLOCK or length > cache.capacity or not batch.cacheable():
+        if not cache.keeps(length) or not batch.cacheable():
             return
         assert batch.cache.layers[0].keys.shape[-2] == batch.input_ids.shape[1] - 1, "cache and ids apart"
         evicted = cache.evictions

@@ -45,7 +45,6 @@ class _Row:
         self.logprobs: list[float] = []
         self.turns = 0
         self.finish = "length"
-        self.texts: list[str] = []
 
     def model_turn(self, c: Completion) -> None:
         if self.prompt is None:
@@ -103,16 +102,13 @@ def conversations(engine: Any, plan: Any, env: StepFn, most: int) -> Iterator[tu
         reply = None if row.turns >= most else env(r, c)
         if reply is not None:
             reply = _checked(reply, r, vocab)
+            row.env_turn(reply)
             nxt = list(c.prompt_token_ids) + list(c.token_ids) + reply
-            if ctx is not None and len(nxt) >= ctx:
-                row.env_turn(reply)  # the reply is kept; no room for another model turn
-                row.finish = "length"
-                reply = None
-            else:
-                row.env_turn(reply)
+            if ctx is None or len(nxt) < ctx:
                 seed = plan.seed_of(r, row.turns, nxt)
                 watch(r, engine.submit_many([nxt], None, seed=[seed], **plan.options)[0])
                 continue
+            row.finish = "length"  # the reply is kept; no room for another model turn
         live -= 1
         i = r // plan.n
         left[i] -= 1
