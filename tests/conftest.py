@@ -115,6 +115,15 @@ def world4() -> Iterator[WorldHandle]:
     yield from _world_fixture(4)
 
 
+@pytest.fixture(scope="module")
+def ds_world2() -> Iterator[Any]:
+    """2 gloo ranks for one test module, ready for DeepSpeed (``rollout_scenarios.ds_world``)."""
+    from rollout_scenarios import ds_world
+
+    with ds_world(2) as world:
+        yield world
+
+
 _CUDA_AVAILABLE: bool | None = None
 
 

@@ -3,8 +3,10 @@ checks on a ``RolloutBatch`` that tests/test_rollout.py shares."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,6 +59,24 @@ def id_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- helpers
+DS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def ds_world(n: int) -> Iterator[Any]:
+    """A World of ``n`` gloo ranks with DeepSpeed's CPU accelerator set and its comm layer
+    started (``warm_up``: the first start ever JIT-builds an op), so that no test's bound
+    includes that start; closed (its ranks killed by pid) on the way out."""
+    from world import World
+
+    world = World(n, env=DS_ENV, start_timeout=120.0)
+    try:
+        world.run(warm_up, timeout=300)
+        yield world
+    finally:
+        world.close()
+
+
 def warm_up() -> bool:
     """Import DeepSpeed and start its comm layer (the first time ever it JIT-builds an op)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -10,23 +10,11 @@ from __future__ import annotations
 
 import pytest
 import score_scenarios as sc
-from rollout_scenarios import warm_up
-from world import World
+from rollout_scenarios import ds_world
 
 pytestmark = pytest.mark.multirank
 
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 TOL = 2e-5
-
-
-@pytest.fixture(scope="module")
-def world2():
-    world = World(2, env=ENV, start_timeout=120.0)
-    try:
-        world.run(warm_up, timeout=300)
-        yield world
-    finally:
-        world.close()
 
 
 @pytest.mark.parametrize(
@@ -41,8 +29,8 @@ def world2():
         ("deepspeed", "stationary", None),
     ],
 )
-def test_score_uneven_rows_match_hf(world2, backend, gather, max_prefill_tokens):
-    out = world2.run(sc.score_uneven, backend, gather, max_prefill_tokens, timeout=180)
+def test_score_uneven_rows_match_hf(ds_world2, backend, gather, max_prefill_tokens):
+    out = ds_world2.run(sc.score_uneven, backend, gather, max_prefill_tokens, timeout=180)
     assert all(res["policy"] == gather for res in out)
     for r, res in enumerate(out):
         assert res["diff"] < TOL, f"rank {r}: {res['diff']}"
@@ -58,23 +46,23 @@ def test_score_uneven_rows_match_hf(world2, backend, gather, max_prefill_tokens)
         ("gpt2", "fsdp2", "stationary"),  # Conv1D: per-module fallbacks beside the exchanges
     ],
 )
-def test_score_architectures(world2, arch, backend, gather):
-    out = world2.run(sc.score_uneven, backend, gather, 5, arch, timeout=180)
+def test_score_architectures(ds_world2, arch, backend, gather):
+    out = ds_world2.run(sc.score_uneven, backend, gather, 5, arch, timeout=180)
     assert all(res["policy"] == gather for res in out)
     assert all(res["diff"] < TOL for res in out), [res["diff"] for res in out]
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-def test_rescore_rollout_under_teacher_prompts(world2, backend):
-    out = world2.run(sc.rescore_rollout, backend, timeout=180)
+def test_rescore_rollout_under_teacher_prompts(ds_world2, backend):
+    out = ds_world2.run(sc.rescore_rollout, backend, timeout=180)
     for r, res in enumerate(out):
         assert res["self"] < TOL and res["teacher"] < TOL, f"rank {r}: {res}"
     assert [res["rows"] for res in out] == [6, 3]
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-def test_two_engines_at_once(world2, backend):
-    out = world2.run(sc.two_engines, backend, timeout=180)
+def test_two_engines_at_once(ds_world2, backend):
+    out = ds_world2.run(sc.two_engines, backend, timeout=180)
     for r, res in enumerate(out):
         assert res["diff"] < TOL and res["gen_ok"] and res["student_after"] == 4, f"rank {r}: {res}"
     assert out[0]["groups"][0] != out[0]["groups"][1]  # each engine has its own keys and groups
@@ -83,8 +71,7 @@ def test_two_engines_at_once(world2, backend):
 def test_score_three_ranks_both_backends():
     """3 ranks: rank 0 scores, rank 1 has no rows and generates, rank 2 scores from a thread
     beside its own generate(); FSDP2 per layer with chunks, DeepSpeed stationary."""
-    with World(3, env=ENV, start_timeout=120.0) as world:
-        world.run(warm_up, timeout=300)
+    with ds_world(3) as world:
         for backend, gather, chunk in (("fsdp2", "per-layer", 5), ("deepspeed", "stationary", None)):
             out = world.run(sc.score_uneven, backend, gather, chunk, timeout=180)
             assert all(res["diff"] < TOL for res in out), (backend, [res["diff"] for res in out])

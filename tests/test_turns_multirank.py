@@ -9,23 +9,10 @@ from __future__ import annotations
 
 import pytest
 import turns_scenarios as ts
-from rollout_scenarios import warm_up
+from rollout_scenarios import ds_world
 from test_turns import assert_conversations
-from world import World
 
 pytestmark = pytest.mark.multirank
-
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def world2():
-    world = World(2, env=ENV, start_timeout=120.0)
-    try:
-        world.run(warm_up, timeout=300)
-        yield world
-    finally:
-        world.close()
 
 
 @pytest.mark.parametrize(
@@ -39,8 +26,8 @@ def world2():
         ("deepspeed", "stationary", 7),
     ],
 )
-def test_conversations_uneven_turns_2_ranks(world2, backend, gather, max_prefill_tokens):
-    out = world2.run(ts.conversations, backend, gather, max_prefill_tokens, timeout=240)
+def test_conversations_uneven_turns_2_ranks(ds_world2, backend, gather, max_prefill_tokens):
+    out = ds_world2.run(ts.conversations, backend, gather, max_prefill_tokens, timeout=240)
     for res in out:
         assert res["on"]["policy"] == gather
         assert_conversations(res)
@@ -50,8 +37,7 @@ def test_conversations_uneven_turns_2_ranks(world2, backend, gather, max_prefill
 
 def test_conversations_3_ranks_both_backends():
     """Rank 2 has no prompt: it joins every tick, pause included, with no conversation."""
-    with World(3, env=ENV, start_timeout=120.0) as world:
-        world.run(warm_up, timeout=300)
+    with ds_world(3) as world:
         for backend, gather in (("fsdp2", "per-layer"), ("deepspeed", "stationary")):
             out = world.run(ts.conversations, backend, gather, 7, timeout=240)
             for res in out[:2]:
