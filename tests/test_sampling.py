@@ -628,3 +628,81 @@ def test_float32_cumsum_is_the_float64_running_sum_rounded(vocab):
     for scale in (0.3, 3.0, 30.0):
         q = torch.softmax(torch.sort(torch.randn(4, vocab, generator=g) * scale).values, -1)
         assert torch.equal(q.cumsum(-1), q.cumsum(-1, dtype=torch.float64).float()), f"scale {scale}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The binned top-p path (``_binned_draw``): ``_nucleus_draw``'s token without sorting the row, or
+# the row handed back to it. Every row it settles must be ``_nucleus_draw``'s token.
+# ---------------------------------------------------------------------------------------------
+
+
+def binned_rows(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows of logits: normal x 3 (a nucleus of hundreds), flat (a random model's near-uniform
+    rows), zipf (peaked, LLM-like), bf16 and small-integer ties, and rows with -inf entries."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "zipf":
+        base = -1.1 * torch.arange(1, vocab + 1, dtype=torch.float32).log()
+        return torch.stack(
+            [base[torch.randperm(vocab, generator=g)] for _ in range(rows)]
+        ) + 0.1 * torch.randn(rows, vocab, generator=g)
+    x = torch.randn(rows, vocab, generator=g) * (0.3 if kind == "flat" else 3.0)
+    if kind == "bf16":
+        return x.to(torch.bfloat16).float()
+    if kind == "ints":
+        return torch.randint(0, 50, (rows, vocab), generator=g).float()
+    if kind == "masked":
+        return x.masked_fill(torch.rand(rows, vocab, generator=g) < 0.3, NEG)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["normal", "flat", "zipf", "bf16", "ints", "masked"])
+@pytest.mark.parametrize("vocab", [8192, 32000, 50257])
+def test_binned_draw_settles_rows_with_the_nucleus_token(kind, vocab):
+    """Over temperatures and top-p values, every row ``_binned_draw`` settles draws
+    ``_nucleus_draw``'s token for the same uniform; on the real-use rows (top-p 0.9-0.99, no ties)
+    it settles most of them, so the sort is the exception."""
+    settled = total = 0
+    for i, (t, p) in enumerate([(0.7, 0.95), (1.0, 0.9), (1.3, 0.5), (0.5, 0.99), (1.9, 0.999)]):
+        x = binned_rows(kind, 24, vocab, seed=vocab + i)
+        knobs = [(t, 0, p)] * len(x)
+        u = torch.rand(len(x), generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+        u[:2] = torch.tensor([0.0, math.nextafter(1.0, 0.0)])  # both ends of the draw
+        tokens, ok = sampling._binned_draw(x, knobs, u)
+        want = sampling._nucleus_draw(x, knobs, u)
+        assert torch.equal(tokens[ok], want[ok]), (
+            f"T {t} top_p {p}: rows {(ok & (tokens != want)).nonzero().flatten().tolist()}"
+        )
+        if p in (0.9, 0.95, 0.99):
+            settled, total = settled + int(ok.sum()), total + len(x)
+    if kind in ("normal", "flat", "zipf"):
+        assert settled >= 0.6 * total, f"settled {settled} of {total} rows"
+    if kind == "masked":  # -inf scores: no finite range of bins, so every row goes to the sort
+        assert settled == 0
+
+
+@pytest.mark.parametrize("chunk", [None, 3 * 32000])
+def test_binned_path_gives_the_same_tokens_as_the_sorted_path(chunk, monkeypatch):
+    """``select_tokens`` at vocabulary 32,000 with mixed rows (top-p alone, top-k with top-p,
+    temperature only, greedy, tied bf16 rows): the same tokens as with the binned path off, and
+    each row's token the same alone as in the batch, in any chunking."""
+    if chunk is not None:
+        monkeypatch.setattr(sampling, "FAST_CHUNK_ELEMENTS", chunk)
+    kinds = [
+        SamplingParams(do_sample=True, temperature=0.7, top_p=0.95, seed=1),
+        SamplingParams(do_sample=True, temperature=1.0, top_k=40, top_p=0.9, seed=2),
+        SamplingParams(do_sample=True, temperature=0.8, seed=3),
+        SamplingParams(do_sample=False),
+        SamplingParams(do_sample=True, temperature=1.2, top_p=0.99, seed=4),
+    ]
+    batch = [kinds[i % len(kinds)].resolved() for i in range(10)]
+    for step in range(4):
+        logits = binned_rows("normal" if step % 2 else "flat", 10, 32000, seed=step)
+        logits[4] = logits[4].to(torch.bfloat16).float()
+        on = select_tokens(logits, batch, generators_for(batch), None)
+        alone = [
+            int(select_tokens(logits[i : i + 1], [p], generators_for([p]), None)) for i, p in enumerate(batch)
+        ]
+        with monkeypatch.context() as m:
+            m.setattr(sampling, "FAST_MIN_VOCAB", 10**9)  # the sorted path only
+            off = select_tokens(logits, batch, generators_for(batch), None)
+        assert on.tolist() == off.tolist() == alone, f"step {step}"

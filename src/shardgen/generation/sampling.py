@@ -8,8 +8,11 @@ through a float64 CDF: a request's tokens depend only on its logits and its seed
 which rank served it or what else was in the batch, and the draw is stable under the last-bit
 noise that batching can add to logits. On the CPU, top-p rows draw from HF's kept set in
 sorted order (``_nucleus_draw``: the one sort that finds the cut also orders the CDF, so no
-warped scores or second softmax); other rows, and every row on other devices, draw through the
-CDF in vocabulary order (``draw_tokens``). Which way a row goes depends on its own knobs and
+warped scores or second softmax); at large vocabularies rows without top-k first try
+``_binned_draw``, which finds the same token from a histogram of the row's probability mass and
+sorts only two bins, and hands a row whose cut or draw lies too near a boundary to
+``_nucleus_draw``; other rows, and every row on other devices, draw through the CDF in
+vocabulary order (``draw_tokens``). Which way a row goes depends on its own knobs and
 device only. On the CPU a row's result is bitwise the same alone or in any batch
 (tests/test_sampling.py). On CUDA, ``cumsum`` picks its thread layout from the number of rows
 (and a single row takes another kernel), so cumulative sums may differ in the last bit between
@@ -19,6 +22,7 @@ that rounding of a boundary, as last-bit noise in the logits would.
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -214,15 +218,23 @@ def select_tokens(
     index = None if len(rows) == logits.shape[0] else torch.tensor(rows, device=logits.device)
     sub = logits if index is None else logits.index_select(0, index)
     knobs = [_knobs(params[i]) for i in rows]
-    S, V = sub.shape
-    fast = _fast(sub)
-    step = max(1, CPU_CHUNK_ELEMENTS // V) if sub.device.type == "cpu" else S
+    tokens = _fast_rows(sub, knobs, u)
+    if tokens is None:
+        tokens = _chunked(sub, knobs, u)
+    return tokens if index is None else torch.argmax(logits, dim=-1).index_copy_(0, index, tokens)
+
+
+def _chunked(logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor) -> torch.Tensor:
+    """Tokens [S] for sampled rows through ``_select_chunk``: on the CPU in chunks of about
+    ``CPU_CHUNK_ELEMENTS`` logits (each row's result is the same in any chunk)."""
+    S, V = logits.shape
+    fast = _fast(logits)
+    step = max(1, CPU_CHUNK_ELEMENTS // V) if logits.device.type == "cpu" else S
     parts = [
-        _select_chunk(sub[a : a + step], knobs[a : a + step], u[a : a + step], fast)
+        _select_chunk(logits[a : a + step], knobs[a : a + step], u[a : a + step], fast)
         for a in range(0, S, step)
     ]
-    tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return tokens if index is None else torch.argmax(logits, dim=-1).index_copy_(0, index, tokens)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # From this vocabulary on, CPU top-p rows take ``_nucleus_draw``; below it its extra calls cost more
@@ -353,3 +365,166 @@ def chosen_logprobs(
         if any(t != 1.0 for t in temps):
             scaled = scaled / torch.tensor(temps, dtype=scaled.dtype, device=scaled.device)[:, None]
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# CPU top-p rows without top-k, from FAST_MIN_VOCAB on, first try ``_binned_draw``: the token
+# ``_nucleus_draw`` gives, found without sorting the row (a sort of 32,000 values costs 15-300x an
+# elementwise pass over them, by CPU). Each row's probability mass goes into BINS bins of its score
+# range (one scatter), which name the two places that matter: the bin where HF's cumulative
+# probability crosses 1 - top_p, and the bin where the draw lands. Only those bins' tokens are
+# sorted. Below FAST_MIN_VOCAB one sort of the row costs less than these passes.
+FAST_MIN_VOCAB = 8192
+BINS = 4096
+# The bins' probabilities come from a softmax of the unsorted row; HF's cut compares the running
+# sum of the softmax of the sorted row, whose normaliser sums in another order: the two running
+# sums differ by a factor (measured: up to 7.1e-6 apart, relative, at vocabularies 8,192-152,064).
+# A row whose cut lies within CUT_MARGIN x (1 - top_p) of a token's cumulative probability takes
+# ``_nucleus_draw``. The draw compares sums
+# of the same probabilities on both sides (x and the CDF scale alike with the normaliser), so
+# only their last-bit rounding is left: DRAW_MARGIN, relative to the row's mass.
+CUT_MARGIN = 2e-5  # relative to 1 - top_p
+DRAW_MARGIN = 1e-7
+# Rows go through in chunks of about this many logits, in scratch buffers of that size kept per
+# thread: a fresh [S, V] tensor costs more in page faults than the pass that fills it.
+FAST_CHUNK_ELEMENTS = 1 << 21
+_scratch = threading.local()
+
+
+def _buffers(n: int) -> tuple[torch.Tensor, ...]:
+    """This thread's scratch of at least ``n`` elements: float32 x3, float64, int64 (flat)."""
+    have = getattr(_scratch, "bufs", None)
+    if have is None or have[0].numel() < n:
+        f32 = [torch.empty(n) for _ in range(3)]
+        have = (*f32, torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.long))
+        _scratch.bufs = have
+    return have
+
+
+def _fast_rows(logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor) -> torch.Tensor | None:
+    """Tokens [S] with the CPU's top-p rows (no top-k) first through ``_binned_draw``, in chunks of
+    ``FAST_CHUNK_ELEMENTS``; the rows it cannot settle, and the others, through ``_chunked``. None
+    where no row can take it (another device or dtype, a small vocabulary, no such row). A row's
+    token is ``_chunked``'s either way."""
+    S, V = logits.shape
+    if not (logits.device.type == "cpu" and logits.dtype == torch.float32 and V >= FAST_MIN_VOCAB):
+        return None
+    rows = [i for i, (_, k, p) in enumerate(knobs) if p < 1.0 and not 0 < k < V]
+    if not rows:
+        return None
+    tokens = torch.empty(S, dtype=torch.long)
+    done = torch.zeros(S, dtype=torch.bool)
+    step = max(1, FAST_CHUNK_ELEMENTS // V)
+    for a in range(0, len(rows), step):
+        idx = torch.tensor(rows[a : a + step])
+        part = logits if len(idx) == S else logits.index_select(0, idx)
+        drawn, ok = _binned_draw(part, [knobs[i] for i in idx.tolist()], u[idx])
+        tokens[idx[ok]] = drawn[ok]
+        done[idx[ok]] = True
+    if not bool(done.all()):
+        left = (~done).nonzero().flatten()
+        tokens[left] = _chunked(logits.index_select(0, left), [knobs[i] for i in left.tolist()], u[left])
+    return tokens
+
+
+def _binned_draw(
+    logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p rows (no top-k) on the CPU, float32: ``_nucleus_draw``'s token without a sort of the
+    row. -> (tokens [S], ok [S] bool); a row not ``ok`` must take ``_nucleus_draw``.
+
+    Scores are HF's (the same division by the temperature), probabilities one float32 softmax of
+    the row. A token's bin is ``floor((max - s) * (BINS - 1) / (max - min))``: monotone in its
+    score, so a bin holds a range of the sorted row and its mass is the sorted running sum's step
+    over that range. Not ok: a row with no spread or non-finite scores, a cut or a draw within the
+    margins above of a token's cumulative probability, a cut inside tied scores (HF's sort decides).
+    """
+    S, V = logits.shape
+    n = S * V
+    b_s, b_p, b_f, b_d, b_i = (b[:n].view(S, V) for b in _buffers(n))
+    temps = torch.tensor([t for t, _, _ in knobs], dtype=logits.dtype)[:, None]
+    scores = logits
+    if bool((temps != 1.0).any()):  # HF's division, as in _nucleus_cut (x / 1.0 == x)
+        scores = torch.div(logits, temps, out=b_s)
+    probs = torch.ops.aten._softmax.out(scores, -1, False, out=b_p)
+    bot, top = torch.aminmax(scores, dim=-1, keepdim=True)
+    span = top - bot
+    good = (span > 0) & torch.isfinite(span)
+    scale = torch.where(good, (BINS - 1) / span, torch.zeros_like(span))
+    # Bin 0 holds the largest scores. (max - s) * scale <= BINS - 1 up to rounding: BINS + 1 bins.
+    f = torch.mul(torch.sub(top, scores, out=b_f), scale, out=b_f)
+    if not bool(good.all()):  # -inf or nan in a row: some bin for each, the row not ok anyway
+        f.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    idx = b_i.copy_(f)
+    pd = b_d.copy_(probs)
+    hist = torch.zeros(S, BINS + 1, dtype=torch.float64).scatter_add_(1, idx, pd)
+    suffix = hist.flip(1).cumsum(1).flip(1)  # mass of the bin and every bin below it
+    below = torch.cat([suffix[:, 1:], suffix.new_zeros(S, 1)], dim=1)  # mass strictly below
+    total = suffix[:, :1]
+    thr = _rounds_to_at_most(torch.tensor([1.0 - p for _, _, p in knobs], dtype=scores.dtype)[:, None])
+    cut_bin = (suffix > thr).sum(1, keepdim=True) - 1  # where the ascending running sum passes thr
+    cut_bin.clamp_(min=0)
+    # The removed mass lies in [below[cut_bin], thr], so the draw's x in a range of one or two bins.
+    below_cut = below.gather(1, cut_bin)
+    uu = u.to(torch.float64)[:, None]
+    x_lo, x_hi = below_cut + uu * (total - below_cut), thr + uu * (total - thr)
+    draw_hi = ((suffix > x_lo).sum(1, keepdim=True) - 1).clamp_(min=0)  # the lower x: a higher bin
+    draw_lo = ((suffix > x_hi).sum(1, keepdim=True) - 1).clamp_(min=0)
+    ar = torch.arange(BINS + 1)[None]
+    want = (ar == cut_bin) | ((ar >= draw_lo) & (ar <= draw_hi))
+    rc = want.gather(1, idx).nonzero()  # [N, 2] row-major: columns ascending within a row
+    rows_t, cols_t = rc[:, 0], rc[:, 1]
+    r, c = rows_t.numpy(), cols_t.numpy()
+    vals = scores[rows_t, cols_t].numpy()
+    order = np.lexsort((vals, r))  # by row, then score ascending; tied scores in vocabulary order
+    r, c, vals = r[order], c[order], vals[order]
+    bins = idx[rows_t, cols_t].numpy()[order]
+    p = pd[rows_t, cols_t].numpy()[order]
+    below_n, thr_n, total_n = below.numpy(), thr.numpy()[:, 0], total.numpy()[:, 0]
+    # Running sum within each (row, bin) run, on top of the mass below the bin.
+    cs = np.cumsum(p)
+    new = np.ones(len(r), dtype=bool)
+    new[1:] = (r[1:] != r[:-1]) | (bins[1:] != bins[:-1])
+    starts = np.flatnonzero(new)
+    base = np.repeat(cs[starts] - p[starts], np.diff(np.append(starts, len(r))))
+    cum = below_n[r, bins] + (cs - base)
+    ok = good.flatten().numpy().copy()
+
+    def run(in_bin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: where its run of candidates in the chosen bin starts (-1: none), and its length."""
+        at = np.flatnonzero(in_bin)
+        start = np.full(S, -1)
+        rows_at, first = np.unique(r[at], return_index=True)
+        start[rows_at] = at[first]
+        return start, np.bincount(r[at], minlength=S)
+
+    def take(a: np.ndarray, i: np.ndarray, fill: float) -> np.ndarray:
+        return np.where(
+            (i >= 0) & (i < len(a)), a[np.clip(i, 0, max(len(a) - 1, 0))] if len(a) else fill, fill
+        )
+
+    # The cut: HF removes the tokens whose running sum is <= thr (the m smallest).
+    cb = cut_bin.numpy()[:, 0]
+    in_cut = bins == cb[r]
+    start, count = run(in_cut)
+    m = np.bincount(r[in_cut & (cum <= thr_n[r])], minlength=S)
+    ok &= (start >= 0) & (m < count)  # the first kept token is in this bin
+    last = start + m - 1
+    removed = np.where(m > 0, take(cum, last, 0.0), below_n[np.arange(S), cb])
+    kept_cum = take(cum, start + m, np.inf)
+    near = CUT_MARGIN * thr_n + 1e-12
+    ok &= (thr_n - removed > near) & (kept_cum - thr_n > near)
+    ok &= ~((m > 0) & (take(vals, last, np.nan) == take(vals, start + m, np.nan)))  # a cut in a tie
+    # The draw: the first token in ascending order whose running sum exceeds x (as _nucleus_draw).
+    x = removed + u.numpy().astype(np.float64) * (total_n - removed)
+    db = ((suffix.numpy() > x[:, None]).sum(1) - 1).clip(min=0)
+    ok &= (db >= draw_lo.numpy()[:, 0]) & (db <= draw_hi.numpy()[:, 0])
+    in_draw = bins == db[r]
+    start, count = run(in_draw)
+    j = np.bincount(r[in_draw & (cum <= x[r])], minlength=S)
+    ok &= (start >= 0) & (j < count)
+    pos = start + j
+    prev = np.where(j > 0, take(cum, pos - 1, 0.0), below_n[np.arange(S), db])
+    margin = DRAW_MARGIN * total_n
+    ok &= (take(cum, pos, np.inf) - x > margin) & (x - prev > margin)
+    tokens = torch.from_numpy(np.where(ok, take(c, pos, 0), 0).astype(np.int64))
+    return tokens, torch.from_numpy(ok)
