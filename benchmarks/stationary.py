@@ -4,6 +4,7 @@
     python benchmarks/stationary.py --part memory --world 2          # VmHWM growth while generating
     python benchmarks/stationary.py --part crossover --world 2       # forward time vs tokens per forward
     python benchmarks/stationary.py --part toy --world 2             # latency-bound toy: auto vs per-layer
+    python benchmarks/stationary.py --part latency --world 2         # where a stationary forward's time goes
 
 ``big`` model: a random Llama, hidden 1024, intermediate 2816, 8 layers, 16 heads, vocabulary
 2048, fp32 (113M parameters, 453 MB); ``--arch gemma`` the same sizes as a Gemma (its scaled
@@ -20,6 +21,14 @@ on the same backend, rounds interleaved, median ms, next to the cost model's cho
 (``backends/stationary/cost.py``). ``toy``: the shipped toy model on its skewed task
 (benchmarks/gather_once.py's ``toy`` workload), ``auto`` against ``per-layer`` (today's default),
 ``stationary``, and ``auto`` with a memory budget the replica does not fit (per forward choice).
+``latency``: a cost model of the stationary forward against ``local``, all measured in one run
+(``--backend``, ``--tokens`` per rank, decode-sized by default): the forward of the unsharded
+model on one rank's tokens (``local``: the same arithmetic a stationary rank does), the
+stationary forward, its collectives per forward (counted as they are issued), and the bare
+latency of one ``all_to_all_single`` of a decode exchange's size on the same gloo group, and
+the time a forward spends inside its collectives (their waits included) and outside them. The
+model: stationary = local + collectives x latency; it prints the prediction beside the
+measurement, and the latency a collective would need for stationary to reach 0.8x ``local``.
 """
 
 from __future__ import annotations
@@ -142,6 +151,8 @@ def rank_main(args: argparse.Namespace) -> None:
             }
     elif args.part == "crossover":
         res["crossover"] = _crossover(args, rank, world)
+    elif args.part == "latency":
+        res["latency"] = _latency(args, rank, world)
     else:
         res["tok_s"] = _toy(args, rank, world)
     if rank == 0:
@@ -157,6 +168,8 @@ def rank_main(args: argparse.Namespace) -> None:
             print(res["memory"])
         for row in res.get("crossover", []):
             print(row)
+        for row in res.get("latency", []):
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         write_json(args.json, res)
     dist.destroy_process_group()
 
@@ -195,6 +208,95 @@ def _crossover(args, rank: int, world: int) -> list[dict]:
         row["measured"] = min(ms, key=lambda k: statistics.median(ms[k]))
         row["auto"] = min(model_s, key=model_s.get)
         rows.append(row)
+    b.close()
+    return rows
+
+
+def _latency(args, rank: int, world: int) -> list[dict]:
+    """Per ``--tokens`` value: local and stationary forward ms, collectives per forward, the bare
+    latency of one exchange, and the model's prediction (rank 0's view; every rank runs it)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardgen.backends import make_backend
+
+    group = dist.new_group(backend="gloo")
+    b = make_backend(args.backend, _big(args), param_group=group, device=torch.device("cpu"))
+    assert b.enable_stationary() is None
+    local = _big(args)  # the same weights (seed 0), unsharded, on every rank
+    issued = {"n": 0, "s": 0.0}  # collectives issued, seconds inside them (their waits included)
+
+    class Timed:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return self.work.wait(*a, **k)
+            finally:
+                issued["s"] += time.perf_counter() - t0
+
+    for name in ("all_to_all_single", "all_gather_into_tensor", "all_reduce", "broadcast", "all_gather"):
+        real = getattr(dist, name)
+
+        def counted(*a, _real=real, **k):
+            issued["n"] += 1
+            t0 = time.perf_counter()
+            try:
+                work = _real(*a, **k)
+            finally:
+                issued["s"] += time.perf_counter() - t0
+            return Timed(work) if work is not None else None
+
+        setattr(dist, name, counted)
+    hidden = local.config.hidden_size
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        shapes = [(tokens, 1)] * world
+        ids = torch.randint(3, 2048, (1, tokens), generator=torch.Generator().manual_seed(rank))
+        ms = {"local": [], "stationary": [], "inside": []}
+        calls = 0
+        for _ in range(args.rounds * 5 + 1):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                local(input_ids=ids, use_cache=False, logits_to_keep=1)
+            ms["local"].append((time.perf_counter() - t0) * 1e3)
+            dist.barrier(group)
+            before, inside = issued["n"], issued["s"]
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                b.forward(mode="stationary", shapes=shapes, input_ids=ids, use_cache=False, logits_to_keep=1)
+            ms["stationary"].append((time.perf_counter() - t0) * 1e3)
+            ms["inside"].append((issued["s"] - inside) * 1e3)
+            calls = issued["n"] - before
+        x = torch.randn(tokens * world, hidden)
+        out = torch.empty_like(x)
+        lat = []
+        for _ in range(200):  # a decode exchange: every rank's tokens x hidden, split by rank
+            t0 = time.perf_counter()
+            dist.all_to_all_single(out, x, [tokens] * world, [tokens] * world, group=group)
+            lat.append((time.perf_counter() - t0) * 1e3)
+        issued["n"] -= 200
+        t_local = statistics.median(ms["local"][1:])
+        t_st = statistics.median(ms["stationary"][1:])
+        t_in = statistics.median(ms["inside"][1:])
+        lam = statistics.median(lat)
+        rows.append({
+            "tokens_per_rank": tokens,
+            "pinned": bool(args.pin),
+            "local_ms": t_local,
+            "stationary_ms": t_st,
+            "collectives": calls,
+            "inside_collectives_ms": t_in,
+            "outside_collectives_ms": t_st - t_in,
+            "exchange_latency_ms": lam,
+            "model_stationary_ms": t_local + calls * lam,
+            "measured_x_local": t_local / t_st,
+            "model_x_local": t_local / (t_local + calls * lam),
+            "latency_for_0.8x_ms": 0.25 * t_local / max(calls, 1),
+        })  # fmt: skip
     b.close()
     return rows
 
@@ -252,7 +354,9 @@ def _toy(args, rank: int, world: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="gloo ranks to spawn")
-    p.add_argument("--part", choices=["throughput", "memory", "crossover", "toy"], default="throughput")
+    p.add_argument(
+        "--part", choices=["throughput", "memory", "crossover", "toy", "latency"], default="throughput"
+    )
     p.add_argument(
         "--methods", default=THROUGHPUT, help="throughput/memory: comma list of GATHER-BACKEND, local"
     )
@@ -262,8 +366,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="prompts per rank (one batch)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--backend", default="fsdp2", help="crossover: the backend")
-    p.add_argument("--tokens", default="1,8,32,64,128,256,512", help="crossover: tokens per rank per forward")
+    p.add_argument("--backend", default="fsdp2", help="crossover, latency: the backend")
+    p.add_argument(
+        "--tokens", default="1,8,32,64,128,256,512", help="crossover, latency: tokens per rank per forward"
+    )
     p.add_argument("--prompts", type=int, default=32, help="toy: prompts per rank")
     p.add_argument(
         "--pin", action="store_true",
