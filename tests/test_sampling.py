@@ -706,3 +706,18 @@ def test_binned_path_gives_the_same_tokens_as_the_sorted_path(chunk, monkeypatch
             m.setattr(sampling, "FAST_MIN_VOCAB", 10**9)  # the sorted path only
             off = select_tokens(logits, batch, generators_for(batch), None)
         assert on.tolist() == off.tolist() == alone, f"step {step}"
+
+
+@pytest.mark.parametrize("vocab", [8192, 32000, 152064])
+def test_cut_margin_covers_the_sorted_softmax_on_this_cpu(vocab):
+    """What ``_binned_draw``'s cut margin assumes, on the CPU the suite runs on: HF's running sum
+    (softmax of the sorted row) and the unsorted softmax's, summed in sorted order, differ by less
+    than half of CUT_MARGIN x V, relative, wherever the sum is above 1e-3."""
+    g = torch.Generator().manual_seed(vocab)
+    for scale in (0.3, 3.0, 10.0):
+        x = torch.randn(8, vocab, generator=g) * scale
+        ordered, order = torch.sort(x, -1)
+        hf = torch.softmax(ordered, -1).cumsum(-1, dtype=torch.float64)
+        ours = torch.softmax(x, -1).gather(1, order).double().cumsum(-1)
+        rel = ((hf - ours).abs() / hf)[hf > 1e-3]
+        assert float(rel.max()) < 0.5 * sampling.CUT_MARGIN * vocab, f"scale {scale}: {float(rel.max()):.3g}"
