@@ -48,7 +48,24 @@ def recording(cls: type) -> type:
     return Recording
 
 
-def grpo_tool_step(
+def grpo_tool_step(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``_grpo_tool_step``, leaving no DeepSpeed state behind for the World's next scenario
+    (transformers keeps the ZeRO-3 config process-wide, accelerate its state)."""
+    try:
+        return _grpo_tool_step(*args, **kwargs)
+    finally:
+        import gc
+
+        from accelerate.state import AcceleratorState
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state()
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by accelerate for a DeepSpeed plugin
+        gc.collect()
+
+
+def _grpo_tool_step(
     backend: str, model_path: str, questions: list[list[str]], mode: str, temperature: float = 1.0
 ) -> dict[str, Any]:
     """One GRPO step with ``tools=[add]``; rank r's batch holds ``questions[r]`` (each asked
