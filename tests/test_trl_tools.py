@@ -102,6 +102,19 @@ def test_tool_loop_uneven_turns_no_reprefill(worlds, model_path, backend, n):
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_environment_factory_uneven_turns(worlds, model_path, backend):
+    """TRL's ``environment_factory`` (the tool as an environment's method) runs the same loop:
+    the same tokens as ``tools=`` and, again, only the replies prefilled."""
+    world = worlds[2]
+    env = world.run(sc.grpo_tool_step, backend, model_path, UNEVEN[2], "cache", 1.0, True, timeout=STEP_S)
+    tools = world.run(sc.grpo_tool_step, backend, model_path, UNEVEN[2], "cache", timeout=STEP_S)
+    assert [len(o["calls"]) for o in env] == [1, 3]
+    for e, t in zip(env, tools, strict=True):
+        assert e["completion_ids"] == t["completion_ids"] and e["tool_mask"] == t["tool_mask"]
+        assert e["stats"]["prefill_tokens"] == new_tokens(e), e["stats"]
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
 def test_tool_loop_equals_stock_trl(worlds, model_path, backend):
     """Where TRL's own loop runs (every rank takes the same number of turns), near-greedy
     (temperature 0.05) completions and tool masks equal its own, token for token."""

@@ -50,6 +50,31 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+class AddEnv:
+    """The same tool as an environment (TRL's ``environment_factory``): its public methods are the
+    tools, ``reset`` starts an episode (the prompt unchanged), ``calls`` counts its tool calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def reset(self, **_: object) -> None:
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """
+        Adds two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The sum of a and b.
+        """
+        self.calls += 1
+        return add(a, b)
+
+
 def prompt(question: str) -> list[dict]:
     return [{"role": "user", "content": question}]
 

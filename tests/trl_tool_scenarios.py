@@ -66,9 +66,15 @@ def grpo_tool_step(*args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def _grpo_tool_step(
-    backend: str, model_path: str, questions: list[list[str]], mode: str, temperature: float = 1.0
+    backend: str,
+    model_path: str,
+    questions: list[list[str]],
+    mode: str,
+    temperature: float = 1.0,
+    environment: bool = False,
 ) -> dict[str, Any]:
-    """One GRPO step with ``tools=[add]``; rank r's batch holds ``questions[r]`` (each asked
+    """One GRPO step with ``tools=[add]`` (``environment``: ``environment_factory=AddEnv``, the
+    same tool as an environment's method); rank r's batch holds ``questions[r]`` (each asked
     ``num_generations=2`` times). Returns this rank's generation outputs and counters."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import tool_model as tm
@@ -130,7 +136,7 @@ def _grpo_tool_step(
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tok,
-        tools=[tm.add],
+        **({"environment_factory": tm.AddEnv} if environment else {"tools": [tm.add]}),
         **kwargs,
     )
     trainer.rec_calls = []
