@@ -41,10 +41,9 @@ def recording(cls: type) -> type:
             return out
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-            self.rec_calls.append([len(p) for p in prompt_ids])
+            self.__dict__.setdefault("rec_calls", []).append([len(p) for p in prompt_ids])
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
-    Recording.rec_calls = None  # set per instance below
     return Recording
 
 
@@ -139,7 +138,6 @@ def _grpo_tool_step(
         **({"environment_factory": tm.AddEnv} if environment else {"tools": [tm.add]}),
         **kwargs,
     )
-    trainer.rec_calls = []
     dist.barrier()
     start = time.perf_counter()
     trainer.train()

@@ -15,6 +15,10 @@ How it fits TRL 1.16 (``trl/trainer/grpo_trainer.py``):
 - ``_generate_single_turn`` (the one place TRL generates: HF ``generate()`` inside
   ``unwrap_model_for_generation``, or vLLM) submits the rows to the engine instead (NOT
   collective) and returns the completions with their sampling logprobs, as TRL's vLLM path does.
+- ``tools=`` / ``environment_factory=``: TRL's ``_tool_call_loop`` calls it once more per tool
+  turn, for the rows that called a tool, on ``prompt_ids + completion_ids + tool reply ids``
+  (concatenated, never re-tokenized), and issues no collective until the loop ends: ranks may
+  take any number of turns, and the rank's prefix cache serves each turn all but the reply.
 - TRL applies its importance-sampling correction (``vllm_importance_sampling_*``: training-side
   logprobs against sampling logprobs) only on its vLLM path, so the trainer takes that path:
   ``use_vllm`` is set on the instance after construction and ``vllm_generation`` is a stand-in
