@@ -15,6 +15,10 @@ How it fits TRL 1.16 (``trl/trainer/grpo_trainer.py``):
 - ``_generate_single_turn`` (the one place TRL generates: HF ``generate()`` inside
   ``unwrap_model_for_generation``, or vLLM) submits the rows to the engine instead (NOT
   collective) and returns the completions with their sampling logprobs, as TRL's vLLM path does.
+- ``tools=`` / ``environment_factory=``: TRL's ``_tool_call_loop`` calls it once more per tool
+  turn, for the rows that called a tool, on ``prompt_ids + completion_ids + tool reply ids``
+  (concatenated, never re-tokenized), and issues no collective until the loop ends: ranks may
+  take any number of turns, and the rank's prefix cache serves each turn all but the reply.
 - TRL applies its importance-sampling correction (``vllm_importance_sampling_*``: training-side
   logprobs against sampling logprobs) only on its vLLM path, so the trainer takes that path:
   ``use_vllm`` is set on the instance after construction and ``vllm_generation`` is a stand-in
@@ -108,6 +112,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self.shardgen_engine: Any = None
         self._shardgen_pause = contextlib.ExitStack()
         self._shardgen_calls = 0
+        self._shardgen_phase = False  # inside _generate: the model stays in eval mode until its end
         # TRL runs its importance-sampling correction only on its vLLM path (module docstring).
         self.use_vllm = True
         self.vllm_mode = "shardgen"
@@ -140,15 +145,47 @@ class GRPOTrainer(_trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ TRL hooks
     def _generate(self, prompts: list) -> Any:
-        """One generation phase (tool turns included), between two pauses of the engine."""
+        """One generation phase, TRL's tool turns included, between two pauses of the engine.
+
+        The model stays in eval mode from the phase's first generation call to its end: a
+        ``train()``/``eval()`` switch drops the engine's prefix cache, and each tool turn's prompt
+        extends the turn before it (TRL concatenates the ids), which the cache holds. Ends with one
+        ``gather`` (collective on the default group, every rank once per phase, before the pause),
+        of the prompt tokens the phase computed and took from the cache, for TRL's logs.
+        """
         self._shardgen_pause.close()  # resume: the engine generates again
+        mode = "train" if self.model.training else "eval"  # as TRL's _generate reads it
+        training, self._shardgen_phase = self.model.training, True
+        before = self._shardgen_counts()
         try:
-            return super()._generate(prompts)
+            out = super()._generate(prompts)
+            self._shardgen_log(mode, before)
+            return out
         finally:
+            self._shardgen_phase = False
+            self.model.train(training)
             if self.shardgen_engine is not None:
                 # Collective: every rank enters once its own generation is done; peers still
                 # generating are served meanwhile. Held through the loss, backward and step.
                 self._shardgen_pause.enter_context(self.shardgen_engine.paused())
+
+    def _shardgen_counts(self) -> tuple[int, int]:
+        """This rank's prompt tokens computed and taken from the prefix cache, so far."""
+        if self.shardgen_engine is None:
+            return 0, 0
+        stats = self.shardgen_engine.stats()
+        return int(stats["prefill_tokens"]), int(stats["cached_prompt_tokens"])
+
+    def _shardgen_log(self, mode: str, before: tuple[int, int]) -> None:
+        """Log the phase's prompt tokens, all ranks summed. Collective (``gather`` on the default
+        group): every rank, once per phase, after TRL's own gathers and before the pause."""
+        import torch
+
+        now = self._shardgen_counts()
+        local = torch.tensor([now[0] - before[0], now[1] - before[1]], device=self.accelerator.device)
+        computed, cached = self.accelerator.gather(local).view(-1, 2).sum(0).tolist()
+        self._metrics[mode]["shardgen/prompt_tokens_computed"].append(float(computed))
+        self._metrics[mode]["shardgen/prompt_tokens_cached"].append(float(cached))
 
     def _generate_single_turn(
         self,
@@ -160,6 +197,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
     ) -> tuple[list[list[int]], list[list[float]]]:
         """One generation call (NOT collective: a rank may make any number, zero rows included).
 
+        TRL calls it once per phase, then once per tool turn for the rows that called a tool,
+        with ``prompt + completion + tool reply`` ids: the rank's prefix cache holds the KV of the
+        turn before, so the turn prefills only the reply and the previous answer's last token.
         Rows are independent samples (TRL repeats each prompt ``num_generations`` times itself).
         Returns the completions (the first EOS kept, nothing after it) and their logprobs.
         """
@@ -172,7 +212,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
             engine = self._shardgen_open()
             done = self._shardgen_generate(engine, [list(map(int, p)) for p in prompt_ids])
         finally:
-            model.train(was_training)
+            if not self._shardgen_phase:  # inside _generate, the phase restores the mode at its end
+                model.train(was_training)
         return [c.token_ids for c in done], [list(c.logprobs or []) for c in done]
 
     def _shardgen_generate(self, engine: Any, rows: list[list[int]]) -> list[Any]:
