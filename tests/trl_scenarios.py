@@ -32,7 +32,29 @@ def uneven_calls(cls):
     return Uneven
 
 
+def clear_trainer_state() -> None:
+    """Leave no DeepSpeed or accelerate state behind for the World's next scenario (transformers
+    keeps the ZeRO-3 config process-wide, accelerate its state and an environment variable)."""
+    import gc
+
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by accelerate for a DeepSpeed plugin
+    gc.collect()
+
+
 def grpo_two_steps(backend: str, stock: bool = False) -> dict:
+    """``_grpo_two_steps``, then ``clear_trainer_state``."""
+    try:
+        return _grpo_two_steps(backend, stock)
+    finally:
+        clear_trainer_state()
+
+
+def _grpo_two_steps(backend: str, stock: bool = False) -> dict:
     """Two GRPO steps on 2 ranks with uneven generation calls; returns rank 0's logged rewards."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from datasets import Dataset

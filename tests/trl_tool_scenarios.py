@@ -48,20 +48,13 @@ def recording(cls: type) -> type:
 
 
 def grpo_tool_step(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """``_grpo_tool_step``, leaving no DeepSpeed state behind for the World's next scenario
-    (transformers keeps the ZeRO-3 config process-wide, accelerate its state)."""
+    """``_grpo_tool_step``, then ``trl_scenarios.clear_trainer_state``."""
+    from trl_scenarios import clear_trainer_state
+
     try:
         return _grpo_tool_step(*args, **kwargs)
     finally:
-        import gc
-
-        from accelerate.state import AcceleratorState
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-        AcceleratorState._reset_state()
-        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by accelerate for a DeepSpeed plugin
-        gc.collect()
+        clear_trainer_state()
 
 
 def _grpo_tool_step(
