@@ -46,6 +46,27 @@ def clear_trainer_state() -> None:
     gc.collect()
 
 
+def trainer_model(backend: str, path: str) -> tuple[object, dict | None]:
+    """The model a trainer is given and its DeepSpeed config: for ``deepspeed`` a plain model and
+    a ZeRO-3 config (the trainer's accelerator shards it); for ``fsdp2`` the model sharded by
+    transformers over the default group."""
+    from transformers import AutoModelForCausalLM
+
+    if backend == "deepspeed":
+        ds_config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 3},
+        }
+        return AutoModelForCausalLM.from_pretrained(path), ds_config
+    from transformers.distributed import DistributedConfig
+
+    world = dist.get_world_size()
+    return AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(fsdp_size=world)
+    ), None
+
+
 def grpo_two_steps(backend: str, stock: bool = False) -> dict:
     """``_grpo_two_steps``, then ``clear_trainer_state``."""
     try:
@@ -58,7 +79,7 @@ def _grpo_two_steps(backend: str, stock: bool = False) -> dict:
     """Two GRPO steps on 2 ranks with uneven generation calls; returns rank 0's logged rewards."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import GRPOConfig
     from trl import GRPOTrainer as StockGRPOTrainer
 
@@ -69,18 +90,7 @@ def _grpo_two_steps(backend: str, stock: bool = False) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     rng = random.Random(0)
     prompts = [toy.format_prompt(*toy.sample_task(rng, rng.randint(2, 5))) for _ in range(16)]
-    ds_config = None
-    if backend == "deepspeed":
-        model = AutoModelForCausalLM.from_pretrained(path)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "zero_optimization": {"stage": 3},
-        }
-    else:
-        from transformers.distributed import DistributedConfig
-
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))
+    model, ds_config = trainer_model(backend, path)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="shardgen-trl-"),
         per_device_train_batch_size=4,

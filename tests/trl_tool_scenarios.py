@@ -71,7 +71,7 @@ def _grpo_tool_step(
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import tool_model as tm
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import GRPOConfig
     from trl import GRPOTrainer as StockGRPOTrainer
 
@@ -83,20 +83,9 @@ def _grpo_tool_step(
     assert len(questions) == world and len({len(q) for q in questions}) == 1, questions
     per_rank = len(questions[0])
     tok = AutoTokenizer.from_pretrained(model_path)
-    ds_config = None
-    if backend == "deepspeed":
-        model = AutoModelForCausalLM.from_pretrained(model_path)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "zero_optimization": {"stage": 3},
-        }
-    else:
-        from transformers.distributed import DistributedConfig
+    from trl_scenarios import trainer_model
 
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, distributed_config=DistributedConfig(fsdp_size=world)
-        )
+    model, ds_config = trainer_model(backend, model_path)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="shardgen-trl-tools-"),
         per_device_train_batch_size=2 * per_rank,
