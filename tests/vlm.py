@@ -21,11 +21,11 @@ def tiny_qwen2_vl(seed: int = 0) -> Any:
     torch.manual_seed(seed)
     text = dict(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
     )  # fmt: skip
     vision = dict(
-        depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH,
+        depth=2, embed_dim=32, initializer_range=0.2, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH,
         spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
     )  # fmt: skip
     cfg = Qwen2VLConfig(

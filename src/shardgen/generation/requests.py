@@ -82,7 +82,7 @@ def build_request(
     stop_check = stop_string_check(tokenizer, list(params.stop)) if params.stop else None
     seq = SeqState(
         prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check,
-        inputs=dict(inputs) if inputs else None,
+        inputs=inputs or None,  # as given: rows given one dict share their prefill
     )  # fmt: skip
     req = Request(seq=seq)
     seq.tag = req

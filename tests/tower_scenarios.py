@@ -1,0 +1,92 @@
+"""Scenarios for tests/test_towers.py (they run inside gloo ranks of a World): a tiny Qwen2-VL
+(``vlm.py``) generating on ranks whose batches hold images, text only, or nothing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed as dist
+from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
+
+# Per rank: the calls it makes, each a list of (text, images or None). Rank 0 mixes images of
+# different sizes, several images in one prompt and a text-only request in one batch; rank 1
+# holds only text; rank 2 (at 3 ranks) holds none.
+_REQUESTS = {
+    0: [
+        [([5, 6], ((4, 6),)), ([9], None), ([5], ((2, 2), (4, 4))), ([3, 4, 5, 6, 7], ((6, 2),))],
+        [([11, 12], ((2, 4),)), ([13], ((4, 2), (2, 2)))],
+    ],
+    1: [[([9, 10], None), ([4, 4, 4], None)], [([7], None)]],
+    2: [],
+}
+
+
+def _requests(r: int) -> list[list[tuple[list[int], Any]]]:
+    out = []
+    for k, call in enumerate(_REQUESTS.get(r, [])):
+        reqs = []
+        for j, (text, sizes) in enumerate(call):
+            x = None if sizes is None else images(*sizes, seed=100 * r + 10 * k + j)
+            reqs.append((prompt(text, x), x))
+        out.append(reqs)
+    return out
+
+
+def vlm_equal(backend: str, gather: str, max_batch_size: int | None = None) -> dict:
+    """Every rank's requests (``_REQUESTS``) on one engine; each completion against single-process
+    HF ``generate()`` on an unsharded copy. Returns the mismatches and what the engine counted."""
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
+    calls = _requests(r)
+    bad = []
+    opts: dict[str, Any] = {"gather": gather}
+    if max_batch_size:
+        opts["max_batch_size"] = max_batch_size
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        for k, reqs in enumerate(calls):
+            got = eng.generate(
+                [p for p, _ in reqs], inputs=[x for _, x in reqs], max_new_tokens=8,
+                eos_token_id=EOS, pad_token_id=PAD,
+            )  # fmt: skip
+            for j, ((p, x), c) in enumerate(zip(reqs, got, strict=True)):
+                want = hf_tokens(ref, p, x, 8)
+                if c.token_ids != want:
+                    bad.append((k, j, c.token_ids, want))
+        stats = eng.stats()
+    return {"bad": bad, "shadows": stats["shadow_forwards"], "policy": eng.gather_policy}
+
+
+def without_agreement(backend: str) -> str:
+    """The towers' agreement switched off: rank 0 has an image, rank 1 text only. Rank 1's
+    forward skips the vision tower's gathers that rank 0's issues: they never match."""
+    import shardgen
+    from shardgen.core import protocol
+
+    protocol._AGREE_TOWERS = False
+    try:
+        return vlm_equal(backend, "per-layer")["policy"]
+    finally:
+        protocol._AGREE_TOWERS = True
+
+
+def hf_zero3_one_image(seconds: float) -> str:
+    """Plain HF ``generate(synced_gpus=True)`` on a ZeRO-3 model: rank 0's prompt has an image,
+    rank 1's has none. Rank 0 gathers the vision tower's blocks, rank 1 the decoder's: hangs."""
+    import deepspeed
+
+    model = tiny_qwen2_vl(3)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    m = engine.module
+    x = images((4, 6), seed=1) if dist.get_rank() == 0 else None
+    p = prompt([5, 6], x)
+    t0 = time.monotonic()
+    import torch
+
+    ids = torch.tensor([p])
+    kw = {} if x is None else dict(x, mm_token_type_ids=(ids == 120).int())
+    m.generate(input_ids=ids, max_new_tokens=4, do_sample=False, synced_gpus=True, **kw)
+    return f"returned after {time.monotonic() - t0:.1f}s"
