@@ -48,7 +48,9 @@ def test_shared_prefill_of_an_image_prompt_and_different_images_apart():
     a, b = images((4, 6), seed=1), images((4, 6), seed=2)
     p = prompt([5, 6], a)
     with shardgen.Engine(model, backend="local") as eng:
-        got = eng.generate([p, p, p, p], inputs=[a, a, a, b], max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
+        got = eng.generate(
+            [p, p, p, p], inputs=[a, a, a, b], max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD
+        )
         stats = eng.stats()
     assert [c.token_ids for c in got] == [hf_tokens(model, p, a, 10)] * 3 + [hf_tokens(model, p, b, 10)]
     assert stats["prefill_tokens"] == 2 * len(p)  # two distinct (prompt, images) rows computed
@@ -66,7 +68,8 @@ def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "backend, gather", [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto")]
+    "backend, gather",
+    [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto")],
 )
 def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
     out = ds_world2.run(sc.vlm_equal, backend, gather, timeout=240)
@@ -77,19 +80,26 @@ def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-def test_vlm_three_ranks_text_only_and_none(backend):
+def test_vlm_three_ranks_text_only_and_none():
+    """Rank 0 images, rank 1 text only, rank 2 nothing; batches of 2 (refills); FSDP2, and
+    DeepSpeed with each unit a bucket and module by module (its own hooks)."""
     from rollout_scenarios import ds_world
 
     with ds_world(3) as world:
-        out = world.run(sc.vlm_equal, backend, "per-layer", 2, timeout=300)
-    for r, res in enumerate(out):
-        assert res["bad"] == [], f"rank {r}: {res['bad']}"
+        for backend, gather, bucket_mb in [
+            ("fsdp2", "per-layer", None), ("fsdp2", "once", None),
+            ("deepspeed", "per-layer", 0.001), ("deepspeed", "per-layer", 0),
+        ]:  # fmt: skip
+            out = world.run(sc.vlm_equal, backend, gather, 2, bucket_mb, timeout=300)
+            for r, res in enumerate(out):
+                assert res["bad"] == [], f"{backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
+            if gather == "per-layer":
+                assert out[2]["shadows"] > 0
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-def test_without_the_tower_agreement_the_ranks_part(backend):
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001), ("deepspeed", 0)])
+def test_without_the_tower_agreement_the_ranks_part(backend, bucket_mb):
     """The same run as above with the tick's tower agreement switched off fails (the vision
     tower's gathers on rank 0 meet the decoder's on rank 1: an error or a hang, killed)."""
     from rollout_scenarios import ds_world
@@ -97,7 +107,7 @@ def test_without_the_tower_agreement_the_ranks_part(backend):
 
     with ds_world(2) as world:
         with pytest.raises((WorldError, WorldHang)):
-            world.run(sc.without_agreement, backend, timeout=60)
+            world.run(sc.without_agreement, backend, bucket_mb, timeout=60)
 
 
 @pytest.mark.multirank
@@ -106,5 +116,8 @@ def test_plain_hf_generate_on_zero3_hangs_when_one_rank_has_an_image():
     from world import WorldHang
 
     with ds_world(2) as world:
-        with pytest.raises(WorldHang):
-            world.run(sc.hf_zero3_one_image, 30.0, timeout=45)
+        out = world.run(sc.hf_zero3_one_image, True, timeout=90)  # an image on every rank: returns
+        assert all(o.startswith("returned") for o in out)
+        with pytest.raises(WorldHang) as hang:
+            world.run(sc.hf_zero3_one_image, False, timeout=30)
+    assert "generate" in str(hang.value)  # stuck inside HF generate()

@@ -33,9 +33,14 @@ def _requests(r: int) -> list[list[tuple[list[int], Any]]]:
     return out
 
 
-def vlm_equal(backend: str, gather: str, max_batch_size: int | None = None) -> dict:
+def vlm_equal(
+    backend: str, gather: str, max_batch_size: int | None = None, bucket_mb: float | None = None
+) -> dict:
     """Every rank's requests (``_REQUESTS``) on one engine; each completion against single-process
-    HF ``generate()`` on an unsharded copy. Returns the mismatches and what the engine counted."""
+    HF ``generate()`` on an unsharded copy. Returns the mismatches and what the engine counted.
+    ``bucket_mb`` (DeepSpeed): small, each unit is a bucket of its own (the tiny model's units
+    otherwise fit one bucket, gathered whole at the first unit either rank calls); 0: module by
+    module, DeepSpeed's own hooks."""
     import shardgen
 
     r = dist.get_rank()
@@ -45,6 +50,8 @@ def vlm_equal(backend: str, gather: str, max_batch_size: int | None = None) -> d
     opts: dict[str, Any] = {"gather": gather}
     if max_batch_size:
         opts["max_batch_size"] = max_batch_size
+    if bucket_mb is not None:
+        opts["bucket_mb"] = bucket_mb
     with shardgen.Engine(model, backend=backend, **opts) as eng:
         for k, reqs in enumerate(calls):
             got = eng.generate(
@@ -55,33 +62,33 @@ def vlm_equal(backend: str, gather: str, max_batch_size: int | None = None) -> d
                 want = hf_tokens(ref, p, x, 8)
                 if c.token_ids != want:
                     bad.append((k, j, c.token_ids, want))
-        stats = eng.stats()
+    stats = eng.stats()  # after close: every rank's work done
     return {"bad": bad, "shadows": stats["shadow_forwards"], "policy": eng.gather_policy}
 
 
-def without_agreement(backend: str) -> str:
+def without_agreement(backend: str, bucket_mb: float | None = None) -> str:
     """The towers' agreement switched off: rank 0 has an image, rank 1 text only. Rank 1's
     forward skips the vision tower's gathers that rank 0's issues: they never match."""
-    import shardgen
     from shardgen.core import protocol
 
     protocol._AGREE_TOWERS = False
     try:
-        return vlm_equal(backend, "per-layer")["policy"]
+        return vlm_equal(backend, "per-layer", bucket_mb=bucket_mb)["policy"]
     finally:
         protocol._AGREE_TOWERS = True
 
 
-def hf_zero3_one_image(seconds: float) -> str:
-    """Plain HF ``generate(synced_gpus=True)`` on a ZeRO-3 model: rank 0's prompt has an image,
-    rank 1's has none. Rank 0 gathers the vision tower's blocks, rank 1 the decoder's: hangs."""
+def hf_zero3_one_image(every_rank: bool) -> str:
+    """Plain HF ``generate(synced_gpus=True)`` on a ZeRO-3 model: rank 0's prompt has an image and
+    rank 1's none (``every_rank``: both have one). With one image, rank 0 gathers the vision
+    tower's parameters and rank 1 the decoder's: it hangs."""
     import deepspeed
 
     model = tiny_qwen2_vl(3)
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     m = engine.module
-    x = images((4, 6), seed=1) if dist.get_rank() == 0 else None
+    x = images((4, 6), seed=1) if dist.get_rank() == 0 or every_rank else None
     p = prompt([5, 6], x)
     t0 = time.monotonic()
     import torch

@@ -21,12 +21,13 @@ def tiny_qwen2_vl(seed: int = 0) -> Any:
     torch.manual_seed(seed)
     text = dict(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
+        eos_token_id=EOS, pad_token_id=PAD,
         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
     )  # fmt: skip
     vision = dict(
-        depth=2, embed_dim=32, initializer_range=0.2, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH,
-        spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
+        depth=2, embed_dim=32, initializer_range=0.2, hidden_size=32, num_heads=4, mlp_ratio=2,
+        patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
     )  # fmt: skip
     cfg = Qwen2VLConfig(
         text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=121,
@@ -42,7 +43,10 @@ def image(h: int, w: int, seed: int) -> dict[str, torch.Tensor]:
     """One image of ``h`` x ``w`` patches (even: the merger takes 2 x 2), random pixels of ``seed``."""
     g = torch.Generator().manual_seed(seed)
     dim = CHANNELS * TEMPORAL * PATCH * PATCH
-    return {"pixel_values": torch.randn((h * w, dim), generator=g), "image_grid_thw": torch.tensor([[1, h, w]])}
+    return {
+        "pixel_values": torch.randn((h * w, dim), generator=g),
+        "image_grid_thw": torch.tensor([[1, h, w]]),
+    }
 
 
 def images(*sizes: tuple[int, int], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -51,7 +55,9 @@ def images(*sizes: tuple[int, int], seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def prompt(text: list[int], inputs: dict[str, torch.Tensor] | None, tail: list[int] | None = None) -> list[int]:
+def prompt(
+    text: list[int], inputs: dict[str, torch.Tensor] | None, tail: list[int] | None = None
+) -> list[int]:
     """``text``, then each image's tokens between its start and end ids, then ``tail``."""
     ids = list(text)
     if inputs is not None:
@@ -60,7 +66,9 @@ def prompt(text: list[int], inputs: dict[str, torch.Tensor] | None, tail: list[i
     return ids + list(tail or [7, 8])
 
 
-def hf_tokens(model: Any, ids: list[int], inputs: dict[str, torch.Tensor] | None, max_new_tokens: int) -> list[int]:
+def hf_tokens(
+    model: Any, ids: list[int], inputs: dict[str, torch.Tensor] | None, max_new_tokens: int
+) -> list[int]:
     """Single-process HF ``generate()`` on one request, greedy: its new tokens up to its first EOS."""
     x = torch.tensor([ids])
     kw: dict[str, Any] = {}

@@ -110,7 +110,9 @@ class Backend:
         real forward of any batch size and length; the agreed ``towers`` run on their shadow inputs.
         """
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.forward(mode=mode, shapes=shapes, towers=towers, input_ids=ids, use_cache=False)  # its collectives
+        self.forward(
+            mode=mode, shapes=shapes, towers=towers, input_ids=ids, use_cache=False
+        )  # its collectives
 
     def gather_all(self) -> None:
         """Materialize full weights on every rank (gather policy ``once``). Collective."""

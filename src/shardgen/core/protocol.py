@@ -127,7 +127,6 @@ class TickState:
         tokens, head = (TOKENS, HEAD_ROWS) if self.admit else (HELD_TOKENS, HELD_HEAD_ROWS)
         return [(row[tokens], row[head]) for row in self.rows]
 
-
     def towers(self, own: int = 0) -> int:
         """The towers (a bit each) every rank's forward runs this tick: the OR of every rank's, as
         the agreed ``admit`` selects them; the same on every rank. ``own``: this rank's, which is

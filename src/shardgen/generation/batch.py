@@ -318,7 +318,9 @@ class Batch:
         kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
         kw["attention_mask"] = self.attention_mask
         if self._takes_positions:
-            kw["position_ids"] = self._positions(self.position_ids[:, -1:] if self._mrope else self.position_ids)
+            kw["position_ids"] = self._positions(
+                self.position_ids[:, -1:] if self._mrope else self.position_ids
+            )
         if self._takes_logits_to_keep:
             kw["logits_to_keep"] = 1
         return kw

@@ -178,7 +178,9 @@ def build_requests(
     """
     if inputs is not None and (not isinstance(inputs, (list, tuple)) or len(inputs) != len(prompts)):
         n = len(inputs) if isinstance(inputs, (list, tuple)) else type(inputs).__name__
-        raise ValueError(f"inputs must be a list of one dict (or None) per prompt: got {n} for {len(prompts)} prompts")
+        raise ValueError(
+            f"inputs must be a list of one dict (or None) per prompt: got {n} for {len(prompts)} prompts"
+        )
     each = list(inputs) if inputs is not None else [None] * len(prompts)
     if params is not None and not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -177,7 +177,8 @@ class LocalWork:
             inputs = [s.inputs for s in seqs]
             towers = 0
             for x in inputs:
-                towers |= self.backend.tower_mask(x)
+                if x is not None:
+                    towers |= self.backend.tower_mask(x)
             # Rows with inputs of their own: no prefix cache (the ids do not say the images), and
             # one forward (the images go with their tokens).
             plain = all(x is None for x in inputs)
@@ -306,7 +307,10 @@ class LocalWork:
         while i < len(pending) and taken < room:
             head = (pending[i].seq.prompt_ids, pending[i].seq.inputs_key)
             size = 0
-            while i + size < len(pending) and (pending[i + size].seq.prompt_ids, pending[i + size].seq.inputs_key) == head:
+            while (
+                i + size < len(pending)
+                and (pending[i + size].seq.prompt_ids, pending[i + size].seq.inputs_key) == head
+            ):
                 size += 1
             if size > room - taken:
                 if taken or size <= self.config.max_batch_size:
