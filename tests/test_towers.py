@@ -121,3 +121,28 @@ def test_plain_hf_generate_on_zero3_hangs_when_one_rank_has_an_image():
         with pytest.raises(WorldHang) as hang:
             world.run(sc.hf_zero3_one_image, False, timeout=30)
     assert "generate" in str(hang.value)  # stuck inside HF generate()
+
+
+def test_rollout_with_images_shares_each_prompts_prefill():
+    """``rollout(inputs=...)``: a prompt's n rows take its one inputs dict (one prefill), greedy
+    rows equal HF; a text-only prompt beside it; ``rollout_iter`` gives the same rows."""
+    model = tiny_qwen2_vl(0)
+    a = images((4, 6), seed=1)
+    prompts = [prompt([5, 6], a), prompt([9], None, [10, 11])]
+    with shardgen.Engine(model, backend="local") as eng:
+        b = eng.rollout(prompts, n=3, inputs=[a, None], do_sample=False, max_new_tokens=6, eos_token_id=EOS)
+        stats = eng.stats()
+        streamed = dict(
+            eng.rollout_iter(
+                prompts, n=3, inputs=[a, None], do_sample=False, max_new_tokens=6, eos_token_id=EOS
+            )
+        )
+    for i, (p, x) in enumerate(zip(prompts, [a, None], strict=True)):
+        want = hf_tokens(model, p, x, 6)
+        for j in range(3):
+            r = b.response_lengths[3 * i + j]
+            assert b.response_ids[3 * i + j, :r].tolist() == want
+        assert streamed[i].response_ids[0, : len(want)].tolist() == want
+    assert stats["prefill_tokens"] == sum(len(p) for p in prompts)  # each prompt once, not n times
+    with pytest.raises(ValueError, match="one dict"):
+        eng.rollout(prompts, n=2, inputs=[a])
