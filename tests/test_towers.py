@@ -146,3 +146,30 @@ def test_rollout_with_images_shares_each_prompts_prefill():
     assert stats["prefill_tokens"] == sum(len(p) for p in prompts)  # each prompt once, not n times
     with pytest.raises(ValueError, match="one dict"):
         eng.rollout(prompts, n=2, inputs=[a])
+
+
+@pytest.fixture(scope="module")
+def vlm_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2vl")
+    tiny_qwen2_vl(3).save_pretrained(path)
+    return str(path)
+
+
+def test_from_pretrained_on_an_image_text_to_text_checkpoint(vlm_checkpoint):
+    """Built by the image-text-to-text auto class, its weights read from the layout
+    ``save_pretrained`` writes (``model.layers``: the model's ``model.language_model.layers``)."""
+    ref = tiny_qwen2_vl(3)
+    a = images((4, 6), seed=1)
+    p = prompt([5, 6], a)
+    with shardgen.Engine.from_pretrained(vlm_checkpoint, backend="local") as eng:
+        got = eng.generate(
+            [p, [9, 10]], inputs=[a, None], max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD
+        )
+    assert [c.token_ids for c in got] == [hf_tokens(ref, p, a, 8), hf_tokens(ref, [9, 10], None, 8)]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_from_pretrained_vlm_two_ranks(ds_world2, vlm_checkpoint, backend):
+    out = ds_world2.run(sc.vlm_from_pretrained, backend, vlm_checkpoint, timeout=240)
+    assert out == [[], []]

@@ -97,3 +97,17 @@ def hf_zero3_one_image(every_rank: bool) -> str:
     kw = {} if x is None else dict(x, mm_token_type_ids=(ids == 120).int())
     m.generate(input_ids=ids, max_new_tokens=4, do_sample=False, synced_gpus=True, **kw)
     return f"returned after {time.monotonic() - t0:.1f}s"
+
+
+def vlm_from_pretrained(backend: str, path: str) -> list:
+    """``Engine.from_pretrained`` on a saved Qwen2-VL checkpoint (its keys in the older layout that
+    ``save_pretrained`` writes), rank 0 with an image, rank 1 text only: the mismatches to HF."""
+    import shardgen
+
+    ref = tiny_qwen2_vl(3)
+    x = images((4, 6), seed=1) if dist.get_rank() == 0 else None
+    p = prompt([5, 6], x)
+    with shardgen.Engine.from_pretrained(path, backend=backend) as eng:
+        got = eng.generate([p], inputs=[x], max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)[0].token_ids
+    want = hf_tokens(ref, p, x, 8)
+    return [] if got == want else [(got, want)]

@@ -108,19 +108,34 @@ class _ParamsOnMeta:
         nn.Module.register_parameter = self._orig  # type: ignore[method-assign]
 
 
+def auto_class(config: Any) -> Any:
+    """The transformers auto class that builds ``config``'s model with its LM head: the causal LM's,
+    else (a VLM: Qwen2-VL, LLaVA, Idefics3 ...) the image-text-to-text one. Not collective."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def skeleton(path: str, dtype: torch.dtype | str | None = None) -> nn.Module:
     """The model of ``path`` with parameters on ``meta`` and real buffers, tagged with its :class:`Source`.
 
     Costs no parameter memory: ``nn.Linear`` & co allocate an uninitialised tensor that
     is moved to ``meta`` before anything writes to it (weight init is off). Not collective.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.initialization import no_init_weights
 
     config = AutoConfig.from_pretrained(path)
     target = resolve_dtype(dtype, config)
     with no_init_weights(), _ParamsOnMeta():
-        model = AutoModelForCausalLM.from_config(config, dtype=target)
+        model = auto_class(config).from_config(config, dtype=target)
     model.tie_weights()  # part of init_weights in transformers 5, which no_init_weights skips
     model.eval()
     _load_generation_config(model, path)
@@ -249,12 +264,13 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
     if is_safetensors_checkpoint(path):
         model = skeleton(path, dtype)
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         log.warning("%s has no safetensors files: every rank loads the full model before sharding", path)
-        target = resolve_dtype(dtype, AutoConfig.from_pretrained(path))
+        config = AutoConfig.from_pretrained(path)
+        target = resolve_dtype(dtype, config)
         with _progress_bar_on_rank0():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=target).eval()
+            model = auto_class(config).from_pretrained(path, dtype=target).eval()
     # A folder without tokenizer files has no tokenizer: skip the failing lookup (seconds).
     has_files = not os.path.isdir(path) or any(
         os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES
