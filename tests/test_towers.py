@@ -95,6 +95,8 @@ def test_vlm_three_ranks_text_only_and_none():
                 assert res["bad"] == [], f"{backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
             if gather == "per-layer":
                 assert out[2]["shadows"] > 0
+        for backend, bucket_mb in [("fsdp2", None), ("deepspeed", 0.001)]:  # LLaVA: rank 2 none
+            assert world.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], [], []], backend
 
 
 @pytest.mark.multirank
@@ -173,3 +175,25 @@ def test_from_pretrained_on_an_image_text_to_text_checkpoint(vlm_checkpoint):
 def test_from_pretrained_vlm_two_ranks(ds_world2, vlm_checkpoint, backend):
     out = ds_world2.run(sc.vlm_from_pretrained, backend, vlm_checkpoint, timeout=240)
     assert out == [[], []]
+
+
+def test_llava_local_matches_hf_per_request():
+    """A second family: LLaVA's vision tower and projector (one tower), one and two images per
+    prompt beside text-only requests in one batch."""
+    from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
+
+    model = tiny_llava(0)
+    xs = [llava_images(1, 1), None, llava_images(2, 3), llava_images(1, 5)]
+    ps = [llava_prompt([5, 6], xs[0]), llava_prompt([9], None, [10, 11, 12]), llava_prompt([5], xs[2])]
+    ps.append(llava_prompt([3, 4, 5], xs[3]))
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate(ps, inputs=xs, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
+    assert [c.token_ids for c in got] == [
+        hf_llava_tokens(model, p, x, 10) for p, x in zip(ps, xs, strict=True)
+    ]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
+def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb):
+    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], []]

@@ -111,3 +111,31 @@ def vlm_from_pretrained(backend: str, path: str) -> list:
         got = eng.generate([p], inputs=[x], max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)[0].token_ids
     want = hf_tokens(ref, p, x, 8)
     return [] if got == want else [(got, want)]
+
+
+def llava_equal(backend: str, bucket_mb: float | None = None) -> list:
+    """LLaVA: rank 0 one and two images per prompt beside a text-only request, rank 1 text only,
+    any rank past 1 none; against HF ``generate()`` per request. The mismatches."""
+    from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
+
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny_llava(4), tiny_llava(4)
+    if r == 0:
+        xs = [llava_images(1, 1), None, llava_images(2, 3)]
+        ps = [llava_prompt([5, 6], xs[0]), llava_prompt([9], None, [10, 11]), llava_prompt([5], xs[2])]
+    elif r == 1:
+        xs, ps = [None, None], [[9, 10, 11], [4, 4]]
+    else:
+        xs, ps = [], []
+    opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    bad = []
+    with shardgen.Engine(model, backend=backend, gather="per-layer", **opts) as eng:
+        if ps:
+            got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+            for p, x, c in zip(ps, xs, got, strict=True):
+                want = hf_llava_tokens(ref, p, x, 8)
+                if c.token_ids != want:
+                    bad.append((c.token_ids, want))
+    return bad

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-IMAGE, START, END = 120, 122, 123  # image, vision start and end token ids
+IMAGE, START, END = 120, 122, 123  # image, vision start and end token ids (LLaVA: IMAGE only)
 EOS, PAD = 2, 0
 MERGE, PATCH, TEMPORAL, CHANNELS = 2, 4, 2, 3
 
@@ -78,5 +78,60 @@ def hf_tokens(
         out = model.generate(
             input_ids=x, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
             synced_gpus=False, **kw,
+        )[0, len(ids) :].tolist()  # fmt: skip
+    return out[: out.index(EOS) + 1] if EOS in out else out
+
+
+LLAVA_SIDE, LLAVA_PATCH = 16, 4  # a 16 x 16 image of 4 x 4 patches: 16 image tokens (CLS dropped)
+
+
+def tiny_llava(seed: int = 0) -> Any:
+    """A 2-layer LLaVA (Llama text, a 2-layer CLIP vision tower, the projector), random weights."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=LLAVA_SIDE, patch_size=LLAVA_PATCH, projection_dim=32, initializer_range=0.2,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1,
+    )  # fmt: skip
+    cfg = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )  # fmt: skip
+    model = LlavaForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def llava_images(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` images of one prompt, ``[n, 3, 16, 16]``."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn((n, 3, LLAVA_SIDE, LLAVA_SIDE), generator=g)}
+
+
+def llava_prompt(
+    text: list[int], inputs: dict[str, torch.Tensor] | None, tail: list[int] | None = None
+) -> list[int]:
+    ids = list(text)
+    if inputs is not None:
+        per = (LLAVA_SIDE // LLAVA_PATCH) ** 2
+        for _ in range(inputs["pixel_values"].shape[0]):
+            ids += [IMAGE] * per + [9]
+    return ids + list(tail or [7, 8])
+
+
+def hf_llava_tokens(
+    model: Any, ids: list[int], inputs: dict[str, torch.Tensor] | None, max_new_tokens: int
+) -> list[int]:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=x, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+            synced_gpus=False, **(inputs or {}),
         )[0, len(ids) :].tolist()  # fmt: skip
     return out[: out.index(EOS) + 1] if EOS in out else out

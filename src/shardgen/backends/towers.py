@@ -54,11 +54,28 @@ def _qwen2_vl_shadow(visual: nn.Module, device: torch.device) -> None:
     visual(pixels, grid_thw=torch.tensor([[1, m, m]], device=device))
 
 
+def _llava_shadow(model: nn.Module, device: torch.device) -> None:
+    """One image of the vision tower's size through ``get_image_features`` (the tower, then the
+    projector: the order of a real image's run)."""
+    cfg = model.config
+    vision = cfg.vision_config
+    side = int(vision.image_size)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    pixels = torch.zeros((1, int(getattr(vision, "num_channels", 3)), side, side), dtype=dtype, device=device)
+    model.get_image_features(
+        pixels,
+        vision_feature_layer=cfg.vision_feature_layer,
+        vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+    )
+
+
 #: Model types (``config.model_type``) -> their towers.
 TOWERS: dict[str, tuple[Tower, ...]] = {
     "qwen2_vl": (
         Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
     ),
+    # LLaVA: the vision tower and the projector, run by get_image_features of the inner model.
+    "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
 }
 
 

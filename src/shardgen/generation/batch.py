@@ -64,6 +64,7 @@ class Batch:
         params = inspect.signature(hf_model.forward).parameters
         self._takes_positions = "position_ids" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
+        self._takes_mm_types = "mm_token_type_ids" in params  # Qwen2-VL marks its image tokens
         # transformers 5.24 renamed the cache argument (past_key_values -> cache).
         prep = inspect.signature(hf_model.prepare_inputs_for_generation).parameters
         self._cache_kw = "cache" if "cache" in prep else "past_key_values"
@@ -131,7 +132,7 @@ class Batch:
                 if parts:
                     own[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0).to(self.device)
             token = getattr(self.hf_model.config, "image_token_id", None)
-            if token is not None:
+            if token is not None and self._takes_mm_types:
                 own["mm_token_type_ids"] = (self._pre[0] == token).int()
         if not self._mrope:
             return own, None
