@@ -10,8 +10,9 @@ forward runs (``core/protocol.py``: a bit per tower, OR-ed over the ranks in the
 all-reduce), and a rank whose forward runs a tower that its own inputs do not feed runs it on
 the shadow input, at the point of the forward where the real inputs would run it
 (``shadow_towers``), so the gathers match. Per-layer and ``once`` gathers apply to a tower's
-units as to the decoder's (FSDP2 shards a tower's blocks as units: they are in the model's
-``_no_split_modules``); the stationary mode is not built for a model with towers.
+units as to the decoder's (FSDP2 shards a tower's blocks as units: ``parts.decoder_layers``
+finds them in the model's list of blocks never split); the stationary mode is not built for a
+model with towers.
 
 Nothing here is collective; what runs inside the hook is the forward's own traffic.
 """

@@ -60,7 +60,7 @@ def load_deepspeed(
         load_init_class,
     )
     from shardgen.backends.deepspeed.partition import lockstep_config
-    from shardgen.loading.pretrained import auto_class
+    from shardgen.loading.auto import auto_class
 
     # import_deepspeed first: it selects DeepSpeed's CPU accelerator before any deepspeed
     # module is imported, which would otherwise pick one itself and log a line on every rank.

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardgen.loading.auto import auto_class
 from shardgen.loading.checkpoint import Checkpoint, checkpoint_names, is_safetensors_checkpoint
 from shardgen.log import get_logger
 
@@ -106,21 +107,6 @@ class _ParamsOnMeta:
 
     def __exit__(self, *exc: Any) -> None:
         nn.Module.register_parameter = self._orig  # type: ignore[method-assign]
-
-
-def auto_class(config: Any) -> Any:
-    """The transformers auto class that builds ``config``'s model with its LM head: the causal LM's,
-    else (a VLM: Qwen2-VL, LLaVA, Idefics3 ...) the image-text-to-text one. Not collective."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
-
-    kind = getattr(config, "model_type", None)
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
 
 
 def skeleton(path: str, dtype: torch.dtype | str | None = None) -> nn.Module:
