@@ -104,7 +104,7 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
     )
 
     class Backend:
-        def forward(self, *, mode="per-layer", shapes=None, **kw):
+        def forward(self, *, mode="per-layer", shapes=None, towers=0, **kw):
             out = model(**kw)
             fed.append((kw["input_ids"].numel(), head_rows.pop()))
             forked.append(fed[-1][1] != kw["input_ids"].shape[0])

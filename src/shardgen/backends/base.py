@@ -10,8 +10,10 @@ Collective contract, per method (all ranks of the parameter group, same order):
   ``mode="stationary"`` the exchanges of ``backends/stationary`` (no big weight moves), sized
   from ``shapes``: every rank's agreed ``(tokens, head_rows)`` this tick. The mode and shapes are
   the tick's plan (``generation/scheduler.ForwardPlan``), passed with each call: no state.
-- ``shadow_forward(mode=..., shapes=...)``: exactly the collectives ``forward`` issues with the
-  same arguments, without real work.
+- ``shadow_forward(mode=..., shapes=..., towers=...)``: exactly the collectives ``forward`` issues
+  with the same arguments, without real work.
+- ``towers``: the agreed set of the model's towers (``backends/towers.py``, a bit each) this
+  forward runs on every rank: a tower the forward's own inputs do not run goes on its shadow input.
 - ``gather_all()`` / ``release_all()``: one full gather / release of every unit.
 - ``enter_pause()`` / ``exit_pause()``: no collective (attribute changes, local releases).
 - ``close()``: no collective; frees what the backend made.
@@ -22,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from shardgen.backends.towers import shadow_towers, tower_mask, towers_of
 
 #: How a forward gets its weights (``core/policy.py`` chooses per forward).
 PER_LAYER, STATIONARY = "per-layer", "stationary"
@@ -53,6 +57,11 @@ class Backend:
         self.hf_model = hf_model
         self.module = module
         self.device = device
+        self.towers = towers_of(hf_model)  # the model kind's towers (backends/towers.py)
+
+    def tower_mask(self, inputs: dict[str, Any] | None) -> int:
+        """The towers (a bit each) that one request's ``inputs`` run. Local."""
+        return tower_mask(self.towers, inputs)
 
     def enable_stationary(self) -> str | None:
         """Build the stationary mode (``self.stationary``); None when built, else why not (forwards
@@ -71,14 +80,18 @@ class Backend:
 
         return gathered_cost(len(self.units()), self.full_param_bytes(), 1)
 
-    def forward(self, *, mode: str = PER_LAYER, shapes: Shapes | None = None, **inputs: Any) -> Any:
-        """Run one forward: ``mode`` and ``shapes`` as the tick agreed them (the module
+    def forward(
+        self, *, mode: str = PER_LAYER, shapes: Shapes | None = None, towers: int = 0, **inputs: Any
+    ) -> Any:
+        """Run one forward: ``mode``, ``shapes`` and ``towers`` as the tick agreed them (the module
         docstring), ``inputs`` the model's. Collective on the parameter group when ``lockstep``."""
         if self.replica is not None and self.replica.live:
             return self.replica(**inputs)
-        if mode == STATIONARY:
-            return self.stationary_forward(inputs, shapes)
-        return self._per_layer_forward(**inputs)
+        run = towers if self.lockstep else 0  # no gathers to match: no shadow tower
+        with shadow_towers(self.hf_model, self.towers, run, tower_mask(self.towers, inputs), self.device):
+            if mode == STATIONARY:
+                return self.stationary_forward(inputs, shapes)
+            return self._per_layer_forward(**inputs)
 
     def _per_layer_forward(self, **inputs: Any) -> Any:
         """The backend's own per-layer forward (its units' gathers, or none)."""
@@ -88,16 +101,18 @@ class Backend:
         """Bytes of full weights this backend holds beyond its shards (the live replica)."""
         return self.replica.nbytes() if self.replica is not None else 0
 
-    def shadow_forward(self, *, mode: str = PER_LAYER, shapes: Shapes | None = None) -> None:
+    def shadow_forward(self, *, mode: str = PER_LAYER, shapes: Shapes | None = None, towers: int = 0) -> None:
         """Issue the same parameter collectives as ``forward(mode=mode, shapes=shapes)``, on a 1x1
         dummy input (in the stationary mode it contributes zero rows: ``shapes`` says so).
 
         Called by a rank with nothing to compute while a peer computes. A dummy
         forward walks every sharded unit in module order, so the gathers match a
-        real forward of any batch size and length.
+        real forward of any batch size and length; the agreed ``towers`` run on their shadow inputs.
         """
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.forward(mode=mode, shapes=shapes, input_ids=ids, use_cache=False)  # its collectives
+        self.forward(
+            mode=mode, shapes=shapes, towers=towers, input_ids=ids, use_cache=False
+        )  # its collectives
 
     def gather_all(self) -> None:
         """Materialize full weights on every rank (gather policy ``once``). Collective."""

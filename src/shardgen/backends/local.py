@@ -23,7 +23,7 @@ class LocalBackend(Backend):
         model = model.to(device)
         return cls(model, model, device)
 
-    def shadow_forward(self, *, mode: str = "per-layer", shapes: Any = None) -> None:
+    def shadow_forward(self, *, mode: str = "per-layer", shapes: Any = None, towers: int = 0) -> None:
         """Nothing to match: local forwards issue no collectives."""
 
     def gather_all(self) -> None:

@@ -34,12 +34,14 @@ from shardgen.core.protocol import (
     HEAD_ROWS,
     HELD_HEAD_ROWS,
     HELD_TOKENS,
+    HELD_TOWERS,
     LIVE,
     NCOLS,
     OPEN,
     PAUSE,
     PENDING,
     TOKENS,
+    TOWERS,
     ControlPlane,
     Decision,
     Fingerprint,
@@ -258,6 +260,7 @@ class Driver:
             admitted, held = self.work.plan(True), self.work.plan(False)
             row[TOKENS], row[HEAD_ROWS] = admitted.shape
             row[HELD_TOKENS], row[HELD_HEAD_ROWS] = held.shape
+            row[TOWERS], row[HELD_TOWERS] = admitted.towers, held.towers
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
@@ -330,7 +333,8 @@ class Driver:
         backend is in ``lockstep``: every rank, this same tick, after ``agree``.
 
         The mode is chosen from the agreed state, the same on every rank, and goes with every
-        rank's agreed shape into the plan; the forward gets them as arguments. When forwards
+        rank's agreed shape and the agreed towers (each rank's forward runs them all, on shadow
+        inputs where its own have none) into the plan; the forward gets them as arguments. When forwards
         issue no parameter collectives (weights gathered, or the local backend), a rank with work
         runs a burst of up to ``burst_steps`` real forwards instead, each planned in turn, and
         nobody shadows: the tick then only decides admission, pause, release and exit.
@@ -340,7 +344,7 @@ class Driver:
         mode = "per-layer"
         if lockstep and self.backend.stationary is not None:
             mode = self.mode.choose(state)
-        plan = plan.agreed(mode, state.shapes() if lockstep else None)
+        plan = plan.agreed(mode, state.shapes() if lockstep else None, state.towers(plan.towers))
         did_work = False
         t = t0
         for i in range(1 if lockstep else self.config.burst_steps):
@@ -353,7 +357,7 @@ class Driver:
             did_work = True
         if not did_work and lockstep:
             self.phase = Phase.SHADOW
-            self.backend.shadow_forward(mode=plan.mode, shapes=plan.shapes)
+            self.backend.shadow_forward(mode=plan.mode, shapes=plan.shapes, towers=plan.run_towers)
             self.timeline.since(t, "shadow")
             self.stats.shadow_forwards += 1
         if self.config.debug_collectives:

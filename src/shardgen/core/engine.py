@@ -146,41 +146,50 @@ class Engine:
         self,
         prompt: str | Sequence[int] | torch.Tensor,
         params: SamplingParams | None = None,
+        *,
+        inputs: dict[str, Any] | None = None,
         **overrides: Any,
     ) -> Future:
         """Queue one request; returns a ``Future[Completion]``. Not collective.
 
         ``params`` (a ``SamplingParams``; None: the model's generation defaults), then ``overrides``
-        (``SamplingParams`` fields) on top.
+        (``SamplingParams`` fields) on top. ``inputs``: the model's own forward inputs for the
+        prompt beside its ids (a VLM's ``{"pixel_values": ..., "image_grid_thw": ...}``).
         """
-        return self._submit_many([prompt], params, overrides)[0]
+        return self._submit_many([prompt], params, overrides, inputs=None if inputs is None else [inputs])[0]
 
     def submit_many(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams | None = None,
+        *,
+        inputs: Sequence[dict[str, Any] | None] | None = None,
         **overrides: Any,
     ) -> list[Future]:
         """Queue several requests at once, in order (they reach the driver together, so rows with
         one prompt join a batch together); one ``Future[Completion]`` each. Not collective.
 
-        ``params`` and ``overrides`` as in ``submit()``; ``seed`` may be a list (one per prompt).
+        ``params`` and ``overrides`` as in ``submit()``; ``seed`` may be a list (one per prompt);
+        ``inputs`` one dict (or None) per prompt, as in ``submit()``.
         """
-        return self._submit_many(list(prompts), params, overrides)
+        return self._submit_many(list(prompts), params, overrides, inputs=inputs)
 
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         params: SamplingParams | None = None,
+        *,
+        inputs: Sequence[dict[str, Any] | None] | None = None,
         **overrides: Any,
     ) -> list[Completion]:
         """Generate for each prompt (text, or token ids); blocks until all are done. Not collective.
 
-        ``params`` and ``overrides`` as in ``submit()``; ``seed`` may be a list (one per prompt).
+        ``params`` and ``overrides`` as in ``submit()``; ``seed`` may be a list (one per prompt);
+        ``inputs`` one dict (or None) per prompt, as in ``submit()``.
         """
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        futures = self._submit_many(list(prompts), params, overrides)
+        futures = self._submit_many(list(prompts), params, overrides, inputs=inputs)
         return [f.result() for f in futures]
 
     def generate_ids(
@@ -325,7 +334,12 @@ class Engine:
             raise failed
 
     def _submit_many(
-        self, prompts: list[Any], params: SamplingParams | None, overrides: dict[str, Any], as_requests=False
+        self,
+        prompts: list[Any],
+        params: SamplingParams | None,
+        overrides: dict[str, Any],
+        as_requests: bool = False,
+        inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[Any]:
         self._check_usable()
         reqs = build_requests(
@@ -335,6 +349,7 @@ class Engine:
             model_config=self._hf_config,
             generation_config=self._gen_config,
             tokenizer=self.tokenizer,
+            inputs=None if inputs is None else list(inputs),
         )
         if not self._shared.enqueue(reqs):
             raise EngineClosedError(f"rank {self.rank}: engine is closed")

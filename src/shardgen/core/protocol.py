@@ -7,7 +7,7 @@ Every rank's driver runs the same sequence of ticks. A tick is:
 1. ``agree()``: ONE ``all_reduce(SUM)`` of a CPU int64 vector on the private
    gloo control group. Each rank writes its own row (live sequences, pending
    requests, open, pause wanted, fingerprint, the shape of its next forward
-   either way admission goes) and zeros elsewhere, so
+   either way admission goes, the towers it runs either way) and zeros elsewhere, so
    the sum is every rank's row: all ranks hold the same ``TickState``.
 2. ``decide(state)``: a pure function of that agreed state, hence the same
    ``Decision`` on every rank.
@@ -25,6 +25,13 @@ rank does *inside* its forward (real or shadow, batch size, prompt length) never
 changes the sequence of gathers, which depends only on the module structure.
 User collectives on the default group never interleave with these: they live on
 other communicators.
+
+Towers (``backends/towers.py``): a model's parts that a forward runs only for some inputs (a
+VLM's vision encoder). Each rank's row carries, as a bit per tower, the towers its next forward
+runs either way admission goes; the agreed set is their OR (``TickState.towers``), and every
+rank's forward runs every tower in it, on a shadow input where its own inputs have none. So the
+towers' gathers are in every rank's forward or in none: the invariant above holds for them,
+with no collective added to the tick.
 
 ``debug_collectives`` folds a fingerprint of each rank's collective history into
 its row; ranks that disagree raise ``CollectiveDivergenceError`` at the next tick.
@@ -47,9 +54,15 @@ from shardgen.errors import CollectiveDivergenceError
 # rank runs this tick if new requests may be admitted (``TickState.admit``), HELD_TOKENS,
 # HELD_HEAD_ROWS if not ((0, 0): none, it shadows): the tokens every layer's input holds and
 # the rows the LM head's holds (``ForwardPlan.shape``, generation/scheduler.py). The weight-stationary mode's
-# exchanges size every rank's share from them (``TickState.shapes``).
+# exchanges size every rank's share from them (``TickState.shapes``). TOWERS, HELD_TOWERS: the
+# towers (a bit each) this rank's forward runs, either way (``TickState.towers``).
 LIVE, PENDING, OPEN, PAUSE, FINGERPRINT, TOKENS, HEAD_ROWS, HELD_TOKENS, HELD_HEAD_ROWS = range(9)
-NCOLS = 9
+TOWERS, HELD_TOWERS = 9, 10
+NCOLS = 11
+
+#: Off only in the test that shows the agreement is needed: each rank then runs the towers its
+#: own inputs run, and a peer without them leaves it alone in the tower's gathers.
+_AGREE_TOWERS = True
 
 
 class Phase(str, enum.Enum):
@@ -113,6 +126,18 @@ class TickState:
         ``admit`` selects them: the same list on every rank."""
         tokens, head = (TOKENS, HEAD_ROWS) if self.admit else (HELD_TOKENS, HELD_HEAD_ROWS)
         return [(row[tokens], row[head]) for row in self.rows]
+
+    def towers(self, own: int = 0) -> int:
+        """The towers (a bit each) every rank's forward runs this tick: the OR of every rank's, as
+        the agreed ``admit`` selects them; the same on every rank. ``own``: this rank's, which is
+        all a rank runs when the agreement is switched off (``_AGREE_TOWERS``, a test's)."""
+        if not _AGREE_TOWERS:
+            return own
+        col = TOWERS if self.admit else HELD_TOWERS
+        out = 0
+        for row in self.rows:
+            out |= row[col]
+        return out
 
 
 def decide(state: TickState) -> Decision:

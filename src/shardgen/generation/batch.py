@@ -40,6 +40,11 @@ from shardgen.generation.sequence import SeqState
 Forward = Callable[..., Any]
 
 
+def _mrope_model(hf_model: Any) -> bool:
+    """The model takes M-RoPE positions (Qwen2-VL: a text row and 3 vision rows per column)."""
+    return callable(getattr(getattr(hf_model, "model", None), "get_rope_index", None))
+
+
 class Batch:
     """Sequences decoding together: a left-padded ``[B, T]`` batch with one KV cache.
 
@@ -59,6 +64,7 @@ class Batch:
         params = inspect.signature(hf_model.forward).parameters
         self._takes_positions = "position_ids" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
+        self._takes_mm_types = "mm_token_type_ids" in params  # Qwen2-VL marks its image tokens
         # transformers 5.24 renamed the cache argument (past_key_values -> cache).
         prep = inspect.signature(hf_model.prepare_inputs_for_generation).parameters
         self._cache_kw = "cache" if "cache" in prep else "past_key_values"
@@ -83,6 +89,8 @@ class Batch:
             if type(layer) is DynamicLayer and not layer.is_initialized:
                 layers[i] = ReservedLayer()
         self._reserve()
+        self._mrope = _mrope_model(hf_model)
+        self.rope_deltas: torch.Tensor | None = None  # [B, 1]: M-RoPE's offset of each row's positions
         self._plan_prefill(plan)
         if plan.start:
             self._install_cached(plan)
@@ -107,6 +115,53 @@ class Batch:
         self._pre_mask = None if self.attention_mask is None else self.attention_mask.index_select(0, idx)
         self._chunks = plan.chunks
         self._chunk = 0
+        self._pre_inputs, self._pre_vision = self._own_inputs(plan.rows)
+
+    def _own_inputs(self, rows: list[int]) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The prefill's own inputs beside the ids, for the computed ``rows``: the rows' inputs
+        (``SeqState.inputs``: a VLM's images, concatenated in row order, with the token types
+        marking their tokens), and for an M-RoPE model (Qwen2-VL) the 3 vision position rows of
+        every column, ``[3, U, T]``; each row's offset (``rope_deltas``) is kept for its decode
+        steps, as HF ``generate()`` keeps it."""
+        own: dict[str, Any] = {}
+        seqs = [self.seqs[r] for r in rows]
+        with_inputs = [s.inputs for s in seqs if s.inputs is not None]
+        if with_inputs:
+            for key in with_inputs[0]:
+                parts = [x[key] for x in with_inputs if x.get(key) is not None]
+                if parts:
+                    own[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0).to(self.device)
+            token = getattr(self.hf_model.config, "image_token_id", None)
+            if token is not None and self._takes_mm_types:
+                own["mm_token_type_ids"] = (self._pre[0] == token).int()
+        if not self._mrope:
+            return own, None
+        pos = self._pre[1]
+        if "image_grid_thw" not in own:
+            vision = pos[None].expand(3, -1, -1)
+            deltas = torch.zeros((len(self.seqs), 1), dtype=torch.long, device=self.device)
+        else:
+            vision, d = self.hf_model.model.get_rope_index(
+                self._pre[0], mm_token_type_ids=own["mm_token_type_ids"],
+                image_grid_thw=own["image_grid_thw"], attention_mask=self._pre_mask,
+            )  # fmt: skip
+            d = d.to(self.device)
+            deltas = d if self.fork is None else d.index_select(0, self.fork)
+            vision = vision.to(self.device)
+        self.rope_deltas = deltas
+        return own, vision
+
+    def _positions(self, pos: torch.Tensor, vision: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` as the model takes them: ``pos`` ``[B, T]``, or for an M-RoPE model
+        ``[4, B, T]``: the text positions, then the 3 vision rows (``vision``; by default each
+        row's text positions plus its offset, which is what every text column after the images
+        takes)."""
+        if not self._mrope:
+            return pos
+        if vision is None:
+            assert self.rope_deltas is not None
+            vision = (pos + self.rope_deltas)[None].expand(3, -1, -1)
+        return torch.cat([pos[None], vision], dim=0)
 
     def _install_cached(self, plan: PrefillPlan) -> None:
         """The cache's columns ``[0, plan.start)`` for the computed rows, from the prefix cache: a
@@ -183,6 +238,8 @@ class Batch:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.input_ids = self.input_ids.index_select(0, idx)
         self.position_ids = self.position_ids.index_select(0, idx)
+        if self.rope_deltas is not None:
+            self.rope_deltas = self.rope_deltas.index_select(0, idx)
         if self.attention_mask is not None:
             self.attention_mask = self.attention_mask.index_select(0, idx)
         for layer in self.cache.layers:
@@ -232,6 +289,8 @@ class Batch:
         self.input_ids = combine(left(self.input_ids, 1), left(mini.input_ids, 1))
         self.position_ids = combine(left(self.position_ids, 1), left(mini.position_ids, 1))
         mask = combine(left(a_mask, 1), left(b_mask, 1))
+        if self.rope_deltas is not None and mini.rope_deltas is not None:
+            self.rope_deltas = combine(self.rope_deltas, mini.rope_deltas)
         for la, lb in zip(self.cache.layers, mini.cache.layers, strict=True):
             la.keys = combine(left(la.keys, -2), left(lb.keys, -2))
             la.values = combine(left(la.values, -2), left(lb.values, -2))
@@ -260,7 +319,9 @@ class Batch:
         kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
         kw["attention_mask"] = self.attention_mask
         if self._takes_positions:
-            kw["position_ids"] = self.position_ids
+            kw["position_ids"] = self._positions(
+                self.position_ids[:, -1:] if self._mrope else self.position_ids
+            )
         if self._takes_logits_to_keep:
             kw["logits_to_keep"] = 1
         return kw
@@ -281,9 +342,12 @@ class Batch:
         kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
         kw["attention_mask"] = None if mask is None else mask[:, :c1]  # past and current columns
         if self._takes_positions:
-            kw["position_ids"] = pos[:, :c1]
+            vision = None if self._pre_vision is None else self._pre_vision[..., :c1]
+            kw["position_ids"] = self._positions(pos[:, :c1], vision)
         if self._takes_logits_to_keep:
             kw["logits_to_keep"] = 1
+        if c0 == 0:  # the rows' own inputs (their images) go with their tokens: one forward
+            kw.update(self._pre_inputs)
         inputs = self.hf_model.prepare_inputs_for_generation(
             ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None, is_first_iteration=c0 == 0, **kw
         )
@@ -298,6 +362,7 @@ class Batch:
             return tokens
         self._consume(outputs, fork=self.fork)
         self._pre = self._pre_mask = None  # type: ignore[assignment]
+        self._pre_inputs, self._pre_vision = {}, None
         return tokens
 
     @contextlib.contextmanager

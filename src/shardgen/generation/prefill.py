@@ -36,19 +36,23 @@ class PrefillPlan:
         share: bool,
         max_tokens: int | None,
         matches: list[tuple[Any, int]] | None = None,
+        keys: list[Any] | None = None,
     ) -> PrefillPlan:
         """``share``: rows with the same prompt prefill it once. ``max_tokens``: most tokens (rows x
         columns, padding included) one forward computes; None: all. ``matches``: per row, the
         prefix-cache entry sharing its longest prefix and that prefix's length (``(None, 0)``:
-        none): the columns every computed row has cached are not computed."""
-        first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct prompts
+        none): the columns every computed row has cached are not computed. ``keys``: per row, what
+        rows must share besides the prompt to share its prefill (the identity of a request's own
+        forward inputs, its images); None: nothing."""
+        first: dict[Any, int] = {}  # prompt (and key) -> its index among the distinct prompts
         rows: list[int] = []
         fork: list[int] = []
         for i, p in enumerate(prompts):
-            if tuple(p) not in first:
-                first[tuple(p)] = len(rows)
+            key = (tuple(p), None if keys is None else keys[i])
+            if key not in first:
+                first[key] = len(rows)
                 rows.append(i)
-            fork.append(first[tuple(p)])
+            fork.append(first[key])
         if not (share and len(rows) < len(prompts)):
             rows, fork = list(range(len(prompts))), None  # type: ignore[assignment]
         width = max(len(p) for p in prompts)

@@ -57,6 +57,7 @@ def build_request(
     model_config: Any,
     generation_config: Any,
     tokenizer: Any = None,
+    inputs: dict[str, Any] | None = None,
 ) -> Request:
     """Validate one request and make its ``SeqState``. Raises ``ValueError`` with the numbers,
     naming every setting at fault (``request_problems``) in one message.
@@ -67,6 +68,7 @@ def build_request(
     params = params.resolved(generation_config)
     ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
     problems = request_problems(ids, params, model_config=model_config, tokenizer=tokenizer)
+    problems += input_problems(ids, inputs, model_config)
     if problems:
         raise ValueError("; ".join(problems))
     eos, pad = resolve_special_ids(params, generation_config, tokenizer)
@@ -79,11 +81,41 @@ def build_request(
         gen = make_generator(seed)
     stop_check = stop_string_check(tokenizer, list(params.stop)) if params.stop else None
     seq = SeqState(
-        prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check
-    )
+        prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check,
+        inputs=inputs or None,  # as given: rows given one dict share their prefill
+    )  # fmt: skip
     req = Request(seq=seq)
     seq.tag = req
     return req
+
+
+def input_problems(ids: list[int], inputs: Any, model_config: Any) -> list[str]:
+    """What is wrong with one request's own forward ``inputs`` (``{"pixel_values": ...,
+    "image_grid_thw": ...}``): not a dict of tensors, or images whose merged patches do not
+    match the prompt's image tokens (the model would fail inside the engine's forward)."""
+    if inputs is None:
+        return []
+    if not isinstance(inputs, dict):
+        return [f"inputs must be a dict of the model's forward inputs or None, got {type(inputs).__name__}"]
+    bad = [k for k, v in inputs.items() if v is not None and not isinstance(v, torch.Tensor)]
+    if bad:
+        return [f"inputs {bad} must be tensors"]
+    grid = inputs.get("image_grid_thw")
+    token = getattr(model_config, "image_token_id", None)
+    if grid is not None and inputs.get("pixel_values") is None:
+        return ["inputs give image_grid_thw without pixel_values"]
+    if grid is None or token is None:
+        return []
+    merge = int(getattr(getattr(model_config, "vision_config", None), "spatial_merge_size", 1))
+    want = int(grid.prod(-1).sum()) // merge**2
+    have = ids.count(int(token))
+    patches = int(grid.prod(-1).sum())
+    out = []
+    if have != want:
+        out.append(f"the prompt has {have} image tokens, its image_grid_thw {grid.tolist()} makes {want}")
+    if inputs["pixel_values"].shape[0] != patches:
+        out.append(f"pixel_values has {inputs['pixel_values'].shape[0]} patches, image_grid_thw {patches}")
+    return out
 
 
 def request_problems(
@@ -137,11 +169,19 @@ def build_requests(
     model_config: Any,
     generation_config: Any,
     tokenizer: Any = None,
+    inputs: list[dict[str, Any] | None] | None = None,
 ) -> list[Request]:
     """One request per prompt from ``params`` (None: defaults) with ``overrides`` on top.
 
-    ``overrides["seed"]`` may be a list, one seed per prompt. Raises ``ValueError``.
+    ``overrides["seed"]`` may be a list, one seed per prompt. ``inputs``: per prompt, the model's
+    own forward inputs beside its ids (a VLM's images) or None. Raises ``ValueError``.
     """
+    if inputs is not None and (not isinstance(inputs, (list, tuple)) or len(inputs) != len(prompts)):
+        n = len(inputs) if isinstance(inputs, (list, tuple)) else type(inputs).__name__
+        raise ValueError(
+            f"inputs must be a list of one dict (or None) per prompt: got {n} for {len(prompts)} prompts"
+        )
+    each = list(inputs) if inputs is not None else [None] * len(prompts)
     if params is not None and not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     overrides = dict(overrides)
@@ -159,8 +199,9 @@ def build_requests(
             model_config=model_config,
             generation_config=generation_config,
             tokenizer=tokenizer,
+            inputs=x,
         )
-        for p, s in zip(prompts, seeds, strict=True)
+        for p, s, x in zip(prompts, seeds, each, strict=True)
     ]
 
 

@@ -126,6 +126,7 @@ def rollout(
     n: int = 1,
     env: Any = None,
     max_turns: int | None = None,
+    inputs: Sequence[dict[str, Any] | None] | None = None,
     **overrides: Any,
 ) -> RolloutBatch:
     """Generate ``n`` samples for each prompt and pack them as a ``RolloutBatch``. Not collective.
@@ -134,9 +135,11 @@ def rollout(
     ``SamplingParams`` fields (``seed`` may be a list, one per prompt). Logprobs are always
     computed (the ``logprobs`` flag is forced on). ``env``: a ``step_fn(row, completion)`` that
     replies in token ids (None ends the row), for multi-turn rows of at most ``max_turns``
-    model turns (``turns.py``); ``max_new_tokens`` is then per turn.
+    model turns (``turns.py``); ``max_new_tokens`` is then per turn. ``inputs``: per prompt, the
+    model's own forward inputs beside its ids (a VLM's images; ``Engine.submit``), shared by its
+    ``n`` rows (one prefill); single-turn rollouts only.
     """
-    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns)
+    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
     if talks is not None:
         groups = dict(talks)
         if not groups:  # no prompt: the empty batch
@@ -153,6 +156,7 @@ def rollout_iter(
     n: int = 1,
     env: Any = None,
     max_turns: int | None = None,
+    inputs: Sequence[dict[str, Any] | None] | None = None,
     **overrides: Any,
 ) -> Iterator[tuple[int, RolloutBatch]]:
     """``rollout()``, streamed: ``(i, group)`` for each prompt as soon as its ``n`` samples are
@@ -167,7 +171,7 @@ def rollout_iter(
     ``env``, a group is prompt ``i``'s n conversations once every one has ended; leaving the loop
     early starts no further turns.
     """
-    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns)
+    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
     if talks is not None:
         return talks
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -184,13 +188,16 @@ def _multi_turn(
     overrides: dict[str, Any],
     env: Any,
     max_turns: int | None,
+    inputs: Sequence[dict[str, Any] | None] | None = None,
 ) -> tuple[_Plan, Iterator[tuple[int, RolloutBatch]] | None]:
     """The call's checked plan (its first turns submitted), and with ``env`` its conversations
     (``turns.py``); None for a single-turn call."""
     if env is None:
         if max_turns is not None:
             raise ValueError("max_turns goes with env= (a multi-turn rollout)")
-        return _Plan(engine, prompts, params, n, overrides), None
+        return _Plan(engine, prompts, params, n, overrides, inputs), None
+    if inputs is not None:
+        raise ValueError("inputs= (a prompt's images) goes with single-turn rollouts only, not with env=")
     most = turns.check_turn_args(env, max_turns)
     plan = _Plan(engine, prompts, params, n, overrides)
     return plan, turns.conversations(engine, plan, env, most)
@@ -242,7 +249,13 @@ class _Plan:
     requests with the same prompt, which the engine batches together and prefills once."""
 
     def __init__(
-        self, engine: Any, prompts: Any, params: SamplingParams | None, n: int, overrides: dict[str, Any]
+        self,
+        engine: Any,
+        prompts: Any,
+        params: SamplingParams | None,
+        n: int,
+        overrides: dict[str, Any],
+        inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
@@ -277,8 +290,14 @@ class _Plan:
         self.options = options  # every row's settings but its seed (a multi-turn row's next turns)
         # One submission: a prompt's rows reach the queue together and consecutive (shared prefill).
         self.futures: list[Future] = []
+        if inputs is not None and (not isinstance(inputs, (list, tuple)) or len(inputs) != len(prompts)):
+            got = len(inputs) if isinstance(inputs, (list, tuple)) else type(inputs).__name__
+            raise ValueError(
+                f"inputs must be a list of one dict (or None) per prompt: got {got} for {len(prompts)}"
+            )
+        each = None if inputs is None else [x for x in inputs for _ in range(n)]  # one dict per prompt's rows
         if rows:
-            self.futures = engine.submit_many(rows, None, seed=self.seeds, **options)
+            self.futures = engine.submit_many(rows, None, inputs=each, seed=self.seeds, **options)
         self.n, self.prompts, self.device = n, len(prompts), engine.device
         _, self.pad = resolve_special_ids(base, gen_config, engine.tokenizer)
 

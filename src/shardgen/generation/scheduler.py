@@ -66,7 +66,9 @@ class ForwardPlan:
     columns, padding included; one position per head row, or every row at the last chunk of a
     shared prefill): the tick carries them. ``mode`` and ``shapes`` are set by ``agreed`` from
     the agreed state: ``"per-layer"`` or ``"stationary"``, and every rank's shape this tick
-    (the stationary exchanges are sized from them)."""
+    (the stationary exchanges are sized from them). ``towers``: the model's towers (a bit each,
+    ``backends/towers.py``) this forward's own inputs run, which the tick carries;
+    ``run_towers``, set by ``agreed``: those every rank's forward runs this tick."""
 
     kind: Work
     take: int = 0
@@ -76,14 +78,19 @@ class ForwardPlan:
     mode: str = "per-layer"
     shapes: Shapes | None = None
     score: ScorePlan | None = None
+    towers: int = 0
+    run_towers: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.tokens, self.head_rows
 
-    def agreed(self, mode: str, shapes: list[tuple[int, int]] | Shapes | None) -> ForwardPlan:
-        """This plan with the tick's agreed ``mode`` and every rank's ``shapes``."""
-        return replace(self, mode=mode, shapes=None if shapes is None else tuple(shapes))
+    def agreed(
+        self, mode: str, shapes: list[tuple[int, int]] | Shapes | None, towers: int = 0
+    ) -> ForwardPlan:
+        """This plan with the tick's agreed ``mode``, every rank's ``shapes`` and the ``towers``
+        every rank runs."""
+        return replace(self, mode=mode, shapes=None if shapes is None else tuple(shapes), run_towers=towers)
 
 
 IDLE_PLAN = ForwardPlan(Work.IDLE)
@@ -165,8 +172,17 @@ class LocalWork:
             kind = Work.REFILL
         cfg = self.config
         if kind is not Work.IDLE:
-            prompts = [self.pending[i].seq.prompt_ids for i in range(n)]
-            matches = [self.prefixes.match(p) for p in prompts] if len(self.prefixes) else None
+            seqs = [self.pending[i].seq for i in range(n)]
+            prompts = [s.prompt_ids for s in seqs]
+            inputs = [s.inputs for s in seqs]
+            towers = 0
+            for x in inputs:
+                if x is not None:
+                    towers |= self.backend.tower_mask(x)
+            # Rows with inputs of their own: no prefix cache (the ids do not say the images), and
+            # one forward (the images go with their tokens).
+            plain = all(x is None for x in inputs)
+            matches = [self.prefixes.match(p) for p in prompts] if len(self.prefixes) and plain else None
             if matches is not None:
                 # A prefill computes every row from the first column no row has cached: rows with
                 # a cached prefix and rows without go in separate prefills (the first run of
@@ -174,8 +190,10 @@ class LocalWork:
                 hit = matches[0][1] > 0
                 n = next((i for i, (_, c) in enumerate(matches) if (c > 0) != hit), n)
                 prompts, matches = prompts[:n], matches[:n]
-            pre = PrefillPlan.of(prompts, cfg.share_prefill, cfg.max_prefill_tokens, matches)
-            return ForwardPlan(kind, n, pre, *pre.shape(0))
+            budget = cfg.max_prefill_tokens if plain else None
+            keys = None if plain else [s.inputs_key for s in seqs[:n]]
+            pre = PrefillPlan.of(prompts, cfg.share_prefill, budget, matches, keys)
+            return ForwardPlan(kind, n, pre, *pre.shape(0), towers=towers)
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
             n = self._score_take()
             rows = [self.scoring[i] for i in range(n)]
@@ -194,7 +212,9 @@ class LocalWork:
         if plan.kind is Work.IDLE:
             return False
         t0 = time.perf_counter()
-        forward = functools.partial(self.backend.forward, mode=plan.mode, shapes=plan.shapes)
+        forward = functools.partial(
+            self.backend.forward, mode=plan.mode, shapes=plan.shapes, towers=plan.run_towers
+        )
         if plan.kind is Work.SCORE:
             self._score_forward(plan, forward)
         elif plan.kind is Work.CHUNK:
@@ -285,9 +305,12 @@ class LocalWork:
         pending = self.pending
         taken, i = 0, 0
         while i < len(pending) and taken < room:
-            head = pending[i].seq.prompt_ids
+            head = (pending[i].seq.prompt_ids, pending[i].seq.inputs_key)
             size = 0
-            while i + size < len(pending) and pending[i + size].seq.prompt_ids == head:
+            while (
+                i + size < len(pending)
+                and (pending[i + size].seq.prompt_ids, pending[i + size].seq.inputs_key) == head
+            ):
                 size += 1
             if size > room - taken:
                 if taken or size <= self.config.max_batch_size:
@@ -302,8 +325,8 @@ class LocalWork:
         last (never fed: the next turn's prompt computes it)."""
         cache = self.prefixes
         length = len(s.prompt_ids) + len(s.tokens) - 1
-        if not cache.keeps(length) or not batch.cacheable():
-            return
+        if not cache.keeps(length) or not batch.cacheable() or s.inputs is not None:
+            return  # a row with inputs of its own: its ids do not say its images
         assert batch.cache.layers[0].keys.shape[-2] == batch.input_ids.shape[1] - 1, "cache and ids apart"
         evicted = cache.evictions
         cache.add(s.prompt_ids + s.tokens[:-1], batch.row_kv(i, length))

@@ -37,6 +37,14 @@ class SeqState:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
+    #: The model's own forward inputs for the prompt beside its ids (a VLM's ``pixel_values`` and
+    #: ``image_grid_thw``), fed to the prefill only; None: the ids alone.
+    inputs: dict[str, Any] | None = None
+
+    @property
+    def inputs_key(self) -> int | None:
+        """What rows must share besides their prompt to share its prefill (their inputs' identity)."""
+        return None if self.inputs is None else id(self.inputs)
 
     @property
     def finished(self) -> bool:

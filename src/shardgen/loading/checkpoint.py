@@ -202,6 +202,34 @@ class Checkpoint:
         self.read_flat(name, start * row, dst)
 
 
+def _renamed(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """``model name -> checkpoint key`` by the key renamings transformers applies when it loads the
+    model (a VLM saved in its older layout: Qwen2-VL's ``model.layers`` are its
+    ``model.language_model.layers``), each rule in turn as transformers does. Not collective."""
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping as mapping
+    except ImportError:  # an older transformers
+        return {}
+    # By class name (a sharding wrapper's subclass: its model class's), then model type.
+    names = [c.__name__ for c in type(model).__mro__] + [getattr(model.config, "model_type", "")]
+    found = next((m for m in map(mapping, names) if m), None)
+    rules = [
+        (re.compile(src), dst)
+        for w in found or []
+        if type(w).__name__ == "WeightRenaming"
+        for src, dst in zip(w.source_patterns, w.target_patterns, strict=False)
+    ]
+    out = {}
+    for k in keys:
+        name = k
+        for pat, dst in rules:
+            name = pat.sub(dst, name)
+        out[name] = k
+    return out
+
+
 def checkpoint_names(model: nn.Module, ckpt: Checkpoint) -> dict[int, tuple[str, Any]]:
     """``id(tensor) -> (checkpoint key, tensor)`` for every parameter and persistent buffer.
 
@@ -222,6 +250,7 @@ def checkpoint_names(model: nn.Module, ckpt: Checkpoint) -> dict[int, tuple[str,
                 tensors[id(buf)] = buf
     out: dict[int, tuple[str, Any]] = {}
     missing = []
+    renamed: dict[str, str] | None = None  # the model's own names of the checkpoint's keys, when asked
     for key, candidates in list(names.items()) + list(persistent.items()):
         found = None
         for name in candidates:
@@ -231,6 +260,10 @@ def checkpoint_names(model: nn.Module, ckpt: Checkpoint) -> dict[int, tuple[str,
                     break
             if found:
                 break
+        if found is None:
+            if renamed is None:
+                renamed = _renamed(model, list(ckpt.entries))
+            found = next((renamed[n] for n in candidates if n in renamed), None)
         if found is not None:
             out[key] = (found, tensors[key])
         elif key in names:

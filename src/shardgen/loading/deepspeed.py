@@ -50,7 +50,6 @@ def load_deepspeed(
     Every rank of ``param_group`` calls it (engine constructor), same model; no collective.
     """
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
@@ -61,6 +60,7 @@ def load_deepspeed(
         load_init_class,
     )
     from shardgen.backends.deepspeed.partition import lockstep_config
+    from shardgen.loading.auto import auto_class
 
     # import_deepspeed first: it selects DeepSpeed's CPU accelerator before any deepspeed
     # module is imported, which would otherwise pick one itself and log a line on every rank.
@@ -82,7 +82,7 @@ def load_deepspeed(
     init = load_init_class(deepspeed)
     with no_init_weights(), prevent_arange_dtype_change():
         with init(data_parallel_group=param_group, config_dict_or_path=cfg, dtype=dtype):
-            built = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+            built = auto_class(model.config).from_config(model.config, dtype=dtype)
             built.tie_weights()  # part of init_weights in transformers 5, which no_init_weights skips
     built.eval()
     built.generation_config = model.generation_config

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardgen.loading.auto import auto_class
 from shardgen.loading.checkpoint import Checkpoint, checkpoint_names, is_safetensors_checkpoint
 from shardgen.log import get_logger
 
@@ -114,13 +115,13 @@ def skeleton(path: str, dtype: torch.dtype | str | None = None) -> nn.Module:
     Costs no parameter memory: ``nn.Linear`` & co allocate an uninitialised tensor that
     is moved to ``meta`` before anything writes to it (weight init is off). Not collective.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.initialization import no_init_weights
 
     config = AutoConfig.from_pretrained(path)
     target = resolve_dtype(dtype, config)
     with no_init_weights(), _ParamsOnMeta():
-        model = AutoModelForCausalLM.from_config(config, dtype=target)
+        model = auto_class(config).from_config(config, dtype=target)
     model.tie_weights()  # part of init_weights in transformers 5, which no_init_weights skips
     model.eval()
     _load_generation_config(model, path)
@@ -249,12 +250,13 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
     if is_safetensors_checkpoint(path):
         model = skeleton(path, dtype)
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         log.warning("%s has no safetensors files: every rank loads the full model before sharding", path)
-        target = resolve_dtype(dtype, AutoConfig.from_pretrained(path))
+        config = AutoConfig.from_pretrained(path)
+        target = resolve_dtype(dtype, config)
         with _progress_bar_on_rank0():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=target).eval()
+            model = auto_class(config).from_pretrained(path, dtype=target).eval()
     # A folder without tokenizer files has no tokenizer: skip the failing lookup (seconds).
     has_files = not os.path.isdir(path) or any(
         os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES

@@ -1,0 +1,130 @@
+"""A model's towers: the parts a forward runs only for some inputs (a VLM's vision encoder).
+
+A decoder forward runs every decoder layer whatever its input, so its gathers depend on the
+module structure only. A tower breaks that: Qwen2-VL's ``visual`` runs only when the forward
+has ``pixel_values``. On a sharded model its units are gathered only on the ranks whose batch
+has an image, and the others go on to the decoder's gathers: they hang. So every model kind
+with towers names them here (a ``Tower`` each: where it lives, which input runs it, a shadow
+input and where a shadow run goes in the forward), the tick agrees on the set of towers each
+forward runs (``core/protocol.py``: a bit per tower, OR-ed over the ranks in the tick's one
+all-reduce), and a rank whose forward runs a tower that its own inputs do not feed runs it on
+the shadow input, at the point of the forward where the real inputs would run it
+(``shadow_towers``), so the gathers match. Per-layer and ``once`` gathers apply to a tower's
+units as to the decoder's (FSDP2 shards a tower's blocks as units: ``parts.decoder_layers``
+finds them in the model's list of blocks never split); the stationary mode is not built for a
+model with towers.
+
+Nothing here is collective; what runs inside the hook is the forward's own traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Tower:
+    """One tower of a model kind.
+
+    ``path``: the tower module (dotted, from the top model); ``keys``: the forward inputs that
+    run it (any present and not None); ``before``: the module whose forward follows the tower's
+    in the model's own forward (a shadow run goes in its forward pre-hook, so the tower's
+    gathers come where a real run's do); ``shadow``: the tower's call on a shadow input (the
+    tower module, its device) -> None."""
+
+    name: str
+    path: str
+    keys: tuple[str, ...]
+    before: str
+    shadow: Callable[[nn.Module, torch.device], None]
+
+
+def _qwen2_vl_shadow(visual: nn.Module, device: torch.device) -> None:
+    """One image of the smallest grid the merger takes (1 x m x m patches, m the spatial merge)."""
+    cfg = visual.config
+    m = int(cfg.spatial_merge_size)
+    dim = int(cfg.in_channels) * int(cfg.temporal_patch_size) * int(cfg.patch_size) ** 2
+    dtype = next((p.dtype for p in visual.parameters() if p.is_floating_point()), torch.float32)
+    pixels = torch.zeros((m * m, dim), dtype=dtype, device=device)
+    visual(pixels, grid_thw=torch.tensor([[1, m, m]], device=device))
+
+
+def _llava_shadow(model: nn.Module, device: torch.device) -> None:
+    """One image of the vision tower's size through ``get_image_features`` (the tower, then the
+    projector: the order of a real image's run)."""
+    cfg = model.config
+    vision = cfg.vision_config
+    side = int(vision.image_size)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    pixels = torch.zeros((1, int(getattr(vision, "num_channels", 3)), side, side), dtype=dtype, device=device)
+    model.get_image_features(
+        pixels,
+        vision_feature_layer=cfg.vision_feature_layer,
+        vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+    )
+
+
+#: Model types (``config.model_type``) -> their towers.
+TOWERS: dict[str, tuple[Tower, ...]] = {
+    "qwen2_vl": (
+        Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
+    ),
+    # LLaVA: the vision tower and the projector, run by get_image_features of the inner model.
+    "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
+}
+
+
+def towers_of(model: nn.Module) -> tuple[Tower, ...]:
+    """The towers of ``model``'s kind (none for a plain decoder). A function of the model's
+    config only, so every rank finds the same. Not collective."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return TOWERS.get(str(kind), ())
+
+
+def tower_mask(towers: tuple[Tower, ...], inputs: dict[str, Any] | None) -> int:
+    """The towers (bit i: ``towers[i]``) that ``inputs`` run: those with an input present."""
+    if not inputs:
+        return 0
+    return sum(1 << i for i, t in enumerate(towers) if any(inputs.get(k) is not None for k in t.keys))
+
+
+def _module(model: nn.Module, path: str) -> nn.Module:
+    m = model
+    for part in path.split("."):
+        m = getattr(m, part)
+    return m
+
+
+@contextlib.contextmanager
+def shadow_towers(
+    model: nn.Module, towers: tuple[Tower, ...], run: int, own: int, device: torch.device
+) -> Iterator[None]:
+    """Within: the next forward of ``model`` runs every tower in ``run`` (the agreed bits) that
+    ``own`` (what its inputs run) lacks on its shadow input, once, just before the tower's
+    ``before`` module. Local; the forward's own gathers are what make it match its peers'."""
+    missing = [t for i, t in enumerate(towers) if run >> i & 1 and not own >> i & 1]
+    if not missing:
+        yield
+        return
+    handles = []
+    done: set[str] = set()
+    for t in missing:
+        tower = _module(model, t.path)
+
+        def hook(_m: nn.Module, _args: Any, t: Tower = t, tower: nn.Module = tower) -> None:
+            if t.name not in done:
+                done.add(t.name)
+                t.shadow(tower, device)
+
+        handles.append(_module(model, t.before).register_forward_pre_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,20 @@
+"""Which transformers auto class builds a checkpoint's model: the causal LM's, or a VLM's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def auto_class(config: Any) -> Any:
+    """The transformers auto class that builds ``config``'s model with its LM head: the causal LM's,
+    else (a VLM: Qwen2-VL, LLaVA, Idefics3 ...) the image-text-to-text one. Not collective."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

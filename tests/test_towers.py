@@ -1,0 +1,199 @@
+"""Models with towers (a VLM's vision encoder): the local backend against HF ``generate()``, then
+2 and 3 ranks on FSDP2 and DeepSpeed with a rank holding only text and a rank holding none; the
+tick's agreement on the towers shown needed (off: the ranks' gathers part), and plain HF
+``generate(synced_gpus=True)`` on ZeRO-3 hanging when only one rank has an image."""
+
+from __future__ import annotations
+
+import pytest
+import tower_scenarios as sc
+from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
+
+import shardgen
+
+
+def _local_requests():
+    return [
+        (prompt([5, 6], images((4, 6), seed=1)), images((4, 6), seed=1)),
+        (prompt([9], None, [10, 11, 12]), None),
+        (prompt([5], images((2, 2), (4, 4), seed=3)), images((2, 2), (4, 4), seed=3)),
+        (prompt([3, 4, 5, 6, 7], images((6, 2), seed=5)), images((6, 2), seed=5)),
+    ]
+
+
+@pytest.mark.parametrize("max_batch_size", [None, 2])
+def test_qwen2_vl_local_matches_hf_per_request(max_batch_size):
+    """Images of different sizes, two images in one prompt and a text-only request in one batch
+    (and, at 2 rows, refills into a running batch): M-RoPE offsets carried into decode per row."""
+    model = tiny_qwen2_vl(0)
+    reqs = _local_requests()
+    lengths = [3, 10, 5, 10]  # rows ending early: refills take their slots
+    want = [hf_tokens(model, p, x, n) for (p, x), n in zip(reqs, lengths, strict=True)]
+    opts = {} if max_batch_size is None else {"max_batch_size": max_batch_size}
+    with shardgen.Engine(model, backend="local", **opts) as eng:
+        futs = [
+            eng.submit(p, inputs=x, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
+            for (p, x), n in zip(reqs, lengths, strict=True)
+        ]
+        got = [f.result(timeout=60) for f in futs]
+        if max_batch_size:
+            assert eng.stats()["refills"] > 0
+    assert [c.token_ids for c in got] == want
+
+
+def test_shared_prefill_of_an_image_prompt_and_different_images_apart():
+    """The n samples of one image prompt (one inputs dict) share its prefill; the same ids with
+    other images do not (their tokens differ from the first's)."""
+    model = tiny_qwen2_vl(0)
+    a, b = images((4, 6), seed=1), images((4, 6), seed=2)
+    p = prompt([5, 6], a)
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate(
+            [p, p, p, p], inputs=[a, a, a, b], max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD
+        )
+        stats = eng.stats()
+    assert [c.token_ids for c in got] == [hf_tokens(model, p, a, 10)] * 3 + [hf_tokens(model, p, b, 10)]
+    assert stats["prefill_tokens"] == 2 * len(p)  # two distinct (prompt, images) rows computed
+
+
+def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
+    model = tiny_qwen2_vl(0)
+    x = images((4, 6), seed=1)
+    with shardgen.Engine(model, backend="local") as eng:
+        with pytest.raises(ValueError, match="image tokens"):
+            eng.generate([[5, 6, 7]], inputs=[x], max_new_tokens=2)
+        with pytest.raises(ValueError, match="one dict"):
+            eng.generate([[5, 6, 7]], inputs=[x, x], max_new_tokens=2)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "backend, gather",
+    [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto")],
+)
+def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
+    out = ds_world2.run(sc.vlm_equal, backend, gather, timeout=240)
+    for r, res in enumerate(out):
+        assert res["bad"] == [], f"rank {r}: {res['bad']}"
+    if gather == "per-layer":
+        assert out[1]["shadows"] > 0  # rank 1 ran the vision tower on shadow inputs
+
+
+@pytest.mark.multirank
+def test_vlm_three_ranks_text_only_and_none():
+    """Rank 0 images, rank 1 text only, rank 2 nothing; batches of 2 (refills); FSDP2, and
+    DeepSpeed with each unit a bucket and module by module (its own hooks)."""
+    from rollout_scenarios import ds_world
+
+    with ds_world(3) as world:
+        for backend, gather, bucket_mb in [
+            ("fsdp2", "per-layer", None), ("fsdp2", "once", None),
+            ("deepspeed", "per-layer", 0.001), ("deepspeed", "per-layer", 0),
+        ]:  # fmt: skip
+            out = world.run(sc.vlm_equal, backend, gather, 2, bucket_mb, timeout=300)
+            for r, res in enumerate(out):
+                assert res["bad"] == [], f"{backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
+            if gather == "per-layer":
+                assert out[2]["shadows"] > 0
+        for backend, bucket_mb in [("fsdp2", None), ("deepspeed", 0.001)]:  # LLaVA: rank 2 none
+            assert world.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], [], []], backend
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001), ("deepspeed", 0)])
+def test_without_the_tower_agreement_the_ranks_part(backend, bucket_mb):
+    """The same run as above with the tick's tower agreement switched off fails (the vision
+    tower's gathers on rank 0 meet the decoder's on rank 1: an error or a hang, killed)."""
+    from rollout_scenarios import ds_world
+    from world import WorldError, WorldHang
+
+    with ds_world(2) as world:
+        with pytest.raises((WorldError, WorldHang)):
+            world.run(sc.without_agreement, backend, bucket_mb, timeout=60)
+
+
+@pytest.mark.multirank
+def test_plain_hf_generate_on_zero3_hangs_when_one_rank_has_an_image():
+    from rollout_scenarios import ds_world
+    from world import WorldHang
+
+    with ds_world(2) as world:
+        out = world.run(sc.hf_zero3_one_image, True, timeout=90)  # an image on every rank: returns
+        assert all(o.startswith("returned") for o in out)
+        with pytest.raises(WorldHang) as hang:
+            world.run(sc.hf_zero3_one_image, False, timeout=30)
+    assert "generate" in str(hang.value)  # stuck inside HF generate()
+
+
+def test_rollout_with_images_shares_each_prompts_prefill():
+    """``rollout(inputs=...)``: a prompt's n rows take its one inputs dict (one prefill), greedy
+    rows equal HF; a text-only prompt beside it; ``rollout_iter`` gives the same rows."""
+    model = tiny_qwen2_vl(0)
+    a = images((4, 6), seed=1)
+    prompts = [prompt([5, 6], a), prompt([9], None, [10, 11])]
+    with shardgen.Engine(model, backend="local") as eng:
+        b = eng.rollout(prompts, n=3, inputs=[a, None], do_sample=False, max_new_tokens=6, eos_token_id=EOS)
+        stats = eng.stats()
+        streamed = dict(
+            eng.rollout_iter(
+                prompts, n=3, inputs=[a, None], do_sample=False, max_new_tokens=6, eos_token_id=EOS
+            )
+        )
+    for i, (p, x) in enumerate(zip(prompts, [a, None], strict=True)):
+        want = hf_tokens(model, p, x, 6)
+        for j in range(3):
+            r = b.response_lengths[3 * i + j]
+            assert b.response_ids[3 * i + j, :r].tolist() == want
+        assert streamed[i].response_ids[0, : len(want)].tolist() == want
+    assert stats["prefill_tokens"] == sum(len(p) for p in prompts)  # each prompt once, not n times
+    with pytest.raises(ValueError, match="one dict"):
+        eng.rollout(prompts, n=2, inputs=[a])
+
+
+@pytest.fixture(scope="module")
+def vlm_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2vl")
+    tiny_qwen2_vl(3).save_pretrained(path)
+    return str(path)
+
+
+def test_from_pretrained_on_an_image_text_to_text_checkpoint(vlm_checkpoint):
+    """Built by the image-text-to-text auto class, its weights read from the layout
+    ``save_pretrained`` writes (``model.layers``: the model's ``model.language_model.layers``)."""
+    ref = tiny_qwen2_vl(3)
+    a = images((4, 6), seed=1)
+    p = prompt([5, 6], a)
+    with shardgen.Engine.from_pretrained(vlm_checkpoint, backend="local") as eng:
+        got = eng.generate(
+            [p, [9, 10]], inputs=[a, None], max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD
+        )
+    assert [c.token_ids for c in got] == [hf_tokens(ref, p, a, 8), hf_tokens(ref, [9, 10], None, 8)]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_from_pretrained_vlm_two_ranks(ds_world2, vlm_checkpoint, backend):
+    out = ds_world2.run(sc.vlm_from_pretrained, backend, vlm_checkpoint, timeout=240)
+    assert out == [[], []]
+
+
+def test_llava_local_matches_hf_per_request():
+    """A second family: LLaVA's vision tower and projector (one tower), one and two images per
+    prompt beside text-only requests in one batch."""
+    from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
+
+    model = tiny_llava(0)
+    xs = [llava_images(1, 1), None, llava_images(2, 3), llava_images(1, 5)]
+    ps = [llava_prompt([5, 6], xs[0]), llava_prompt([9], None, [10, 11, 12]), llava_prompt([5], xs[2])]
+    ps.append(llava_prompt([3, 4, 5], xs[3]))
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate(ps, inputs=xs, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
+    assert [c.token_ids for c in got] == [
+        hf_llava_tokens(model, p, x, 10) for p, x in zip(ps, xs, strict=True)
+    ]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
+def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb):
+    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], []]

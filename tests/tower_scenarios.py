@@ -1,0 +1,141 @@
+"""Scenarios for tests/test_towers.py (they run inside gloo ranks of a World): a tiny Qwen2-VL
+(``vlm.py``) generating on ranks whose batches hold images, text only, or nothing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed as dist
+from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
+
+# Per rank: the calls it makes, each a list of (text, images or None). Rank 0 mixes images of
+# different sizes, several images in one prompt and a text-only request in one batch; rank 1
+# holds only text; rank 2 (at 3 ranks) holds none.
+_REQUESTS = {
+    0: [
+        [([5, 6], ((4, 6),)), ([9], None), ([5], ((2, 2), (4, 4))), ([3, 4, 5, 6, 7], ((6, 2),))],
+        [([11, 12], ((2, 4),)), ([13], ((4, 2), (2, 2)))],
+    ],
+    1: [[([9, 10], None), ([4, 4, 4], None)], [([7], None)]],
+    2: [],
+}
+
+
+def _requests(r: int) -> list[list[tuple[list[int], Any]]]:
+    out = []
+    for k, call in enumerate(_REQUESTS.get(r, [])):
+        reqs = []
+        for j, (text, sizes) in enumerate(call):
+            x = None if sizes is None else images(*sizes, seed=100 * r + 10 * k + j)
+            reqs.append((prompt(text, x), x))
+        out.append(reqs)
+    return out
+
+
+def vlm_equal(
+    backend: str, gather: str, max_batch_size: int | None = None, bucket_mb: float | None = None
+) -> dict:
+    """Every rank's requests (``_REQUESTS``) on one engine; each completion against single-process
+    HF ``generate()`` on an unsharded copy. Returns the mismatches and what the engine counted.
+    ``bucket_mb`` (DeepSpeed): small, each unit is a bucket of its own (the tiny model's units
+    otherwise fit one bucket, gathered whole at the first unit either rank calls); 0: module by
+    module, DeepSpeed's own hooks."""
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
+    calls = _requests(r)
+    bad = []
+    opts: dict[str, Any] = {"gather": gather}
+    if max_batch_size:
+        opts["max_batch_size"] = max_batch_size
+    if bucket_mb is not None:
+        opts["bucket_mb"] = bucket_mb
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        for k, reqs in enumerate(calls):
+            got = eng.generate(
+                [p for p, _ in reqs], inputs=[x for _, x in reqs], max_new_tokens=8,
+                eos_token_id=EOS, pad_token_id=PAD,
+            )  # fmt: skip
+            for j, ((p, x), c) in enumerate(zip(reqs, got, strict=True)):
+                want = hf_tokens(ref, p, x, 8)
+                if c.token_ids != want:
+                    bad.append((k, j, c.token_ids, want))
+    stats = eng.stats()  # after close: every rank's work done
+    return {"bad": bad, "shadows": stats["shadow_forwards"], "policy": eng.gather_policy}
+
+
+def without_agreement(backend: str, bucket_mb: float | None = None) -> str:
+    """The towers' agreement switched off: rank 0 has an image, rank 1 text only. Rank 1's
+    forward skips the vision tower's gathers that rank 0's issues: they never match."""
+    from shardgen.core import protocol
+
+    protocol._AGREE_TOWERS = False
+    try:
+        return vlm_equal(backend, "per-layer", bucket_mb=bucket_mb)["policy"]
+    finally:
+        protocol._AGREE_TOWERS = True
+
+
+def hf_zero3_one_image(every_rank: bool) -> str:
+    """Plain HF ``generate(synced_gpus=True)`` on a ZeRO-3 model: rank 0's prompt has an image and
+    rank 1's none (``every_rank``: both have one). With one image, rank 0 gathers the vision
+    tower's parameters and rank 1 the decoder's: it hangs."""
+    import deepspeed
+
+    model = tiny_qwen2_vl(3)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    m = engine.module
+    x = images((4, 6), seed=1) if dist.get_rank() == 0 or every_rank else None
+    p = prompt([5, 6], x)
+    t0 = time.monotonic()
+    import torch
+
+    ids = torch.tensor([p])
+    kw = {} if x is None else dict(x, mm_token_type_ids=(ids == 120).int())
+    m.generate(input_ids=ids, max_new_tokens=4, do_sample=False, synced_gpus=True, **kw)
+    return f"returned after {time.monotonic() - t0:.1f}s"
+
+
+def vlm_from_pretrained(backend: str, path: str) -> list:
+    """``Engine.from_pretrained`` on a saved Qwen2-VL checkpoint (its keys in the older layout that
+    ``save_pretrained`` writes), rank 0 with an image, rank 1 text only: the mismatches to HF."""
+    import shardgen
+
+    ref = tiny_qwen2_vl(3)
+    x = images((4, 6), seed=1) if dist.get_rank() == 0 else None
+    p = prompt([5, 6], x)
+    with shardgen.Engine.from_pretrained(path, backend=backend) as eng:
+        got = eng.generate([p], inputs=[x], max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)[0].token_ids
+    want = hf_tokens(ref, p, x, 8)
+    return [] if got == want else [(got, want)]
+
+
+def llava_equal(backend: str, bucket_mb: float | None = None) -> list:
+    """LLaVA: rank 0 one and two images per prompt beside a text-only request, rank 1 text only,
+    any rank past 1 none; against HF ``generate()`` per request. The mismatches."""
+    from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
+
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny_llava(4), tiny_llava(4)
+    if r == 0:
+        xs = [llava_images(1, 1), None, llava_images(2, 3)]
+        ps = [llava_prompt([5, 6], xs[0]), llava_prompt([9], None, [10, 11]), llava_prompt([5], xs[2])]
+    elif r == 1:
+        xs, ps = [None, None], [[9, 10, 11], [4, 4]]
+    else:
+        xs, ps = [], []
+    opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    bad = []
+    with shardgen.Engine(model, backend=backend, gather="per-layer", **opts) as eng:
+        if ps:
+            got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+            for p, x, c in zip(ps, xs, got, strict=True):
+                want = hf_llava_tokens(ref, p, x, 8)
+                if c.token_ids != want:
+                    bad.append((c.token_ids, want))
+    return bad

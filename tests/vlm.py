@@ -1,0 +1,137 @@
+"""A tiny Qwen2-VL built in code (no download), its image inputs made by hand in the layout of its
+image processor (``pixel_values``: one row of C x T x P x P values per patch; ``image_grid_thw``:
+patches per image in time, height, width), prompts with their image tokens, and the oracle:
+single-process HF ``generate()`` per request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+IMAGE, START, END = 120, 122, 123  # image, vision start and end token ids (LLaVA: IMAGE only)
+EOS, PAD = 2, 0
+MERGE, PATCH, TEMPORAL, CHANNELS = 2, 4, 2, 3
+
+
+def tiny_qwen2_vl(seed: int = 0) -> Any:
+    """A 2-layer Qwen2-VL with a 2-block vision tower, random weights of ``seed``, in eval mode."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
+        eos_token_id=EOS, pad_token_id=PAD,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+    )  # fmt: skip
+    vision = dict(
+        depth=2, embed_dim=32, initializer_range=0.2, hidden_size=32, num_heads=4, mlp_ratio=2,
+        patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
+    )  # fmt: skip
+    cfg = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=121,
+        vision_start_token_id=START, vision_end_token_id=END,
+    )  # fmt: skip
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def image(h: int, w: int, seed: int) -> dict[str, torch.Tensor]:
+    """One image of ``h`` x ``w`` patches (even: the merger takes 2 x 2), random pixels of ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    dim = CHANNELS * TEMPORAL * PATCH * PATCH
+    return {
+        "pixel_values": torch.randn((h * w, dim), generator=g),
+        "image_grid_thw": torch.tensor([[1, h, w]]),
+    }
+
+
+def images(*sizes: tuple[int, int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Several images of one prompt, in order."""
+    parts = [image(h, w, seed + i) for i, (h, w) in enumerate(sizes)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def prompt(
+    text: list[int], inputs: dict[str, torch.Tensor] | None, tail: list[int] | None = None
+) -> list[int]:
+    """``text``, then each image's tokens between its start and end ids, then ``tail``."""
+    ids = list(text)
+    if inputs is not None:
+        for t, h, w in inputs["image_grid_thw"].tolist():
+            ids += [START] + [IMAGE] * (t * h * w // MERGE**2) + [END]
+    return ids + list(tail or [7, 8])
+
+
+def hf_tokens(
+    model: Any, ids: list[int], inputs: dict[str, torch.Tensor] | None, max_new_tokens: int
+) -> list[int]:
+    """Single-process HF ``generate()`` on one request, greedy: its new tokens up to its first EOS."""
+    x = torch.tensor([ids])
+    kw: dict[str, Any] = {}
+    if inputs is not None:
+        kw = dict(inputs, mm_token_type_ids=(x == IMAGE).int())
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=x, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+            synced_gpus=False, **kw,
+        )[0, len(ids) :].tolist()  # fmt: skip
+    return out[: out.index(EOS) + 1] if EOS in out else out
+
+
+LLAVA_SIDE, LLAVA_PATCH = 16, 4  # a 16 x 16 image of 4 x 4 patches: 16 image tokens (CLS dropped)
+
+
+def tiny_llava(seed: int = 0) -> Any:
+    """A 2-layer LLaVA (Llama text, a 2-layer CLIP vision tower, the projector), random weights."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=LLAVA_SIDE, patch_size=LLAVA_PATCH, projection_dim=32, initializer_range=0.2,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1,
+    )  # fmt: skip
+    cfg = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )  # fmt: skip
+    model = LlavaForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def llava_images(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` images of one prompt, ``[n, 3, 16, 16]``."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn((n, 3, LLAVA_SIDE, LLAVA_SIDE), generator=g)}
+
+
+def llava_prompt(
+    text: list[int], inputs: dict[str, torch.Tensor] | None, tail: list[int] | None = None
+) -> list[int]:
+    ids = list(text)
+    if inputs is not None:
+        per = (LLAVA_SIDE // LLAVA_PATCH) ** 2
+        for _ in range(inputs["pixel_values"].shape[0]):
+            ids += [IMAGE] * per + [9]
+    return ids + list(tail or [7, 8])
+
+
+def hf_llava_tokens(
+    model: Any, ids: list[int], inputs: dict[str, torch.Tensor] | None, max_new_tokens: int
+) -> list[int]:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=x, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+            synced_gpus=False, **(inputs or {}),
+        )[0, len(ids) :].tolist()  # fmt: skip
+    return out[: out.index(EOS) + 1] if EOS in out else out
