@@ -30,9 +30,10 @@ lint: $(STAMP)
 # Three workers on 2 cores, one test file each at a time: since the test ranks are forked from
 # a server that imported torch once (tests/world.py), the multi-rank tests wait on sockets,
 # timers and launched jobs more than they compute; a file keeps its spawned worlds on one worker.
-# The longest files (launched jobs and examples, 80-150 s each) go first, in this order, so no
+# The longest files (launched jobs, examples, trained or multi-tower models: 80-150 s each) go first, in this order, so no
 # worker starts one at the end (xdist's own order puts files with few tests last).
 LONGEST := tests/test_cli_demo.py tests/test_examples_rl.py tests/test_examples.py tests/test_cli.py \
+	tests/test_trl_tools.py tests/test_towers.py \
 	tests/test_cli_launcher.py tests/test_engine_multirank.py tests/test_readme.py tests/test_soak.py \
 	tests/test_stationary.py tests/test_clean_exit.py tests/test_faults.py
 test: $(STAMP) lint
