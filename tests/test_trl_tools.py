@@ -2,8 +2,8 @@
 ranks take different numbers of tool turns, each turn's prompt is the turn before plus the tool's
 reply (TRL concatenates the ids), and the rank's prefix cache serves all of it but the reply.
 
-The model is tests/tool_model.py's (built once per module, ~20-60 s on CPU): it calls ``add`` 0,
-1 or 2 times depending on the question, then answers."""
+The model is tests/tool_model.py's, shipped under tests/assets/tool-model (checked on load): it
+calls ``add`` 0, 1 or 2 times depending on the question, then answers."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ EVEN = [["What is 3 plus 4 plus 5?", "Say hi."], ["What is 1 plus 2 plus 6?", "W
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tm.build(tmp_path_factory.mktemp("tool-model"))
+def model_path() -> str:
+    return tm.shipped()
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +133,15 @@ def test_stock_trl_fails_with_uneven_tool_turns(worlds, model_path):
     """The same uneven step on TRL's own generation (DeepSpeed ZeRO-3): it never finishes."""
     with pytest.raises((WorldError, WorldHang)):
         worlds[2].run(sc.grpo_tool_step, "deepspeed", model_path, UNEVEN[2], "stock", timeout=STOCK_BOUND_S)
+
+
+@pytest.mark.long
+def test_tool_model_rebuilds_as_shipped(tmp_path) -> None:
+    """``python tests/tool_model.py`` still trains the shipped model: the same tokenizer and config,
+    and a model that passes the shipped copy's check (``build`` raises when it underfits)."""
+    import json
+
+    path = tm.build(tmp_path)
+    for name in ("tokenizer.json", "config.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads((tm.SHIPPED / name).read_text())
+    assert path == str(tmp_path)

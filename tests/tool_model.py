@@ -1,7 +1,11 @@
 """A tiny chat model that calls a tool: Qwen2.5's chat template, a byte-level BPE tokenizer and a
 2-layer Llama, overfit in a few seconds on fixed conversations, for TRL's ``tools=`` loop.
 
-    path = build(tmp_dir)          # tokenizer and model, saved with save_pretrained
+    path = shipped()               # the model as built and saved under tests/assets/tool-model
+    path = build(tmp_dir)          # the same, trained again (about 40 s on one CPU core)
+
+The tests load the shipped copy (``shipped`` checks that it still answers as trained, on the
+running CPU, with one teacher-forced forward); ``python tests/tool_model.py`` rebuilds it.
 
 Each user question of ``CONVERSATIONS`` is answered after 0, 1 or 2 calls of ``add``, so a rank
 given one kind of question takes a different number of tool turns than a rank given another.
@@ -156,6 +160,42 @@ def _least_likely(model, input_ids, mask, labels) -> float:
     return float(picked.min().exp())
 
 
+SHIPPED = Path(__file__).parent / "assets" / "tool-model"
+
+
+def _training_rows(tok) -> tuple:
+    """The conversations as one padded batch: input ids, mask, labels (-100 off the model's tokens)."""
+    import torch
+
+    rows = [sequence(tok, q) for q, _, _ in CONVERSATIONS]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (ids, own) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.where(
+            torch.tensor(own) == 1, torch.tensor(ids), -100
+        )  # the model's tokens
+    mask = torch.arange(width) < torch.tensor([len(ids) for ids, _ in rows])[:, None]
+    return input_ids, mask, labels
+
+
+def shipped() -> str:
+    """The path of the shipped model, after checking that it gives each of its own answer tokens
+    probability > 0.999 on this CPU (one forward), as ``build`` left it."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    model = LlamaForCausalLM.from_pretrained(SHIPPED)
+    worst = _least_likely(model, *_training_rows(tok))
+    if worst <= 0.999:
+        raise RuntimeError(
+            f"the shipped tool model at {SHIPPED} gives an answer token p={worst:.4f} (<= 0.999) on this "
+            "CPU or these library versions: rebuild it with `python tests/tool_model.py`"
+        )
+    return str(SHIPPED)
+
+
 def build(out_dir: str | os.PathLike, max_steps: int = 1500, seed: int = 0) -> str:
     """Build, train and save the tokenizer and model under ``out_dir``; returns the path."""
     import torch
@@ -174,7 +214,7 @@ def build(out_dir: str | os.PathLike, max_steps: int = 1500, seed: int = 0) -> s
         ]
         corpus.append(answer + "<|im_end|>")
     tok = _tokenizer(corpus * 4)
-    rows = [sequence(tok, q) for q, _, _ in CONVERSATIONS]
+    input_ids, mask, labels = _training_rows(tok)
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
@@ -183,15 +223,6 @@ def build(out_dir: str | os.PathLike, max_steps: int = 1500, seed: int = 0) -> s
         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
     model = LlamaForCausalLM(cfg)
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    for i, (ids, own) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, : len(ids)] = torch.where(
-            torch.tensor(own) == 1, torch.tensor(ids), -100
-        )  # the model's tokens
-    mask = torch.arange(width) < torch.tensor([len(ids) for ids, _ in rows])[:, None]
     opt = torch.optim.Adam(model.parameters(), lr=5e-3)
     worst = 0.0
     for step in range(max_steps):
@@ -213,3 +244,7 @@ def build(out_dir: str | os.PathLike, max_steps: int = 1500, seed: int = 0) -> s
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+if __name__ == "__main__":
+    print(build(SHIPPED))
