@@ -391,3 +391,61 @@ def pause_alone(stall: float):
     dist.barrier()
     eng.close()
     return msg
+
+
+def whole_gather_equals_unit_by_unit() -> list[dict]:
+    """``gather_all`` on FSDP2 in chunks of many parameters (``backends/fsdp2/whole.py``) against
+    FSDP2's own unsharding unit by unit, and both against the unsharded model, for: rows that do
+    not divide among the ranks (vocabulary 97), a shard left empty (2 rows at 3 ranks), tied
+    embeddings, a model the user sharded with bf16 compute (``MixedPrecisionPolicy``), and a
+    chunk budget smaller than the model (several chunks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from shardgen.backends import make_backend
+
+    cases = [
+        ("llama-odd-rows", "llama", dict(vocab_size=97), False, None),
+        ("llama-empty-shard", "llama", dict(intermediate_size=2), False, None),
+        ("gpt2-tied", "gpt2", {}, False, None),
+        ("llama-user-bf16", "llama", dict(vocab_size=97), True, None),
+        ("llama-small-chunks", "llama", {}, False, 4096),
+    ]
+    out = []
+    for name, arch, over, user, budget in cases:
+        model, ref = tiny_model(arch, seed=3, **over), tiny_model(arch, seed=3, **over)
+        want = torch.float32
+        if user:
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+            want = torch.bfloat16
+        group = dist.new_group(backend="gloo")
+        b = make_backend("fsdp2", model, param_group=group, device=torch.device("cpu"))
+        if budget is not None:
+            b.WHOLE_CHUNK_BYTES = budget
+            b.block_bytes = lambda: 0  # type: ignore[method-assign]
+        b.gather_all()
+        chunks = len(b._whole) if b._whole else 0
+        whole = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
+        b.release_all()
+        b._whole = False  # unit by unit, as for a layout the chunks do not cover
+        b.gather_all()
+        units = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
+        rep = b.replica.module
+        tied = rep.get_output_embeddings().weight is rep.get_input_embeddings().weight
+        b.release_all()
+        b.close()
+        full = dict(ref.named_parameters())
+        out.append({
+            "case": name,
+            "chunks": chunks,
+            "names": sorted(whole) == sorted(units) == sorted(full),
+            "equal_units": [n for n in whole if not torch.equal(whole[n], units[n])],
+            "equal_full": [n for n in whole if not torch.equal(whole[n], full[n].detach().to(want))],
+            "dtypes": sorted({str(t.dtype) for t in whole.values()}),
+            "tied": tied,
+        })  # fmt: skip
+    return out

@@ -137,6 +137,18 @@ def test_gather_once_decodes_without_shadow_forwards(world2, backend):
     assert r0[2] < r0[3]  # bursts: several forwards per tick
 
 
+def test_fsdp2_gather_once_in_chunks_equals_unit_by_unit(world3):
+    """The replica filled from chunks of many shards holds exactly what FSDP2's unit-by-unit
+    unsharding gives, and the unsharded model's values (in the compute dtype)."""
+    for r, cases in enumerate(world3.run(sc.whole_gather_equals_unit_by_unit, timeout=180)):
+        by = {c["case"]: c for c in cases}
+        for c in cases:
+            assert c["names"] and not c["equal_units"] and not c["equal_full"], (r, c)
+        assert [by[k]["chunks"] for k in ("llama-odd-rows", "gpt2-tied")] == [1, 1], (r, cases)
+        assert by["llama-small-chunks"]["chunks"] > 3, (r, by["llama-small-chunks"])
+        assert by["gpt2-tied"]["tied"] and by["llama-user-bf16"]["dtypes"] == ["torch.bfloat16"], (r, cases)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gather_auto_follows_the_memory_budget(world2, backend):
     roomy = world2.run(sc.gather_policy, "auto", None, backend, timeout=180)

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 
-def _set_param(root: nn.Module, name: str, value: nn.Parameter) -> None:
+def _place(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     prefix, _, leaf = name.rpartition(".")
-    root.get_submodule(prefix)._parameters[leaf] = value
+    return root.get_submodule(prefix), leaf
 
 
 def _set_buffer(root: nn.Module, name: str, value: torch.Tensor | None) -> None:
@@ -54,6 +54,8 @@ class Replica:
                 f"(only theirs: {sorted(theirs - mine)[:4]}, only the replica's: {sorted(mine - theirs)[:4]})"
             )
         self._meta = {n: p for n, p in self.module.named_parameters(remove_duplicate=False)}
+        # Where each name is set: resolved once (a gather sets every parameter, at every gather).
+        self._places = {n: _place(self.module, n) for n in self._meta}
         self._loaded: set[int] = set()
         self.live = False
         self.forwards = 0  # forwards run on the replica (tests, stats)
@@ -64,14 +66,20 @@ class Replica:
 
     def load(self, name: str, full: torch.Tensor) -> None:
         """Copy the full value of source parameter ``name`` (and of every name tied to it)."""
-        g = self._group_of[name]
-        if g in self._loaded:
+        if self._group_of[name] in self._loaded:
             return
         t = torch.empty(full.shape, dtype=full.dtype, device=self.device)
         t.copy_(full)
-        param = nn.Parameter(t, requires_grad=False)
+        self.put(name, t)
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """Take ``value`` (this replica's own tensor, not copied) as source parameter ``name``
+        and every name tied to it."""
+        g = self._group_of[name]
+        param = nn.Parameter(value, requires_grad=False)
         for n in self.groups[g]:
-            _set_param(self.module, n, param)
+            module, leaf = self._places[n]
+            module._parameters[leaf] = param
         self._loaded.add(g)
 
     def finish(self) -> None:
@@ -95,7 +103,8 @@ class Replica:
     def free(self) -> None:
         """Release the full copies (meta tensors back in place). Not collective."""
         for n, p in self._meta.items():
-            _set_param(self.module, n, p)
+            module, leaf = self._places[n]
+            module._parameters[leaf] = p
         self._loaded.clear()
         self.live = False
 

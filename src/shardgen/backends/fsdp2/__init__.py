@@ -199,28 +199,45 @@ class FSDP2Backend(PooledGathers, Backend):
 
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
+    #: ``whole.py``'s chunks for ``gather_all`` (None: not planned yet; False: gathered unit by unit).
+    _whole: Any = None
+    #: Bytes a chunk of ``gather_all`` gathers at most (at least a decoder layer's).
+    WHOLE_CHUNK_BYTES = 64 << 20
+
     def gather_all(self) -> None:
-        """Fill the plain replica (``replica.py``) one FSDP unit at a time: unshard it, copy its
-        full parameters, reshard it. Forwards then run on the replica (no hooks, no DTensor).
-        Collective on the param group: one all-gather per unit, in module order, every rank
-        in the same tick."""
+        """Fill the plain replica (``replica.py``); forwards then run on it (no hooks, no DTensor).
+        Dim-0 shards over the param group (shardgen's units, most user models) travel in chunks
+        of many parameters (``whole.py``); other layouts unit by unit: unshard it, copy its full
+        parameters, reshard it. Collective on the param group: the chunks' gathers, else one
+        all-gather per unit in module order; every rank in the same tick."""
         from torch.distributed.tensor import DTensor
+
+        from shardgen.backends.fsdp2 import whole
 
         if self.replica is not None and self.replica.live:
             return
         if self.replica is None:
             self.replica = Replica(self.module, plain_type(self.module), self.device)
-        states: set[int] = set()
-        for unit in self.units():
-            state = fsdp.fsdp_state(unit)
-            if id(state) in states:  # a unit of several modules (tied embeddings and head)
-                continue
-            states.add(id(state))
-            unit.unshard()
-            for name, p in self.module.named_parameters():
-                if not isinstance(p, DTensor) and not self.replica.has(name):
-                    self.replica.load(name, p.detach())
-            unit.reshard()
+        if self._whole is None:
+            budget = max(self.WHOLE_CHUNK_BYTES, self.block_bytes())
+            self._whole = whole.plan_whole(self.module, self.units(), self.param_group, budget) or False
+        if self._whole:
+            whole.fill(self.replica, self._whole, self.param_group, self.device)
+        else:
+            states: set[int] = set()
+            for unit in self.units():
+                state = fsdp.fsdp_state(unit)
+                if id(state) in states:  # a unit of several modules (tied embeddings and head)
+                    continue
+                states.add(id(state))
+                unit.unshard()
+                for name, p in self.module.named_parameters():
+                    if not isinstance(p, DTensor) and not self.replica.has(name):
+                        self.replica.load(name, p.detach())
+                unit.reshard()
+        for name, p in self.module.named_parameters():  # any parameter FSDP2 does not manage
+            if not isinstance(p, DTensor) and not self.replica.has(name):
+                self.replica.load(name, p.detach())
         self.replica.finish()
         self.lockstep = False
 
