@@ -11,7 +11,9 @@ random prompts with skewed ``max_new_tokens``; outputs of every method checked e
 first method's. Methods (``--methods``, comma list): ``local`` (an unsharded replica per rank,
 the physical floor of ``once``), ``once-fsdp2``, ``once-deepspeed``, ``per-layer-fsdp2``,
 ``per-layer-deepspeed``. One engine per method, all built before timing, rounds interleaved.
-Reports useful tokens/s and each method as a multiple of ``local`` and of ``per-layer-fsdp2``.
+Reports useful tokens/s and each method as a multiple of ``local`` and of ``per-layer-fsdp2``,
+and where each rank's timed wall time went (``engine.stats()`` over the timed rounds: real
+forwards, shadow forwards, the tick's all-reduce, the rest: gathers, idle ticks, the user thread).
 """
 
 from __future__ import annotations
@@ -94,13 +96,19 @@ def rank_main(args: argparse.Namespace) -> None:
     engines = {m: _engine(m, build, args.batch, tok) for m in methods}
     first = None
     times = dict.fromkeys(methods, 0.0)
+    spent = {m: dict.fromkeys(SPENT, 0.0) for m in methods}  # this rank's timed seconds, by kind
     useful = 0
     for rnd in range(args.rounds + 1):  # round 0 warms up and checks outputs
         for name in methods:
             dist.barrier()
+            before = engines[name].stats()
             t0 = time.perf_counter()
             out, n = run(engines[name])
             dist.barrier()
+            wall = time.perf_counter() - t0
+            after = engines[name].stats()
+            if rnd:
+                _add_spent(spent[name], before, after, wall)
             if rnd == 0:
                 first = first if first is not None else out
                 assert out == first, f"rank {rank}: {name} differs from {methods[0]}"
@@ -111,6 +119,8 @@ def rank_main(args: argparse.Namespace) -> None:
         e.close()
     total = torch.tensor([useful], dtype=torch.float64)
     dist.all_reduce(total)
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, spent)  # every rank, once, after the timed rounds
     if rank == 0:
         tok_s = {k: args.rounds * total.item() / v for k, v in times.items()}
         res = {"useful_tok_s": tok_s, "world": world, "config": vars(args)}
@@ -124,8 +134,32 @@ def rank_main(args: argparse.Namespace) -> None:
                 f"  {v / tok_s[ref]:5.2f}x {ref}" for ref in ("local", "per-layer-fsdp2") if ref in tok_s
             )
             print(f"{k:22s} {v:9.1f} useful tok/s{extra}", flush=True)
+        res["spent_s"] = per_rank
+        print("\nseconds per rank over the timed rounds: " + ", ".join(SPENT))
+        for name in methods:
+            cells = "   ".join(
+                f"r{r}: " + " ".join(f"{per_rank[r][name][k]:6.2f}" for k in SPENT) for r in range(world)
+            )
+            print(f"{name:22s} {cells}")
         write_json(args.json, res)
     dist.destroy_process_group()
+
+
+SPENT = ("wall", "real", "shadow", "tick", "other", "ticks", "forwards", "shadows")
+
+
+def _add_spent(into: dict, before: dict, after: dict, wall: float) -> None:
+    """This rank's timed seconds by kind, from two ``engine.stats()`` snapshots around a run."""
+    d = {k: after[k] - before[k] for k in ("forward_s", "busy_s", "control_s", "ticks", "forwards")}
+    d["shadow_forwards"] = after["shadow_forwards"] - before["shadow_forwards"]
+    into["wall"] += wall
+    into["real"] += d["busy_s"]
+    into["shadow"] += d["forward_s"] - d["busy_s"]
+    into["tick"] += d["control_s"]
+    into["other"] += wall - d["forward_s"] - d["control_s"]
+    into["ticks"] += d["ticks"]
+    into["forwards"] += d["forwards"]
+    into["shadows"] += d["shadow_forwards"]
 
 
 def main() -> None:
