@@ -218,6 +218,7 @@ class FSDP2Backend(PooledGathers, Backend):
             return
         if self.replica is None:
             self.replica = Replica(self.module, plain_type(self.module), self.device)
+        fsdp.lazy_init(self.units())  # shards swapped since (a load_state_dict) are read anew
         if self._whole is None:
             budget = max(self.WHOLE_CHUNK_BYTES, self.block_bytes())
             self._whole = whole.plan_whole(self.module, self.units(), self.param_group, budget) or False

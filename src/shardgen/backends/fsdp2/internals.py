@@ -75,6 +75,16 @@ def unit_params(unit: nn.Module) -> Iterator[tuple[Any, torch.dtype | None]]:
             yield fp, dtype
 
 
+def lazy_init(units: Iterable[nn.Module]) -> None:
+    """FSDP2's per-param-group lazy init (what ``unshard()`` runs first): it re-reads each
+    ``FSDPParam``'s shard from its module, which a ``load_state_dict(assign=True)`` or
+    accelerate's loading may have replaced (``sharded_param`` is stale, even meta, until then).
+    Idempotent; local."""
+    for state in distinct_states(units):
+        for pg in state._fsdp_param_groups:
+            pg.lazy_init()
+
+
 def local_shard(fp: Any) -> Callable[[], torch.Tensor]:
     """A function returning this rank's shard of ``fp``, flat (read at each call: FSDP2 keeps it
     in ``sharded_param`` whatever state the module is in)."""
