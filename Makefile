@@ -46,14 +46,15 @@ demo: $(STAMP)
 # Every input surface with 10,000 examples each (tests/test_input_fuzz.py); random schedules on
 # 2-4 ranks (tests/fuzz.py), N from seed SEED0; the fault cases at 5-8 ranks and the long
 # reliability cases (journal faults; the soaks of tests/test_soak.py: 20,000 prompts, 5,000
-# calls, 200 engines; the shipped tool model trained again); the two-agent torchrun job 10 times.
+# calls, 200 engines; the shipped tool model trained again; the stationary ZeRO-Inference example);
+# the two-agent torchrun job 10 times.
 N ?= 1000
 SEED0 ?= 0
 fuzz: $(STAMP)
 	SHARDGEN_FUZZ_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 3600 --hypothesis-show-statistics tests/test_input_fuzz.py
 	$(BIN)/python tests/fuzz.py --n $(N) --seed0 $(SEED0) --json fuzz-summary.json
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "bigworld or long" tests/test_faults.py tests/test_journal_faults.py
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/test_soak.py tests/test_trl_tools.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/test_soak.py tests/test_trl_tools.py tests/test_examples.py
 	$(BIN)/python tests/two_agents.py 10
 
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.

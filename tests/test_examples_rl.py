@@ -73,15 +73,12 @@ def test_opsd_torchrun_full_logits():
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_opsd_deepspeed_launcher_3_ranks_top_k():
-    cmd = deepspeed_launcher("opsd.py", *OPSD_ARGS, "--top-k", "4", nproc=3)
-    _check_opsd(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2, world=3)
-
-
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_opsd_separate_teacher_model():
-    """``--teacher PATH``: a second engine (another model, from_pretrained, sharded on the same ranks)."""
+def test_opsd_deepspeed_launcher_3_ranks_top_k_separate_teacher():
+    """Under the DeepSpeed launcher at 3 ranks, the teacher's top-k only, and ``--teacher PATH``:
+    a second engine (another model, from_pretrained, sharded on the same ranks). One launch for
+    both (a 3-rank DeepSpeed launch costs about a minute of CPU)."""
     from shardgen import toy
 
-    cmd = torchrun("opsd.py", *OPSD_ARGS, "--teacher", str(toy.toy_model_path()), nproc=3)
+    teacher = ["--teacher", str(toy.toy_model_path())]
+    cmd = deepspeed_launcher("opsd.py", *OPSD_ARGS, "--top-k", "4", *teacher, nproc=3)
     _check_opsd(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2, world=3)
