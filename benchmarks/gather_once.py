@@ -145,7 +145,7 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-SPENT = ("wall", "real", "shadow", "tick", "other", "ticks", "forwards", "shadows")
+SPENT = ("wall", "real", "shadow+plan", "tick", "other", "ticks", "forwards", "shadows")
 
 
 def _add_spent(into: dict, before: dict, after: dict, wall: float) -> None:
@@ -154,7 +154,7 @@ def _add_spent(into: dict, before: dict, after: dict, wall: float) -> None:
     d["shadow_forwards"] = after["shadow_forwards"] - before["shadow_forwards"]
     into["wall"] += wall
     into["real"] += d["busy_s"]
-    into["shadow"] += d["forward_s"] - d["busy_s"]
+    into["shadow+plan"] += d["forward_s"] - d["busy_s"]  # shadow forwards, planning a burst
     into["tick"] += d["control_s"]
     into["other"] += wall - d["forward_s"] - d["control_s"]
     into["ticks"] += d["ticks"]
