@@ -610,3 +610,43 @@ def model_kinds() -> dict[str, str]:
     for case, model in [("engine", engine), ("zero", zero), ("fsdp", fsdp)]:
         out[f"{case}_picks"] = backend_for(None, model)
     return out
+
+
+def whole_gather_equals_bucketed() -> list[dict]:
+    """``gather_all`` on DeepSpeed in chunks of many flat partitions (``backends/whole.py``)
+    against DeepSpeed's own coalesced gathers bucket by bucket, and both against the unsharded
+    model: partitions padded on the last rank (an odd hidden size), tied embeddings, offload to
+    the CPU, and a chunk budget smaller than the model (several chunks)."""
+    cases = [
+        ("gpt2-odd-tied", "gpt2", dict(n_embd=33, n_head=3), None, None),
+        ("llama-offload", "llama", dict(vocab_size=97), {"zero_optimization": {"stage": 3,
+            "offload_param": {"device": "cpu"}}}, None),
+        ("llama-small-chunks", "llama", {}, None, 4096),
+    ]  # fmt: skip
+    out = []
+    for name, arch, over, cfg, budget in cases:
+        model, ref = tiny_model(arch, seed=4, **over), tiny_model(arch, seed=4, **over)
+        b = _create(model, _param_group(), cfg)
+        if budget is not None:
+            b.WHOLE_CHUNK_BYTES = budget
+        b.gather_all()
+        chunks = len(b._whole) if b._whole else 0
+        whole = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
+        b.release_all()
+        b._whole = False  # DeepSpeed's own gathers, as for NVMe or hpZ partitions
+        b.gather_all()
+        own = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
+        rep = b.replica.module
+        tied = rep.get_output_embeddings().weight is rep.get_input_embeddings().weight
+        b.release_all()
+        b.close()
+        full = dict(ref.named_parameters())
+        out.append({
+            "case": name,
+            "chunks": chunks,
+            "names": sorted(whole) == sorted(own) == sorted(full),
+            "equal_own": [n for n in whole if not torch.equal(whole[n], own[n])],
+            "equal_full": [n for n in whole if not torch.equal(whole[n], full[n].detach())],
+            "tied": tied,
+        })  # fmt: skip
+    return out

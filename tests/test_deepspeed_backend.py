@@ -128,6 +128,17 @@ def test_forward_logits_equal_unsharded(dsworld, arch, offload):
         assert "MixtralSparseMoeBlock" in r0["leaves"]
 
 
+def test_gather_once_in_chunks_equals_deepspeeds_own_gathers(dsworld):
+    """The replica filled from chunks of many partitions holds exactly what DeepSpeed's own
+    bucketed gathers give, and the unsharded model's values."""
+    for r, cases in enumerate(dsworld.run(sc.whole_gather_equals_bucketed, timeout=120)):
+        by = {c["case"]: c for c in cases}
+        for c in cases:
+            assert c["names"] and not c["equal_own"] and not c["equal_full"], (r, c)
+        assert by["gpt2-odd-tied"]["chunks"] == by["llama-offload"]["chunks"] == 1, (r, cases)
+        assert by["llama-small-chunks"]["chunks"] > 3 and by["gpt2-odd-tied"]["tied"], (r, cases)
+
+
 @pytest.mark.parametrize("bucket_bytes", [None, 20_000, 0], ids=["default-plan", "7-buckets", "per-module"])
 def test_lockstep_real_vs_shadow_forwards_issue_identical_collectives(dsworld, bucket_bytes):
     """Rank 0: 3 real forwards of different shapes; rank 1: shadow, real, shadow. Then gather

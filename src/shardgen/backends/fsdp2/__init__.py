@@ -199,7 +199,7 @@ class FSDP2Backend(PooledGathers, Backend):
 
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
-    #: ``whole.py``'s chunks for ``gather_all`` (None: not planned yet; False: gathered unit by unit).
+    #: ``backends/whole.py``'s chunks for ``gather_all`` (None: not planned yet; False: unit by unit).
     _whole: Any = None
     #: Bytes a chunk of ``gather_all`` gathers at most (at least a decoder layer's).
     WHOLE_CHUNK_BYTES = 64 << 20
@@ -207,12 +207,14 @@ class FSDP2Backend(PooledGathers, Backend):
     def gather_all(self) -> None:
         """Fill the plain replica (``replica.py``); forwards then run on it (no hooks, no DTensor).
         Dim-0 shards over the param group (shardgen's units, most user models) travel in chunks
-        of many parameters (``whole.py``); other layouts unit by unit: unshard it, copy its full
-        parameters, reshard it. Collective on the param group: the chunks' gathers, else one
-        all-gather per unit in module order; every rank in the same tick."""
+        of many parameters (``backends/whole.py``); other layouts unit by unit: unshard it, copy
+        its full parameters, reshard it. Collective on the param group: the chunks' gathers,
+        else one all-gather per unit in module order; every rank in the same tick."""
         from torch.distributed.tensor import DTensor
 
-        from shardgen.backends.fsdp2 import whole
+        from shardgen.backends import whole
+        from shardgen.backends.fsdp2.stationary import FSDP2Source
+        from shardgen.backends.stationary import Unsupported
 
         if self.replica is not None and self.replica.live:
             return
@@ -220,8 +222,9 @@ class FSDP2Backend(PooledGathers, Backend):
             self.replica = Replica(self.module, plain_type(self.module), self.device)
         fsdp.lazy_init(self.units())  # shards swapped since (a load_state_dict) are read anew
         if self._whole is None:
+            source = FSDP2Source(self.module, self.param_group, self.device)
             budget = max(self.WHOLE_CHUNK_BYTES, self.block_bytes())
-            self._whole = whole.plan_whole(self.module, self.units(), self.param_group, budget) or False
+            self._whole = whole.plan(self.module, source.shard, Unsupported, budget) or False
         if self._whole:
             whole.fill(self.replica, self._whole, self.param_group, self.device)
         else:
@@ -236,9 +239,6 @@ class FSDP2Backend(PooledGathers, Backend):
                     if not isinstance(p, DTensor) and not self.replica.has(name):
                         self.replica.load(name, p.detach())
                 unit.reshard()
-        for name, p in self.module.named_parameters():  # any parameter FSDP2 does not manage
-            if not isinstance(p, DTensor) and not self.replica.has(name):
-                self.replica.load(name, p.detach())
         self.replica.finish()
         self.lockstep = False
 
