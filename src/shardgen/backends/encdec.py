@@ -35,7 +35,8 @@ def shadow_inputs(model: Any, device: torch.device) -> dict[str, Any]:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     hidden = torch.zeros((1, 1, width), dtype=dtype, device=device)
     mask = torch.ones_like(ids)
-    return {"decoder_input_ids": ids, "encoder_outputs": (hidden,), "attention_mask": mask, "use_cache": False}
+    return {"decoder_input_ids": ids, "encoder_outputs": (hidden,), "attention_mask": mask,
+            "use_cache": False}  # fmt: skip
 
 
 def learned_positions(model: nn.Module) -> nn.Module | None:

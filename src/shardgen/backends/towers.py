@@ -104,6 +104,25 @@ TOWERS: dict[str, tuple[Tower, ...]] = {
 }
 
 
+def encoder_decoder_problem(model: nn.Module) -> str | None:
+    """Why shardgen cannot decode ``model`` (an encoder-decoder of a kind it has no towers for, or
+    with no decoder start token), or None. Local, before any collective."""
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "is_encoder_decoder", False):
+        return None
+    kind = getattr(cfg, "model_type", None)
+    if kind not in ENCODER_DECODERS:
+        return (
+            f"encoder-decoder model type {kind!r} is not supported (supported: "
+            f"{', '.join(sorted(ENCODER_DECODERS))})"
+        )
+    gen = getattr(model, "generation_config", None)
+    names = ("decoder_start_token_id", "bos_token_id")
+    if not any(isinstance(getattr(c, n, None), int) for c in (gen, cfg) for n in names):
+        return f"{kind} model without decoder_start_token_id (or bos_token_id): no first decoder input"
+    return None
+
+
 def towers_of(model: nn.Module) -> tuple[Tower, ...]:
     """The towers of ``model``'s kind (none for a plain decoder). A function of the model's
     config only, so every rank finds the same. Not collective."""

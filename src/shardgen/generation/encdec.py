@@ -170,7 +170,8 @@ class EncDecBatch(Batch):
             shape[dim] = extra
             return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
-        self.encoder_hidden = combine_rows(right(self.encoder_hidden, 1), right(mini.encoder_hidden, 1), slots)
+        hidden = (right(self.encoder_hidden, 1), right(mini.encoder_hidden, 1))
+        self.encoder_hidden = combine_rows(*hidden, slots)
         self.encoder_mask = combine_rows(right(self.encoder_mask, 1), right(mini.encoder_mask, 1), slots)
         for la, lb in zip(self._cross(), mini._cross(), strict=True):
             la.keys = combine_rows(right(la.keys, -2), right(lb.keys, -2), slots)
