@@ -28,8 +28,8 @@ def tiny_t5(seed: int = 2) -> Any:
 
 def tiny_bart(seed: int = 1) -> Any:
     """A 2+2-layer BART, its learned positions drawn wide (so that tokens depend on them), eval
-    mode. No forced EOS at max length (``forced_eos_token_id=None``: shardgen has no forced
-    tokens)."""
+    mode. As BART checkpoints (bart-large-cnn) do, it forces BOS first and EOS at the length
+    limit (``forced_bos_token_id``, ``forced_eos_token_id``)."""
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -37,9 +37,10 @@ def tiny_bart(seed: int = 1) -> Any:
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
         pad_token_id=BART_PAD, bos_token_id=0, eos_token_id=BART_EOS, decoder_start_token_id=BART_EOS,
-        forced_eos_token_id=None, init_std=0.2,
+        forced_eos_token_id=BART_EOS, init_std=0.2,
     )  # fmt: skip
     model = BartForConditionalGeneration(cfg).eval()
+    model.generation_config.forced_bos_token_id = 0
     with torch.no_grad():
         model.model.decoder.embed_positions.weight.normal_(0, 1.0)
         model.model.encoder.embed_positions.weight.normal_(0, 1.0)

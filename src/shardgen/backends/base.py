@@ -88,6 +88,8 @@ class Backend:
         docstring), ``inputs`` the model's. Collective on the parameter group when ``lockstep``."""
         positions = inputs.pop("decoder_position_ids", None)  # an encoder-decoder's rows' own
         if self.replica is not None and self.replica.live:
+            if positions is None:
+                return self.replica(**inputs)
             with decoder_positions(self.replica.module, positions):
                 return self.replica(**inputs)
         run = towers if self.lockstep else 0  # no gathers to match: no shadow tower

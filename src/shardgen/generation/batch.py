@@ -421,6 +421,13 @@ class Batch:
         tokens = select_tokens(
             logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
         )
+        forced = [
+            (i, t) for i, s in enumerate(self.seqs) if not s.finished and (t := s.forced_token()) is not None
+        ]
+        if forced:  # HF's forced BOS / EOS (BART's): the draw is made, the forced token taken
+            tokens = tokens.clone()
+            for i, t in forced:
+                tokens[i] = t
         want_lp = any(s.params.logprobs for s in self.seqs)
         lps = chosen_logprobs(logits, tokens, [s.params for s in self.seqs]).tolist() if want_lp else None
         column = tokens.tolist()

@@ -80,9 +80,13 @@ def build_request(
             params = params.replace(seed=seed)
         gen = make_generator(seed)
     stop_check = stop_string_check(tokenizer, list(params.stop)) if params.stop else None
+    bos_f, eos_f = (getattr(generation_config, f"forced_{k}_token_id", None) for k in ("bos", "eos"))
     seq = SeqState(
         prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check,
         inputs=inputs or None,  # as given: rows given one dict share their prefill
+        forced_bos=bos_f if isinstance(bos_f, int) else None,
+        forced_eos=eos_f if isinstance(eos_f, int) else None,
+        start_length=1 if getattr(model_config, "is_encoder_decoder", False) else len(ids),
     )  # fmt: skip
     req = Request(seq=seq)
     seq.tag = req
