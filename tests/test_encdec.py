@@ -107,18 +107,23 @@ def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "backend, gather, bucket_mb",
-    [("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("deepspeed", "per-layer", 0.001)],
-)
+    [
+        ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("fsdp2", "stationary", None),
+        ("deepspeed", "per-layer", 0.001),
+    ],
+)  # fmt: skip
 def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, gather, bucket_mb):
     """Rank 0's refills start encoders while rank 1 decodes, and rank 1's later calls start while
     rank 0 decodes; rank 1 makes more calls. DeepSpeed with each unit a bucket (its gathers per
-    module: the cross-attention gathered whole)."""
+    module: the cross-attention gathered whole). ``stationary`` is refused for a model with
+    towers: it gathers per layer."""
     for kind in ("t5", "bart"):
         out = ds_world2.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
         for r, res in enumerate(out):
             assert res["bad"] == [], f"{kind}, rank {r}: {res['bad']}"
+            assert res["policy"] == ("once" if gather == "once" else "per-layer")
         assert out[0]["refills"] > 0
-        if gather == "per-layer":
+        if gather != "once":
             assert out[1]["shadows"] > 0  # rank 1 waited on rank 0's forwards, encoder included
 
 
