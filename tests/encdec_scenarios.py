@@ -29,16 +29,18 @@ def encdec_equal(
     gather: str,
     max_batch_size: int | None = 2,
     bucket_mb: float | None = None,
+    **extra: Any,
 ) -> dict:
     """Every rank's calls (``_CALLS``) on one engine over a ``kind`` model; each completion against
     single-process HF ``generate()`` on an unsharded copy. The mismatches and what the engine
     counted. ``bucket_mb`` (DeepSpeed): small, each unit a bucket of its own (the tiny model's
-    units otherwise fit one bucket, gathered whole at the first unit either rank calls)."""
+    units otherwise fit one bucket, gathered whole at the first unit either rank calls); ``extra``:
+    more engine settings."""
     import shardgen
 
     r = dist.get_rank()
     model, ref = tiny(kind), tiny(kind)
-    opts: dict[str, Any] = {"gather": gather}
+    opts: dict[str, Any] = {"gather": gather, **extra}
     if max_batch_size:
         opts["max_batch_size"] = max_batch_size
     if bucket_mb is not None:

@@ -148,6 +148,15 @@ def test_three_ranks_uneven_and_a_rank_holding_none():
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
+def test_every_rank_gathers_the_same_units(ds_world2, backend, bucket_mb):
+    """``debug_collectives``: each forward's gathered units, folded into the tick, are the same on
+    both ranks (a prefill's encoder against a peer's decode step and shadow encoder)."""
+    out = ds_world2.run(sc.encdec_equal, "bart", backend, "per-layer", 2, bucket_mb, debug_collectives=True)
+    assert [res["bad"] for res in out] == [[], []]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
 def test_without_the_tower_agreement_the_ranks_part(backend, bucket_mb):
     """The same run with the tick's tower agreement switched off fails: the encoder's gathers of
     a rank starting a request meet its peer's decoder gathers (gloo aborts, or a hang, killed)."""
