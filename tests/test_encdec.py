@@ -109,7 +109,7 @@ def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
     "backend, gather, bucket_mb",
     [
         ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("fsdp2", "stationary", None),
-        ("deepspeed", "per-layer", 0.001),
+        ("deepspeed", "per-layer", 0.001), ("deepspeed", "once", None),
     ],
 )  # fmt: skip
 def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, gather, bucket_mb):
