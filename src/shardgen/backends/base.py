@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shardgen.backends.encdec import decoder_positions, shadow_inputs
 from shardgen.backends.towers import shadow_towers, tower_mask, towers_of
 
 #: How a forward gets its weights (``core/policy.py`` chooses per forward).
@@ -85,10 +86,18 @@ class Backend:
     ) -> Any:
         """Run one forward: ``mode``, ``shapes`` and ``towers`` as the tick agreed them (the module
         docstring), ``inputs`` the model's. Collective on the parameter group when ``lockstep``."""
+        positions = inputs.pop("decoder_position_ids", None)  # an encoder-decoder's rows' own
         if self.replica is not None and self.replica.live:
-            return self.replica(**inputs)
+            if positions is None:
+                return self.replica(**inputs)
+            with decoder_positions(self.replica.module, positions):
+                return self.replica(**inputs)
         run = towers if self.lockstep else 0  # no gathers to match: no shadow tower
-        with shadow_towers(self.hf_model, self.towers, run, tower_mask(self.towers, inputs), self.device):
+        own = tower_mask(self.towers, inputs)
+        with (
+            shadow_towers(self.hf_model, self.towers, run, own, self.device),
+            decoder_positions(self.hf_model, positions),
+        ):
             if mode == STATIONARY:
                 return self.stationary_forward(inputs, shapes)
             return self._per_layer_forward(**inputs)
@@ -109,10 +118,7 @@ class Backend:
         forward walks every sharded unit in module order, so the gathers match a
         real forward of any batch size and length; the agreed ``towers`` run on their shadow inputs.
         """
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.forward(
-            mode=mode, shapes=shapes, towers=towers, input_ids=ids, use_cache=False
-        )  # its collectives
+        self.forward(mode=mode, shapes=shapes, towers=towers, **shadow_inputs(self.hf_model, self.device))
 
     def gather_all(self) -> None:
         """Materialize full weights on every rank (gather policy ``once``). Collective."""

@@ -120,3 +120,18 @@ def is_moe_block(module: nn.Module) -> bool:
         return True
     children = dict(module.named_children())
     return "experts" in children and ("gate" in children or "router" in children)
+
+
+# ----------------------------------------------------------------------------- cross-attention
+#: The names encoder-decoders give their decoder layers' cross-attention (T5, BART and its kin).
+_CROSS_ATTENTION_NAMES = ("EncDecAttention", "encoder_attn")
+
+
+def cross_attention_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of an encoder-decoder's cross-attention modules (outermost). Their key
+    and value projections run only at a request's first decoder step (later steps reuse the
+    cached keys and values), so anything that gathers per submodule would issue data-dependent
+    collectives: like an MoE block, each is gathered as one unit."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return []
+    return [(n, m) for n, m in model.named_modules() if n.rpartition(".")[2] in _CROSS_ATTENTION_NAMES]

@@ -1,4 +1,5 @@
-"""A model's towers: the parts a forward runs only for some inputs (a VLM's vision encoder).
+"""A model's towers: the parts a forward runs only for some inputs (a VLM's vision encoder, an
+encoder-decoder's encoder).
 
 A decoder forward runs every decoder layer whatever its input, so its gathers depend on the
 module structure only. A tower breaks that: Qwen2-VL's ``visual`` runs only when the forward
@@ -13,6 +14,11 @@ the shadow input, at the point of the forward where the real inputs would run it
 units as to the decoder's (FSDP2 shards a tower's blocks as units: ``parts.decoder_layers``
 finds them in the model's list of blocks never split); the stationary mode is not built for a
 model with towers.
+
+An encoder-decoder (T5, BART) has its encoder as a tower, run by the prompt's ``input_ids``: a
+request's first forward runs it once (its output then stays with the request's row), its decode
+steps never. So a forward in which one rank starts a request while another only decodes runs
+the encoder on both, the second on one shadow token.
 
 Nothing here is collective; what runs inside the hook is the forward's own traffic.
 """
@@ -70,6 +76,23 @@ def _llava_shadow(model: nn.Module, device: torch.device) -> None:
     )
 
 
+def _encoder_shadow(encoder: nn.Module, device: torch.device) -> None:
+    """The encoder on one token (id 0), unmasked."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    encoder(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
+
+
+def _encoder(path: str, before: str) -> tuple[Tower, ...]:
+    """An encoder-decoder's encoder at ``path``, run by the prompt ids, just before the decoder."""
+    return (Tower("encoder", path, ("input_ids", "inputs_embeds"), before, _encoder_shadow),)
+
+
+#: Encoder-decoder model types whose decoding shardgen supports, -> their towers (the encoder).
+ENCODER_DECODERS: dict[str, tuple[Tower, ...]] = {
+    "t5": _encoder("encoder", "decoder"),
+    "bart": _encoder("model.encoder", "model.decoder"),
+}
+
 #: Model types (``config.model_type``) -> their towers.
 TOWERS: dict[str, tuple[Tower, ...]] = {
     "qwen2_vl": (
@@ -77,7 +100,27 @@ TOWERS: dict[str, tuple[Tower, ...]] = {
     ),
     # LLaVA: the vision tower and the projector, run by get_image_features of the inner model.
     "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
+    **ENCODER_DECODERS,
 }
+
+
+def encoder_decoder_problem(model: nn.Module) -> str | None:
+    """Why shardgen cannot decode ``model`` (an encoder-decoder of a kind it has no towers for, or
+    with no decoder start token), or None. Local, before any collective."""
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "is_encoder_decoder", False):
+        return None
+    kind = getattr(cfg, "model_type", None)
+    if kind not in ENCODER_DECODERS:
+        return (
+            f"encoder-decoder model type {kind!r} is not supported (supported: "
+            f"{', '.join(sorted(ENCODER_DECODERS))})"
+        )
+    gen = getattr(model, "generation_config", None)
+    names = ("decoder_start_token_id", "bos_token_id")
+    if not any(isinstance(getattr(c, n, None), int) for c in (gen, cfg) for n in names):
+        return f"{kind} model without decoder_start_token_id (or bos_token_id): no first decoder input"
+    return None
 
 
 def towers_of(model: nn.Module) -> tuple[Tower, ...]:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.base import describe_model
 from shardgen.backends.kinds import backend_for
+from shardgen.backends.towers import encoder_decoder_problem
 from shardgen.config import EngineConfig, SamplingParams, context_length
 from shardgen.core import comm, groups, process
 from shardgen.core.driver import Driver, DriverSetup
@@ -45,6 +46,7 @@ from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
 from shardgen.generation import rollout as rollout_api
 from shardgen.generation import score as score_api
+from shardgen.generation.encdec import decoder_start
 from shardgen.generation.requests import (
     Completion,
     build_requests,
@@ -95,6 +97,9 @@ class Engine:
             cfg = cfg.replace(backend="fsdp2" if dist.is_initialized() else "local")
         cfg.validate()
         check_backend_name(cfg.backend)  # before any collective
+        problem = encoder_decoder_problem(getattr(model, "module", model))
+        if problem is not None:
+            raise ValueError(problem)
         self.config, self.tokenizer = cfg, tokenizer
         self.timeouts = derive(cfg.stall_timeout, cfg.init_timeout)
         self._shared = Shared()
@@ -202,7 +207,9 @@ class Engine:
         """HF-shaped generation: ``[B, T]`` left-padded ids -> ``[B, T + G]``, post-EOS padded.
 
         Returns exactly what HF ``generate()`` returns for the same batch: the input
-        columns unchanged, then G = the longest generation; finished rows are padded.
+        columns unchanged, then G = the longest generation; finished rows are padded. An
+        encoder-decoder's input is the encoder's: its output, as HF's, is the decoder's
+        ``[B, 1 + G]``, the decoder start token first.
         ``input_ids`` (and ``attention_mask``) may also be a list of ``B`` id lists of one length.
         Not collective.
         """
@@ -210,7 +217,11 @@ class Engine:
         reqs = self._submit_many(
             unpadded_rows(input_ids, attention_mask), params, overrides, as_requests=True
         )
-        return padded_output(input_ids, reqs, [r.future.result() for r in reqs])
+        done = [r.future.result() for r in reqs]
+        if getattr(self._hf_config, "is_encoder_decoder", False):
+            start = decoder_start(self.model)
+            input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long, device=input_ids.device)
+        return padded_output(input_ids, reqs, done)
 
     # n samples per prompt as a RolloutBatch, or streamed by prompt (shardgen.rollout). Not collective.
     rollout, rollout_iter = rollout_api.rollout, rollout_api.rollout_iter
@@ -240,6 +251,8 @@ class Engine:
         ``max_prefill_tokens`` chunks, rows of one prompt computing it once.
         """
         self._check_usable()
+        if getattr(self._hf_config, "is_encoder_decoder", False):
+            raise ValueError("score() needs a decoder-only model: an encoder-decoder's is not built")
         text = self._hf_config.get_text_config(decoder=True)
         vocab = int(text.vocab_size)
         params = score_api.check_params(temperature, top_k, logits, entropy, vocab)

@@ -100,7 +100,7 @@ class Batch:
         the most tokens a live row may still generate."""
         left = max((s.params.max_new_tokens - len(s.tokens) for s in self.seqs if not s.finished), default=0)
         reach = self.input_ids.shape[1] + left
-        for layer in getattr(self.cache, "layers", None) or []:
+        for layer in self._layers():
             if isinstance(layer, ReservedLayer):
                 layer.reserve = reach
 
@@ -180,6 +180,10 @@ class Batch:
                 values[u, :, col : col + c] = entry.kv[li][1][:, :c]
             self.cache.update(keys.to(self.device), values.to(self.device), li)
 
+    def _layers(self) -> list[Any]:
+        """The cache layers of the decoder's own columns (an encoder-decoder's self-attention)."""
+        return getattr(self.cache, "layers", None) or []
+
     def cacheable(self) -> bool:
         """Its rows' KV can go to the prefix cache: plain cache layers only (a sliding window's
         cache forgets columns, a recurrent state is not per column)."""
@@ -192,7 +196,7 @@ class Batch:
         """Copies of row ``i``'s KV for its last ``length`` computed columns (its real tokens: a
         row's columns are left padding, then its tokens, with no gap), per layer ``[H, length, D]``."""
         out = []
-        for layer in self.cache.layers:
+        for layer in self._layers():
             t = layer.keys.shape[-2]
             assert length <= t, f"row {i}: {length} tokens kept of {t} columns"
             out.append((layer.keys[i, :, t - length :].clone(), layer.values[i, :, t - length :].clone()))
@@ -242,12 +246,16 @@ class Batch:
             self.rope_deltas = self.rope_deltas.index_select(0, idx)
         if self.attention_mask is not None:
             self.attention_mask = self.attention_mask.index_select(0, idx)
-        for layer in self.cache.layers:
+        for layer in self._layers():
             layer.keys = layer.keys.index_select(0, idx.to(layer.keys.device))
             layer.values = layer.values.index_select(0, idx.to(layer.values.device))
+        self._keep_rows(idx)
         self.seqs = [self.seqs[i] for i in keep]
         self._reserve()
         return dropped
+
+    def _keep_rows(self, idx: torch.Tensor) -> None:
+        """``drop_finished``'s ``index_select`` of per-row state beyond the decoder's (a subclass's)."""
 
     def merge(self, mini: Batch, max_rows: int) -> None:
         """Merge the prefilled batch ``mini`` into finished rows, growing to ``max_rows``.
@@ -274,26 +282,18 @@ class Batch:
             shape[dim] = extra
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-        rows_b = len(mini.seqs)
-        take_new = torch.arange(rows_b)
-        replace = torch.tensor(slots[:rows_b], dtype=torch.long)
-        grow = rows_b - len(slots)
-
         def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            a = a.clone()
-            n = len(replace)
-            if n:
-                a[replace.to(a.device)] = b[take_new[:n].to(b.device)]
-            return torch.cat([a, b[n:]], dim=0) if grow > 0 else a
+            return combine_rows(a, b, slots)
 
         self.input_ids = combine(left(self.input_ids, 1), left(mini.input_ids, 1))
         self.position_ids = combine(left(self.position_ids, 1), left(mini.position_ids, 1))
         mask = combine(left(a_mask, 1), left(b_mask, 1))
         if self.rope_deltas is not None and mini.rope_deltas is not None:
             self.rope_deltas = combine(self.rope_deltas, mini.rope_deltas)
-        for la, lb in zip(self.cache.layers, mini.cache.layers, strict=True):
+        for la, lb in zip(self._layers(), mini._layers(), strict=True):
             la.keys = combine(left(la.keys, -2), left(lb.keys, -2))
             la.values = combine(left(la.values, -2), left(lb.values, -2))
+        self._merge_rows(mini, slots)
         for i, seq in zip(slots, mini.seqs, strict=False):
             self.seqs[i] = seq
         self.seqs.extend(mini.seqs[len(slots) :])
@@ -303,11 +303,15 @@ class Batch:
             self.input_ids = self.input_ids[:, first:]
             self.position_ids = self.position_ids[:, first:]
             mask = mask[:, first:]
-            for layer in self.cache.layers:
+            for layer in self._layers():
                 layer.keys = layer.keys[..., first:, :]
                 layer.values = layer.values[..., first:, :]
         self.attention_mask = mask
         self._reserve()
+
+    def _merge_rows(self, mini: Batch, slots: list[int]) -> None:
+        """``merge``'s per-row state beyond the decoder's (a subclass's): ``mini``'s rows into
+        ``slots``, the rest appended (``combine_rows``)."""
 
     def _full_mask(self) -> torch.Tensor:
         """The 2D mask over ``input_ids`` columns (materialized when HF would pass None)."""
@@ -417,6 +421,13 @@ class Batch:
         tokens = select_tokens(
             logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
         )
+        forced = [
+            (i, t) for i, s in enumerate(self.seqs) if not s.finished and (t := s.forced_token()) is not None
+        ]
+        if forced:  # HF's forced BOS / EOS (BART's): the draw is made, the forced token taken
+            tokens = tokens.clone()
+            for i, t in forced:
+                tokens[i] = t
         want_lp = any(s.params.logprobs for s in self.seqs)
         lps = chosen_logprobs(logits, tokens, [s.params for s in self.seqs]).tolist() if want_lp else None
         column = tokens.tolist()
@@ -432,3 +443,13 @@ class Batch:
             ones = self.attention_mask.new_ones((self.attention_mask.shape[0], 1))
             self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)
         self.steps += 1
+
+
+def combine_rows(a: torch.Tensor, b: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """``a``'s rows with ``b``'s first rows put in ``slots`` (finished rows) and the rest of ``b``
+    appended; both of one shape beyond the rows."""
+    n = min(len(slots), b.shape[0])
+    out = a.clone()
+    if n:
+        out[torch.tensor(slots[:n], dtype=torch.long, device=a.device)] = b[:n]
+    return torch.cat([out, b[n:]], dim=0) if b.shape[0] > n else out

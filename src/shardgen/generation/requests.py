@@ -80,9 +80,13 @@ def build_request(
             params = params.replace(seed=seed)
         gen = make_generator(seed)
     stop_check = stop_string_check(tokenizer, list(params.stop)) if params.stop else None
+    bos_f, eos_f = (getattr(generation_config, f"forced_{k}_token_id", None) for k in ("bos", "eos"))
     seq = SeqState(
         prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check,
         inputs=inputs or None,  # as given: rows given one dict share their prefill
+        forced_bos=bos_f if isinstance(bos_f, int) else None,
+        forced_eos=eos_f if isinstance(eos_f, int) else None,
+        start_length=1 if getattr(model_config, "is_encoder_decoder", False) else len(ids),
     )  # fmt: skip
     req = Request(seq=seq)
     seq.tag = req
@@ -95,6 +99,8 @@ def input_problems(ids: list[int], inputs: Any, model_config: Any) -> list[str]:
     match the prompt's image tokens (the model would fail inside the engine's forward)."""
     if inputs is None:
         return []
+    if getattr(model_config, "is_encoder_decoder", False):
+        return ["inputs= is not taken by an encoder-decoder: its prompt ids are the encoder's input"]
     if not isinstance(inputs, dict):
         return [f"inputs must be a dict of the model's forward inputs or None, got {type(inputs).__name__}"]
     bad = [k for k, v in inputs.items() if v is not None and not isinstance(v, torch.Tensor)]
@@ -135,7 +141,13 @@ def request_problems(
             out.append(f"prompt token id {said} is outside the model's vocabulary [0, {vocab})")
     out += params.token_id_problems(vocab)  # an EOS id the model never produces never ends it
     n_ctx, new = context_length(model_config), params.max_new_tokens
-    if n_ctx is not None and isinstance(new, int) and not isinstance(new, bool) and len(ids) + new > n_ctx:
+    if getattr(model_config, "is_encoder_decoder", False) and n_ctx is not None and isinstance(new, int):
+        # the prompt is the encoder's; the decoder holds its start token and the new tokens
+        if len(ids) > n_ctx:
+            out.append(f"prompt of {len(ids)} tokens exceeds the encoder's context of {n_ctx} tokens")
+        if 1 + new > n_ctx:
+            out.append(f"max_new_tokens {new} + the start token exceeds the decoder's context of {n_ctx}")
+    elif n_ctx is not None and isinstance(new, int) and not isinstance(new, bool) and len(ids) + new > n_ctx:
         out.append(
             f"prompt of {len(ids)} tokens + max_new_tokens {new} exceeds the model's context of "
             f"{n_ctx} tokens"

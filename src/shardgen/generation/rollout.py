@@ -198,6 +198,11 @@ def _multi_turn(
         return _Plan(engine, prompts, params, n, overrides, inputs), None
     if inputs is not None:
         raise ValueError("inputs= (a prompt's images) goes with single-turn rollouts only, not with env=")
+    if getattr(engine.model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            "env= (a multi-turn rollout) needs a decoder-only model: an encoder-decoder's next turn "
+            "would be a new encoder input, not the conversation's continuation"
+        )
     most = turns.check_turn_args(env, max_turns)
     plan = _Plan(engine, prompts, params, n, overrides)
     return plan, turns.conversations(engine, plan, env, most)

@@ -26,6 +26,7 @@ import torch
 
 from shardgen.config import EngineConfig
 from shardgen.generation.batch import Batch
+from shardgen.generation.encdec import EncDecBatch, is_encoder_decoder
 from shardgen.generation.prefill import PrefillPlan
 from shardgen.generation.prefix_cache import PrefixCache
 from shardgen.generation.requests import Request
@@ -124,6 +125,7 @@ class LocalWork:
         self.prefilling: Batch | None = None  # a prefill under way (chunked), to join the batch
         self.phase = Work.IDLE
         self.prefixes = PrefixCache(prefix_cache_tokens)
+        self.encdec = is_encoder_decoder(model)  # the prompt is the encoder's input (encdec.py)
         self._training = bool(getattr(model, "training", False))  # the mode the cache was filled in
 
     def forget_prefixes(self) -> None:
@@ -179,9 +181,12 @@ class LocalWork:
             for x in inputs:
                 if x is not None:
                     towers |= self.backend.tower_mask(x)
+            if self.encdec:  # the prompt ids run the encoder, a tower
+                towers |= self.backend.tower_mask({"input_ids": prompts[0]})
             # Rows with inputs of their own: no prefix cache (the ids do not say the images), and
-            # one forward (the images go with their tokens).
-            plain = all(x is None for x in inputs)
+            # one forward (the images go with their tokens). Encoder-decoder rows likewise (the
+            # decoder's columns hang on the encoder's input; the encoder runs whole).
+            plain = all(x is None for x in inputs) and not self.encdec
             matches = [self.prefixes.match(p) for p in prompts] if len(self.prefixes) and plain else None
             if matches is not None:
                 # A prefill computes every row from the first column no row has cached: rows with
@@ -278,7 +283,8 @@ class LocalWork:
             if entry is not None and cached:
                 self.prefixes.touch(entry)
                 self.stats.cached_prompt_tokens += cached
-        self.prefilling = Batch(self.model, [r.seq for r in take], self.device, plan)
+        kind = EncDecBatch if self.encdec else Batch
+        self.prefilling = kind(self.model, [r.seq for r in take], self.device, plan)
         self.stats.prefills += 1
         self._prefill_forward(forward)
 

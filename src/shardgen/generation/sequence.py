@@ -40,6 +40,22 @@ class SeqState:
     #: The model's own forward inputs for the prompt beside its ids (a VLM's ``pixel_values`` and
     #: ``image_grid_thw``), fed to the prefill only; None: the ids alone.
     inputs: dict[str, Any] | None = None
+    #: The model's forced tokens (``generation_config.forced_bos_token_id`` / ``forced_eos_token_id``,
+    #: BART's), and the decoder's input length before the first new token (the prompt's; an
+    #: encoder-decoder's: its start token), which says where HF's processors force them.
+    forced_bos: int | None = None
+    forced_eos: int | None = None
+    start_length: int = 0
+
+    def forced_token(self) -> int | None:
+        """The token the next step must take, as HF's forced-token processors decide it: EOS at the
+        last step ``max_new_tokens`` allows (it wins over BOS), BOS while the decoder's input is
+        one token long (an encoder-decoder's first step); None: the drawn one."""
+        if self.forced_eos is not None and len(self.tokens) == self.params.max_new_tokens - 1:
+            return self.forced_eos
+        if self.forced_bos is not None and self.start_length + len(self.tokens) == 1:
+            return self.forced_bos
+        return None
 
     @property
     def inputs_key(self) -> int | None:

@@ -14,20 +14,22 @@ from shardgen.config import context_length
 
 
 def kv_cache_bytes(cfg: Any, batch: int, tokens: int = 2048) -> int:
-    """A generous KV-cache estimate: ``batch`` sequences of ``tokens`` (capped by the context),
+    """A generous KV-cache estimate: ``batch`` sequences of ``tokens`` (capped by the context; an
+    encoder-decoder's cross-attention cache counted as long as its self-attention one),
     in the model's dtype (``cfg.dtype``, which ``from_pretrained`` / ``from_config`` set; fp32 if unset)."""
     text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 1)
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 1)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
-    head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
+    head_dim = getattr(text, "head_dim", None) or getattr(text, "d_kv", None) or hidden // max(heads, 1)
     n_ctx = context_length(text) or tokens
     dtype = getattr(cfg, "dtype", None) or getattr(text, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     size = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
-    return 2 * layers * kv_heads * head_dim * min(tokens, n_ctx) * batch * size
+    caches = 2 if getattr(cfg, "is_encoder_decoder", False) else 1  # + cross-attention's, as long
+    return caches * 2 * layers * kv_heads * head_dim * min(tokens, n_ctx) * batch * size
 
 
 MAX_SIZED_BATCH = 256

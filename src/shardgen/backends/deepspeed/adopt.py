@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardgen.backends.deepspeed import internals as ds
-from shardgen.backends.deepspeed.partition import mark_moe_leaves
+from shardgen.backends.deepspeed.partition import mark_leaves
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -86,7 +86,7 @@ def adopt(engine: Any, module: torch.nn.Module, param_group: Any, device: torch.
 
     if module.training:
         log.warning("shardgen: the DeepSpeed model is in training mode (dropout on); call model.eval()")
-    new_leaves = mark_moe_leaves(module)
+    new_leaves = mark_leaves(module)
     odev = ds.offload_device(offload, params, device)
     if offload is None:
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload

@@ -3,7 +3,7 @@
 What ``deepspeed.initialize`` does for a stage-3 model without an optimizer, minus the
 engine and its global state: ``zero.Init(module=...)`` then a ``DeepSpeedZeRoOffload`` for
 the hooks, with the lockstep settings (docs/DEEPSPEED.md, "Gather order and prefetch").
-Also the MoE leaf marking that both ways in share.
+Also the leaf marking that both ways in share (MoE blocks, an encoder-decoder's cross-attention).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from shardgen.backends.deepspeed.internals import enum_str, init_class
-from shardgen.backends.parts import is_moe_block, outermost
+from shardgen.backends.parts import cross_attention_blocks, is_moe_block, outermost
 from shardgen.log import get_logger
 
 log = get_logger()
-__all__ = ["is_moe_block", "lockstep_config", "mark_moe_leaves", "partition"]
+__all__ = ["is_moe_block", "lockstep_config", "mark_leaves", "partition"]
 
 # zero_optimization keys that decide whether the gather sequence depends on history.
 LOCKSTEP_ZERO = {
@@ -33,23 +33,27 @@ _ALIASES = {
 }
 
 
-def mark_moe_leaves(model: torch.nn.Module) -> list[str]:
-    """Mark MoE blocks (outermost only) as ZeRO-3 leaf modules; return the newly marked names.
+def mark_leaves(model: torch.nn.Module) -> list[str]:
+    """Mark MoE blocks (outermost only) and an encoder-decoder's cross-attention modules as
+    ZeRO-3 leaf modules; return the newly marked names.
 
-    A leaf gathers its whole subtree in its pre-forward hook, so routing cannot change the
-    gathers of a forward."""
+    A leaf gathers its whole subtree in its pre-forward hook, so neither routing nor the cross-
+    attention's cached keys and values (its key and value projections run at a request's first
+    decoder step only) can change the gathers of a forward."""
     from deepspeed.utils import set_z3_leaf_modules, z3_leaf_module
+    from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules_by_name
 
+    before = {id(m) for m in model.modules() if z3_leaf_module(m)}
     blocks = outermost(model, lambda m: z3_leaf_module(m) or is_moe_block(m))  # none inside a leaf
     classes = {type(m): None for _, m in blocks if not z3_leaf_module(m)}
-    if not classes:
-        return []
-    before = {id(m) for m in model.modules() if z3_leaf_module(m)}
-    marked = set_z3_leaf_modules(model, list(classes), raise_if_not_found=False)
+    marked = set_z3_leaf_modules(model, list(classes), raise_if_not_found=False) if classes else []
+    cross = [n for n, m in cross_attention_blocks(model) if not z3_leaf_module(m)]
+    if cross:
+        marked += set_z3_leaf_modules_by_name(model, cross)[0]
     new = [n for n, m in model.named_modules() if m in marked and id(m) not in before]
     if new:
         log.info(
-            "shardgen: ZeRO-3 leaf modules (MoE blocks): %s",
+            "shardgen: ZeRO-3 leaf modules (MoE blocks, cross-attention): %s",
             ", ".join(sorted({type(m).__name__ for m in marked})),
         )
     return new
@@ -113,7 +117,7 @@ def partition(model: torch.nn.Module, param_group: Any, device: torch.device, ds
     model.to(dtype=dtype)
     model.eval()
     apply_zero_leaf_module_config(model, getattr(zc, "leaf_module", None))
-    mark_moe_leaves(model)
+    mark_leaves(model)
     # Buffers (rotary tables, ...) are not partitioned; parameters move to the device one
     # at a time inside zero.Init.
     for sub in model.modules():

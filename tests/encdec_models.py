@@ -1,0 +1,63 @@
+"""Tiny encoder-decoders built in code (no download): a T5 and a BART with random weights
+(embeddings tied to the LM head, as both tie them by default), and the oracle: single-process HF
+``generate()`` per request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 48
+T5_EOS, T5_PAD = 1, 0  # T5 starts its decoder at the pad id
+BART_EOS, BART_PAD = 2, 1  # BART starts its decoder at the EOS id
+
+
+def tiny_t5(seed: int = 2) -> Any:
+    """A 2+2-layer T5 (gated GELU, relative attention bias), eval mode."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=T5_PAD, pad_token_id=T5_PAD,
+        eos_token_id=T5_EOS, initializer_factor=5.0, feed_forward_proj="gated-gelu",
+    )  # fmt: skip
+    return T5ForConditionalGeneration(cfg).eval()
+
+
+def tiny_bart(seed: int = 1) -> Any:
+    """A 2+2-layer BART, its learned positions drawn wide (so that tokens depend on them), eval
+    mode. As BART checkpoints (bart-large-cnn) do, it forces BOS first and EOS at the length
+    limit (``forced_bos_token_id``, ``forced_eos_token_id``)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=BART_PAD, bos_token_id=0, eos_token_id=BART_EOS, decoder_start_token_id=BART_EOS,
+        forced_eos_token_id=BART_EOS, init_std=0.2,
+    )  # fmt: skip
+    model = BartForConditionalGeneration(cfg).eval()
+    model.generation_config.forced_bos_token_id = 0
+    with torch.no_grad():
+        model.model.decoder.embed_positions.weight.normal_(0, 1.0)
+        model.model.encoder.embed_positions.weight.normal_(0, 1.0)
+    return model
+
+
+def tiny(kind: str, seed: int | None = None) -> Any:
+    make = {"t5": tiny_t5, "bart": tiny_bart}[kind]
+    return make() if seed is None else make(seed)
+
+
+def hf_tokens(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Single-process HF ``generate()`` on one request, greedy: the decoder's new tokens (after
+    the start token HF returns first) up to the first EOS."""
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=False
+        )[0, 1:].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out

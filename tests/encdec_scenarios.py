@@ -1,0 +1,90 @@
+"""Scenarios for tests/test_encdec.py (they run inside gloo ranks of a World): tiny T5 / BART
+(``encdec_models.py``) generating on ranks whose requests start at different times, in uneven
+numbers, and on a rank holding none."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed as dist
+from encdec_models import hf_tokens, tiny
+
+# Per rank: its calls, each a list of (prompt ids, max_new_tokens) and how long the rank waits
+# before it. Every rank's first call is submitted inside ``paused()``, so that the first tick
+# after it finds them all. Rank 0 decodes a batch of mixed encoder lengths whose rows end at
+# different steps: at 2 rows, its refills start new encoders while rank 1 decodes its first
+# request; rank 1's later calls start while rank 0 decodes, then after a wait, in more calls
+# than rank 0's; rank 2 (at 3 ranks) holds none.
+_CALLS: dict[int, list[tuple[float, list[tuple[list[int], int]]]]] = {
+    0: [(0.0, [([5, 6, 7, 8, 9], 4), ([10, 11], 10), ([3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 6), ([20], 8)])],
+    1: [(0.0, [([30, 31, 32], 12)]), (0.0, [([40, 41, 42, 43], 7), ([7, 8], 3)]), (0.2, [([9] * 6, 4)])],
+    2: [],
+}
+
+
+def encdec_equal(
+    kind: str,
+    backend: str,
+    gather: str,
+    max_batch_size: int | None = 2,
+    bucket_mb: float | None = None,
+    **extra: Any,
+) -> dict:
+    """Every rank's calls (``_CALLS``) on one engine over a ``kind`` model; each completion against
+    single-process HF ``generate()`` on an unsharded copy. The mismatches and what the engine
+    counted. ``bucket_mb`` (DeepSpeed): small, each unit a bucket of its own (the tiny model's
+    units otherwise fit one bucket, gathered whole at the first unit either rank calls); ``extra``:
+    more engine settings."""
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny(kind), tiny(kind)
+    opts: dict[str, Any] = {"gather": gather, **extra}
+    if max_batch_size:
+        opts["max_batch_size"] = max_batch_size
+    if bucket_mb is not None:
+        opts["bucket_mb"] = bucket_mb
+    bad = []
+    calls = _CALLS.get(r, [])
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        with eng.paused():  # the first calls reach every driver in one tick
+            first = [eng.submit(p, max_new_tokens=n) for p, n in calls[0][1]] if calls else []
+        for k, (wait, call) in enumerate(calls):
+            time.sleep(wait)
+            futs = first if k == 0 else [eng.submit(p, max_new_tokens=n) for p, n in call]
+            for j, ((p, n), f) in enumerate(zip(call, futs, strict=True)):
+                got, want = f.result(timeout=120).token_ids, hf_tokens(ref, p, n)
+                if got != want:
+                    bad.append((k, j, got, want))
+    stats = eng.stats()  # after close: every rank's work done
+    return {"bad": bad, "shadows": stats["shadow_forwards"], "refills": stats["refills"],
+            "policy": eng.gather_policy}  # fmt: skip
+
+
+def without_agreement(kind: str, backend: str, bucket_mb: float | None = None) -> str:
+    """The towers' agreement switched off: a rank's forward that starts a request runs the
+    encoder's gathers, its peer's decode step (or shadow) does not: they never match."""
+    from shardgen.core import protocol
+
+    protocol._AGREE_TOWERS = False
+    try:
+        return encdec_equal(kind, backend, "per-layer", bucket_mb=bucket_mb)["policy"]
+    finally:
+        protocol._AGREE_TOWERS = True
+
+
+def encdec_from_pretrained(kind: str, backend: str, path: str) -> list:
+    """``Engine.from_pretrained`` on a saved ``kind`` checkpoint, rank 0 with two requests, rank 1
+    with one started later: the mismatches to HF."""
+    import shardgen
+
+    ref = tiny(kind)
+    calls = {0: [([5, 6, 7], 6), ([9, 10, 11, 12], 8)], 1: [([20, 21], 5)]}.get(dist.get_rank(), [])
+    if dist.get_rank() == 1:
+        time.sleep(0.2)
+    with shardgen.Engine.from_pretrained(path, backend=backend) as eng:
+        got = [eng.submit(p, max_new_tokens=n) for p, n in calls]
+        got = [f.result(timeout=120).token_ids for f in got]
+    want = [hf_tokens(ref, p, n) for p, n in calls]
+    return [(g, w) for g, w in zip(got, want, strict=True) if g != w]

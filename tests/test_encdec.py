@@ -1,0 +1,196 @@
+"""Encoder-decoders (T5, BART): the prompt is the encoder's input, the encoder runs once per
+request (a tower) and its output stays with the row. The local backend with refills and mixed
+encoder lengths against HF ``generate()``, then 2 and 3 ranks on FSDP2 and DeepSpeed with
+requests starting while a peer decodes, uneven counts and a rank holding none; the tick's tower
+agreement shown needed (off: the ranks' gathers part); ``from_pretrained`` on seq2seq checkpoints."""
+
+from __future__ import annotations
+
+import encdec_scenarios as sc
+import pytest
+from encdec_models import hf_tokens, tiny
+
+import shardgen
+
+_PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(3, 13)), [20], [30, 31, 32], [40, 41, 42, 43]]
+_LENGTHS = [4, 10, 6, 12, 3, 9]  # rows ending at different steps: refills take their slots
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+@pytest.mark.parametrize("max_batch_size", [None, 2])
+def test_local_matches_hf_per_request(kind, max_batch_size):
+    """Encoder inputs of 1 to 10 tokens in one batch; at 2 rows, refills start new encoders while
+    the other rows decode (BART's learned decoder positions per row)."""
+    model = tiny(kind)
+    want = [hf_tokens(model, p, n) for p, n in zip(_PROMPTS, _LENGTHS, strict=True)]
+    opts = {} if max_batch_size is None else {"max_batch_size": max_batch_size}
+    with shardgen.Engine(model, backend="local", **opts) as eng:
+        futs = [eng.submit(p, max_new_tokens=n) for p, n in zip(_PROMPTS, _LENGTHS, strict=True)]
+        got = [f.result(timeout=60).token_ids for f in futs]
+        stats = eng.stats()
+    assert got == want
+    assert stats["prefill_tokens"] == sum(map(len, _PROMPTS))  # each encoder run once
+    if max_batch_size:
+        assert stats["refills"] > 0
+
+
+def test_n_samples_share_one_encoder_run_and_rollout():
+    """The n rows of one prompt share its encoder run and first decoder step (one prefill): greedy
+    rows equal HF; ``rollout_iter`` gives the same rows."""
+    model = tiny("t5")
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    with shardgen.Engine(model, backend="local") as eng:
+        b = eng.rollout(prompts, n=3, do_sample=False, max_new_tokens=6)
+        stats = eng.stats()
+        streamed = dict(eng.rollout_iter(prompts, n=3, do_sample=False, max_new_tokens=6))
+    for i, p in enumerate(prompts):
+        want = hf_tokens(model, p, 6)
+        for j in range(3):
+            r = b.response_lengths[3 * i + j]
+            assert b.response_ids[3 * i + j, :r].tolist() == want
+        assert streamed[i].response_ids[0, : len(want)].tolist() == want
+    assert stats["prefill_tokens"] == sum(map(len, prompts))  # each encoder once, not n times
+
+
+def test_sampled_rows_do_not_depend_on_the_batch():
+    """A seeded sampled request draws the same tokens alone and beside other requests (other
+    encoder lengths, refills at 2 rows)."""
+    model = tiny("bart")
+    p = [5, 6, 7, 8, 9]
+    kw = {"do_sample": True, "temperature": 1.3, "top_p": 0.9, "max_new_tokens": 10}
+    with shardgen.Engine(model, backend="local") as eng:
+        alone = eng.generate([p], seed=11, **kw)[0].token_ids
+    with shardgen.Engine(model, backend="local", max_batch_size=2) as eng:
+        batch = eng.generate([[3, 4], p, [9] * 8, [20]], seed=[1, 11, 2, 3], **kw)
+    assert batch[1].token_ids == alone
+    assert len({tuple(c.token_ids) for c in batch}) > 1
+
+
+def test_generate_ids_returns_hf_shaped_decoder_sequences():
+    """``generate_ids`` on an encoder-decoder: the decoder's sequences as HF ``generate()`` returns
+    them for the same batch (the start token first, finished rows padded)."""
+    import torch
+
+    model = tiny("t5")
+    ids = torch.tensor([[5, 6, 7, 8], [10, 11, 12, 13], [20, 21, 22, 23]])
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, synced_gpus=False)
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate_ids(ids, max_new_tokens=8)
+    assert got.tolist() == want.tolist()
+
+
+def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
+    import torch
+    from transformers import PegasusConfig, PegasusForConditionalGeneration
+
+    model = tiny("bart")
+    with shardgen.Engine(model, backend="local") as eng:
+        with pytest.raises(ValueError, match="inputs= is not taken"):
+            eng.generate([[5, 6]], inputs=[{"pixel_values": torch.zeros(1)}], max_new_tokens=2)
+        with pytest.raises(ValueError, match="encoder's context of 64"):
+            eng.generate([[5] * 65], max_new_tokens=2)
+        with pytest.raises(ValueError, match="decoder's context of 64"):
+            eng.generate([[5]], max_new_tokens=64)
+        with pytest.raises(ValueError, match="score"):
+            eng.score([[5, 6]], [[7]])
+        with pytest.raises(ValueError, match="multi-turn"):
+            eng.rollout([[5, 6]], n=1, env=lambda row, c: None, max_turns=2)
+    tiny_pegasus = PegasusForConditionalGeneration(
+        PegasusConfig(vocab_size=48, d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=16,
+                      decoder_ffn_dim=16, encoder_attention_heads=2, decoder_attention_heads=2)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'pegasus' is not supported"):
+        shardgen.Engine(tiny_pegasus, backend="local")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "backend, gather, bucket_mb",
+    [
+        ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("fsdp2", "stationary", None),
+        ("deepspeed", "per-layer", 0.001), ("deepspeed", "once", None),
+    ],
+)  # fmt: skip
+def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, gather, bucket_mb):
+    """Rank 0's refills start encoders while rank 1 decodes, and rank 1's later calls start while
+    rank 0 decodes; rank 1 makes more calls. DeepSpeed with each unit a bucket (its gathers per
+    module: the cross-attention gathered whole). ``stationary`` is refused for a model with
+    towers: it gathers per layer."""
+    for kind in ("t5", "bart"):
+        out = ds_world2.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
+        for r, res in enumerate(out):
+            assert res["bad"] == [], f"{kind}, rank {r}: {res['bad']}"
+            assert res["policy"] == ("once" if gather == "once" else "per-layer")
+        assert out[0]["refills"] > 0
+        if gather != "once":
+            assert out[1]["shadows"] > 0  # rank 1 waited on rank 0's forwards, encoder included
+
+
+@pytest.mark.multirank
+def test_three_ranks_uneven_and_a_rank_holding_none():
+    """Rank 2 holds no request: its shadows run the encoder whenever a peer starts one. FSDP2
+    per-layer and once; DeepSpeed with a bucket per unit and module by module (its own hooks)."""
+    from rollout_scenarios import ds_world
+
+    with ds_world(3) as world:
+        for kind, backend, gather, bucket_mb in [
+            ("t5", "fsdp2", "per-layer", None), ("bart", "fsdp2", "per-layer", None),
+            ("bart", "fsdp2", "once", None), ("t5", "deepspeed", "per-layer", 0.001),
+            ("bart", "deepspeed", "per-layer", 0),
+        ]:  # fmt: skip
+            out = world.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
+            for r, res in enumerate(out):
+                assert res["bad"] == [], f"{kind} {backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
+            if gather == "per-layer":
+                assert out[2]["shadows"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
+def test_every_rank_gathers_the_same_units(ds_world2, backend, bucket_mb):
+    """``debug_collectives``: each forward's gathered units, folded into the tick, are the same on
+    both ranks (a prefill's encoder against a peer's decode step and shadow encoder)."""
+    out = ds_world2.run(sc.encdec_equal, "bart", backend, "per-layer", 2, bucket_mb, debug_collectives=True)
+    assert [res["bad"] for res in out] == [[], []]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
+def test_without_the_tower_agreement_the_ranks_part(backend, bucket_mb):
+    """The same run with the tick's tower agreement switched off fails: the encoder's gathers of
+    a rank starting a request meet its peer's decoder gathers (gloo aborts, or a hang, killed)."""
+    from rollout_scenarios import ds_world
+    from world import WorldError, WorldHang
+
+    with ds_world(2) as world:
+        with pytest.raises((WorldError, WorldHang)):
+            world.run(sc.without_agreement, "t5", backend, bucket_mb, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for kind in ("t5", "bart"):
+        path = tmp_path_factory.mktemp(kind)
+        tiny(kind).save_pretrained(path)
+        out[kind] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_from_pretrained_picks_the_seq2seq_class(checkpoints, kind):
+    ref = tiny(kind)
+    with shardgen.Engine.from_pretrained(checkpoints[kind], backend="local") as eng:
+        assert type(eng.model) is type(ref)
+        got = eng.generate([[5, 6, 7], [9, 10, 11, 12]], max_new_tokens=8)
+    assert [c.token_ids for c in got] == [hf_tokens(ref, p, 8) for p in ([5, 6, 7], [9, 10, 11, 12])]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_from_pretrained_two_ranks(ds_world2, checkpoints, backend):
+    """Loaded straight into each rank's shards (tied embeddings and head included)."""
+    for kind in ("t5", "bart"):
+        out = ds_world2.run(sc.encdec_from_pretrained, kind, backend, checkpoints[kind], timeout=240)
+        assert out == [[], []], kind
