@@ -473,11 +473,14 @@ def _binned_draw(
 
     total_n = cum_b[:, -1]
     thr_n = _rounds_to_at_most(torch.tensor([1.0 - p for _, _, p in knobs], dtype=scores.dtype)).numpy()
+    near = CUT_MARGIN * V * thr_n + 1e-12  # HF's running sum lies within this of ours near thr
     cb = bin_of(thr_n[:, None])[:, 0]  # the cut bin
-    # The removed mass lies in [below the cut bin, thr], so the draw's x in a range of one or two bins.
+    # The removed mass lies in [below the cut bin, thr + near], so the draw's x in a range of one or
+    # two bins.
     below_cut = below(ar_s, cb)
     uu = u.numpy().astype(np.float64)
-    x_lohi = np.stack([below_cut + uu * (total_n - below_cut), thr_n + uu * (total_n - thr_n)], axis=1)
+    most = thr_n + near
+    x_lohi = np.stack([below_cut + uu * (total_n - below_cut), most + uu * (total_n - most)], axis=1)
     draw_lo, draw_hi = bin_of(x_lohi).T
     ar_b = np.arange(BINS + 1)
     want = (ar_b >= draw_lo[:, None]) & (ar_b <= draw_hi[:, None])
@@ -511,28 +514,50 @@ def _binned_draw(
             (i >= 0) & (i < len(a)), a[np.clip(i, 0, max(len(a) - 1, 0))] if len(a) else fill, fill
         )
 
-    # The cut: HF removes the tokens whose running sum is <= thr (the m smallest).
+    # The cut: HF removes the tokens whose running sum is <= thr (the m smallest). Ours counts m0;
+    # a token within ``near`` of thr may go either way, so HF's m is m0 or its neighbour ``alt``
+    # (one token more or fewer), if every token outside [lo, hi) is clear of thr. The draw must then
+    # give the same token for both.
     in_cut = bins == cb[r]
     start, count = run(in_cut)
-    m = np.bincount(r[in_cut & (cum <= thr_n[r])], minlength=S)
-    ok &= (start >= 0) & (m < count)  # the first kept token is in this bin
-    last = start + m - 1
-    removed = np.where(m > 0, take(cum, last, 0.0), below_cut)
-    kept_cum = take(cum, start + m, np.inf)
-    near = CUT_MARGIN * V * thr_n + 1e-12
-    ok &= (thr_n - removed > near) & (kept_cum - thr_n > near)
-    ok &= ~((m > 0) & (take(vals, last, np.nan) == take(vals, start + m, np.nan)))  # a cut in a tie
-    # The draw: the first token in ascending order whose running sum exceeds x (as _nucleus_draw).
-    x = removed + uu * (total_n - removed)
-    db = bin_of(x[:, None])[:, 0]
-    ok &= (db >= draw_lo) & (db <= draw_hi)
-    in_draw = bins == db[r]
-    start, count = run(in_draw)
-    j = np.bincount(r[in_draw & (cum <= x[r])], minlength=S)
-    ok &= (start >= 0) & (j < count)
-    pos = start + j
-    prev = np.where(j > 0, take(cum, pos - 1, 0.0), below(ar_s, db))
-    margin = DRAW_MARGIN * total_n
-    ok &= (take(cum, pos, np.inf) - x > margin) & (x - prev > margin)
-    tokens = torch.from_numpy(np.where(ok, take(c, pos, 0), 0).astype(np.int64))
+    m0 = np.bincount(r[in_cut & (cum <= thr_n[r])], minlength=S)
+    ok &= start >= 0
+
+    def removed_by(m: np.ndarray) -> np.ndarray:
+        """The mass of the m smallest tokens of the cut bin and all below it."""
+        return np.where(m > 0, take(cum, start + m - 1, 0.0), below_cut)
+
+    def tie_at(m: np.ndarray) -> np.ndarray:
+        """The m-th and (m+1)-th smallest of the cut bin have the same score: HF's sort decides."""
+        return (m > 0) & (take(vals, start + m - 1, np.nan) == take(vals, start + m, np.nan))
+
+    removed = removed_by(m0)
+    alt = m0 + (take(cum, start + m0, np.inf) - thr_n <= near) - (thr_n - removed <= near)
+    lo, hi = np.minimum(m0, alt), np.maximum(m0, alt)
+    ok &= (lo >= 0) & (hi < count)  # the first token HF may keep is in this bin
+    ok &= (thr_n - removed_by(lo) > near) & (take(cum, start + hi, np.inf) - thr_n > near)
+    ok &= ~tie_at(m0) & ~tie_at(alt)
+
+    def draw(removed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The first token in ascending order whose running sum exceeds x (as _nucleus_draw), and
+        whether it is clear of the draw margin."""
+        x = removed + uu * (total_n - removed)
+        db = bin_of(x[:, None])[:, 0]
+        fine = (db >= draw_lo) & (db <= draw_hi)
+        in_draw = bins == db[r]
+        start, count = run(in_draw)
+        j = np.bincount(r[in_draw & (cum <= x[r])], minlength=S)
+        fine &= (start >= 0) & (j < count)
+        pos = start + j
+        prev = np.where(j > 0, take(cum, pos - 1, 0.0), below(ar_s, db))
+        margin = DRAW_MARGIN * total_n
+        fine &= (take(cum, pos, np.inf) - x > margin) & (x - prev > margin)
+        return take(c, pos, 0), fine
+
+    token, fine = draw(removed)
+    ok &= fine
+    if bool((ok & (alt != m0)).any()):
+        other, fine = draw(removed_by(alt))
+        ok &= fine & (other == token)
+    tokens = torch.from_numpy(np.where(ok, token, 0).astype(np.int64))
     return tokens, torch.from_numpy(ok)
