@@ -391,11 +391,12 @@ _scratch = threading.local()
 
 
 def _buffers(n: int) -> tuple[torch.Tensor, ...]:
-    """This thread's scratch of at least ``n`` elements: float32 x3, float64, int64 (flat)."""
+    """This thread's scratch of at least ``n`` elements: float32, float64, int64 (flat; 20 bytes
+    an element, at most FAST_CHUNK_ELEMENTS of them)."""
     have = getattr(_scratch, "bufs", None)
     if have is None or have[0].numel() < n:
-        f32 = [torch.empty(n) for _ in range(3)]
-        have = (*f32, torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.long))
+        _scratch.bufs = None  # the old ones go before the new ones come
+        have = (torch.empty(n), torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.long))
         _scratch.bufs = have
     return have
 
@@ -440,24 +441,26 @@ def _binned_draw(
     """
     S, V = logits.shape
     n = S * V
-    b_s, b_p, b_f, b_d, b_i = (b[:n].view(S, V) for b in _buffers(n))
-    temps = torch.tensor([t for t, _, _ in knobs], dtype=logits.dtype)[:, None]
+    f32, f64, i64 = _buffers(n)
+    b_s, b_d, b_i = f32[:n].view(S, V), f64[:n].view(S, V), i64[:n].view(S, V)
+    b_p = i64.view(torch.float32)[:n].view(S, V)  # the float32 probabilities, until the bins come
+    temps = [t for t, _, _ in knobs]
+    scaled = any(t != 1.0 for t in temps)
     scores = logits.detach()
-    if bool((temps != 1.0).any()):  # HF's division, as in _nucleus_cut (x / 1.0 == x)
-        scores = torch.div(scores, temps, out=b_s)
-    elif not scores.is_contiguous():
-        scores = b_s.copy_(scores)
+    if scaled:  # HF's division, as in _nucleus_cut (x / 1.0 == x)
+        scores = torch.div(scores, torch.tensor(temps, dtype=logits.dtype)[:, None], out=b_s)
     probs = torch.ops.aten._softmax.out(scores, -1, False, out=b_p)
+    pd = b_d.copy_(probs)
     bot = scores.amin(-1, keepdim=True)  # amin and amax: a quarter of aminmax's time on the CPU
     span = scores.amax(-1, keepdim=True) - bot
     good = (span > 0) & torch.isfinite(span)
     scale = torch.where(good, (BINS - 1) / span, torch.zeros_like(span))
     # Bin 0 holds the smallest scores. (s - min) * scale <= BINS - 1 up to rounding: BINS + 1 bins.
-    f = torch.sub(scores, bot, out=b_f).mul_(scale)
+    f = torch.sub(scores, bot, out=b_s).mul_(scale)  # in place of the scores
     if not bool(good.all()):  # -inf or nan in a row: some bin for each, the row not ok anyway
         f.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    idx = b_i.copy_(f)
-    hist = torch.zeros(S, BINS + 1, dtype=torch.float64).scatter_add_(1, idx, b_d.copy_(probs))
+    idx = b_i.copy_(f)  # over the float32 probabilities: pd holds them
+    hist = torch.zeros(S, BINS + 1, dtype=torch.float64).scatter_add_(1, idx, pd)
     cum_t = hist.cumsum_(1)  # [S, BINS + 1] the ascending running sum at the end of each bin
     cum_b = cum_t.numpy()
     ar_s = np.arange(S)
@@ -472,7 +475,9 @@ def _binned_draw(
         return np.where(b > 0, cum_b[r, b - 1], 0.0)
 
     total_n = cum_b[:, -1]
-    thr_n = _rounds_to_at_most(torch.tensor([1.0 - p for _, _, p in knobs], dtype=scores.dtype)).numpy()
+    ps = {p for _, _, p in knobs}  # most batches share one top_p: its threshold once
+    thr_of = dict(zip(ps, _rounds_to_at_most(torch.tensor([1.0 - p for p in ps])).tolist(), strict=True))
+    thr_n = np.array([thr_of[p] for _, _, p in knobs])
     near = CUT_MARGIN * V * thr_n + 1e-12  # HF's running sum lies within this of ours near thr
     cb = bin_of(thr_n[:, None])[:, 0]  # the cut bin
     # The removed mass lies in [below the cut bin, thr + near], so the draw's x in a range of one or
@@ -487,11 +492,13 @@ def _binned_draw(
     want[ar_s, cb] = True
     hit = np.flatnonzero(torch.from_numpy(want).gather(1, idx).numpy())  # row-major: ascending columns
     r, c = np.divmod(hit, V)
-    vals = scores.numpy().reshape(-1)[hit]
+    vals = logits.detach().reshape(-1).numpy()[hit]
+    if scaled:  # the same division as the row's (float32, correctly rounded)
+        vals = vals / np.array(temps, dtype=np.float32)[r]
     order = np.lexsort((vals, r))  # by row, then score ascending; tied scores in vocabulary order
     hit, r, c, vals = hit[order], r[order], c[order], vals[order]
     bins = idx.numpy().reshape(-1)[hit]
-    p = probs.numpy().reshape(-1)[hit].astype(np.float64)
+    p = pd.numpy().reshape(-1)[hit]
     # Running sum within each (row, bin) run, on top of the mass below the bin.
     cs = np.cumsum(p)
     new = np.ones(len(r), dtype=bool)
