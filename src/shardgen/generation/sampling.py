@@ -22,6 +22,7 @@ that rounding of a boundary, as last-bit noise in the logits would.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -385,7 +386,8 @@ BINS = 4096
 CUT_MARGIN = 3e-10  # per token of the vocabulary, relative to 1 - top_p
 DRAW_MARGIN = 1e-7
 # Rows go through in chunks of about this many logits, in scratch buffers of that size kept per
-# thread: a fresh [S, V] tensor costs more in page faults than the pass that fills it.
+# thread (20 bytes an element: 40 MiB for a thread that samples at 2^21): a fresh [S, V] tensor
+# costs more in page faults than the pass that fills it.
 FAST_CHUNK_ELEMENTS = 1 << 21
 _scratch = threading.local()
 
@@ -427,6 +429,12 @@ def _fast_rows(logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor) -> tor
     return tokens
 
 
+@functools.lru_cache(maxsize=256)
+def _float32_threshold(top_p: float) -> float:
+    """``_rounds_to_at_most`` of HF's float32 1 - top_p (a few tensor ops: once per value)."""
+    return float(_rounds_to_at_most(torch.tensor([1.0 - top_p], dtype=torch.float32))[0])
+
+
 def _binned_draw(
     logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,10 +442,12 @@ def _binned_draw(
     row. -> (tokens [S], ok [S] bool); a row not ``ok`` must take ``_nucleus_draw``.
 
     Scores are HF's (the same division by the temperature), probabilities one float32 softmax of
-    the row. A token's bin is ``floor((max - s) * (BINS - 1) / (max - min))``: monotone in its
+    the row. A token's bin is ``floor((s - min) * (BINS - 1) / (max - min))``: monotone in its
     score, so a bin holds a range of the sorted row and its mass is the sorted running sum's step
-    over that range. Not ok: a row with no spread or non-finite scores, a cut or a draw within the
-    margins above of a token's cumulative probability, a cut inside tied scores (HF's sort decides).
+    over that range (one float64 scatter; the bins' running sum names the cut's bin and the
+    draw's). Not ok: a row with no spread or non-finite scores, a draw within the margin above of
+    a token's cumulative probability, a cut within it of two tokens' or of one whose two cuts draw
+    different tokens, a cut inside tied scores (HF's sort decides).
     """
     S, V = logits.shape
     n = S * V
@@ -475,9 +485,7 @@ def _binned_draw(
         return np.where(b > 0, cum_b[r, b - 1], 0.0)
 
     total_n = cum_b[:, -1]
-    ps = {p for _, _, p in knobs}  # most batches share one top_p: its threshold once
-    thr_of = dict(zip(ps, _rounds_to_at_most(torch.tensor([1.0 - p for p in ps])).tolist(), strict=True))
-    thr_n = np.array([thr_of[p] for _, _, p in knobs])
+    thr_n = np.array([_float32_threshold(p) for _, _, p in knobs])
     near = CUT_MARGIN * V * thr_n + 1e-12  # HF's running sum lies within this of ours near thr
     cb = bin_of(thr_n[:, None])[:, 0]  # the cut bin
     # The removed mass lies in [below the cut bin, thr + near], so the draw's x in a range of one or
