@@ -680,6 +680,24 @@ def test_binned_draw_settles_rows_with_the_nucleus_token(kind, vocab):
         assert settled == 0
 
 
+def test_binned_draw_settles_a_cut_beside_a_token_when_both_cuts_draw_alike(monkeypatch):
+    """A row whose top-p cut lies within the margin of a token's running sum may be cut on either
+    side of that token: ``_binned_draw`` settles it when the draw gives the same token for both
+    cuts, and that token is ``_nucleus_draw``'s. (A margin 10x wider puts many rows there.)"""
+    monkeypatch.setattr(sampling, "CUT_MARGIN", 10 * sampling.CUT_MARGIN)
+    x = binned_rows("flat", 64, 32000, seed=5)
+    knobs = [(0.7, 0, 0.95)] * len(x)
+    u = torch.rand(len(x), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    tokens, ok = sampling._binned_draw(x, knobs, u)
+    assert torch.equal(tokens[ok], sampling._nucleus_draw(x, knobs, u)[ok])
+    c = sampling._nucleus_cut(x, knobs)  # HF's running sum at the last removed and the first kept token
+    around = c.cdf.gather(1, torch.cat([(c.removed - 1).clamp(min=0), c.removed], dim=1))
+    near = sampling.CUT_MARGIN * x.shape[1] * c.thr.double()
+    beside = ((around - c.thr.double()).abs() <= near / 2).any(1)  # ours within the margin too
+    n_beside, n_settled = int(beside.sum()), int((beside & ok).sum())
+    assert n_beside >= 12 and n_settled >= 5, (n_beside, n_settled)
+
+
 @pytest.mark.parametrize("chunk", [None, 3 * 32000])
 def test_binned_path_gives_the_same_tokens_as_the_sorted_path(chunk, monkeypatch):
     """``select_tokens`` at vocabulary 32,000 with mixed rows (top-p alone, top-k with top-p,

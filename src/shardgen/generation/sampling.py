@@ -22,6 +22,7 @@ that rounding of a boundary, as last-bit noise in the logits would.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -385,17 +386,19 @@ BINS = 4096
 CUT_MARGIN = 3e-10  # per token of the vocabulary, relative to 1 - top_p
 DRAW_MARGIN = 1e-7
 # Rows go through in chunks of about this many logits, in scratch buffers of that size kept per
-# thread: a fresh [S, V] tensor costs more in page faults than the pass that fills it.
+# thread (20 bytes an element: 40 MiB for a thread that samples at 2^21): a fresh [S, V] tensor
+# costs more in page faults than the pass that fills it.
 FAST_CHUNK_ELEMENTS = 1 << 21
 _scratch = threading.local()
 
 
 def _buffers(n: int) -> tuple[torch.Tensor, ...]:
-    """This thread's scratch of at least ``n`` elements: float32 x3, float64, int64 (flat)."""
+    """This thread's scratch of at least ``n`` elements: float32, float64, int64 (flat; 20 bytes
+    an element, at most FAST_CHUNK_ELEMENTS of them)."""
     have = getattr(_scratch, "bufs", None)
     if have is None or have[0].numel() < n:
-        f32 = [torch.empty(n) for _ in range(3)]
-        have = (*f32, torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.long))
+        _scratch.bufs = None  # the old ones go before the new ones come
+        have = (torch.empty(n), torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.long))
         _scratch.bufs = have
     return have
 
@@ -426,6 +429,12 @@ def _fast_rows(logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor) -> tor
     return tokens
 
 
+@functools.lru_cache(maxsize=256)
+def _float32_threshold(top_p: float) -> float:
+    """``_rounds_to_at_most`` of HF's float32 1 - top_p (a few tensor ops: once per value)."""
+    return float(_rounds_to_at_most(torch.tensor([1.0 - top_p], dtype=torch.float32))[0])
+
+
 def _binned_draw(
     logits: torch.Tensor, knobs: list[Knobs], u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,60 +442,78 @@ def _binned_draw(
     row. -> (tokens [S], ok [S] bool); a row not ``ok`` must take ``_nucleus_draw``.
 
     Scores are HF's (the same division by the temperature), probabilities one float32 softmax of
-    the row. A token's bin is ``floor((max - s) * (BINS - 1) / (max - min))``: monotone in its
+    the row. A token's bin is ``floor((s - min) * (BINS - 1) / (max - min))``: monotone in its
     score, so a bin holds a range of the sorted row and its mass is the sorted running sum's step
-    over that range. Not ok: a row with no spread or non-finite scores, a cut or a draw within the
-    margins above of a token's cumulative probability, a cut inside tied scores (HF's sort decides).
+    over that range (one float64 scatter; the bins' running sum names the cut's bin and the
+    draw's). Not ok: a row with no spread or non-finite scores, a draw within the margin above of
+    a token's cumulative probability, a cut within it of two tokens' or of one whose two cuts draw
+    different tokens, a cut inside tied scores (HF's sort decides).
     """
     S, V = logits.shape
     n = S * V
-    b_s, b_p, b_f, b_d, b_i = (b[:n].view(S, V) for b in _buffers(n))
-    temps = torch.tensor([t for t, _, _ in knobs], dtype=logits.dtype)[:, None]
-    scores = logits
-    if bool((temps != 1.0).any()):  # HF's division, as in _nucleus_cut (x / 1.0 == x)
-        scores = torch.div(logits, temps, out=b_s)
+    f32, f64, i64 = _buffers(n)
+    b_s, b_d, b_i = f32[:n].view(S, V), f64[:n].view(S, V), i64[:n].view(S, V)
+    b_p = i64.view(torch.float32)[:n].view(S, V)  # the float32 probabilities, until the bins come
+    temps = [t for t, _, _ in knobs]
+    scaled = any(t != 1.0 for t in temps)
+    scores = logits.detach()
+    if scaled:  # HF's division, as in _nucleus_cut (x / 1.0 == x)
+        scores = torch.div(scores, torch.tensor(temps, dtype=logits.dtype)[:, None], out=b_s)
     probs = torch.ops.aten._softmax.out(scores, -1, False, out=b_p)
-    bot, top = torch.aminmax(scores, dim=-1, keepdim=True)
-    span = top - bot
+    pd = b_d.copy_(probs)
+    bot = scores.amin(-1, keepdim=True)  # amin and amax: a quarter of aminmax's time on the CPU
+    span = scores.amax(-1, keepdim=True) - bot
     good = (span > 0) & torch.isfinite(span)
     scale = torch.where(good, (BINS - 1) / span, torch.zeros_like(span))
-    # Bin 0 holds the largest scores. (max - s) * scale <= BINS - 1 up to rounding: BINS + 1 bins.
-    f = torch.mul(torch.sub(top, scores, out=b_f), scale, out=b_f)
+    # Bin 0 holds the smallest scores. (s - min) * scale <= BINS - 1 up to rounding: BINS + 1 bins.
+    f = torch.sub(scores, bot, out=b_s).mul_(scale)  # in place of the scores
     if not bool(good.all()):  # -inf or nan in a row: some bin for each, the row not ok anyway
         f.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    idx = b_i.copy_(f)
-    pd = b_d.copy_(probs)
+    idx = b_i.copy_(f)  # over the float32 probabilities: pd holds them
     hist = torch.zeros(S, BINS + 1, dtype=torch.float64).scatter_add_(1, idx, pd)
-    suffix = hist.flip(1).cumsum(1).flip(1)  # mass of the bin and every bin below it
-    below = torch.cat([suffix[:, 1:], suffix.new_zeros(S, 1)], dim=1)  # mass strictly below
-    total = suffix[:, :1]
-    thr = _rounds_to_at_most(torch.tensor([1.0 - p for _, _, p in knobs], dtype=scores.dtype)[:, None])
-    cut_bin = (suffix > thr).sum(1, keepdim=True) - 1  # where the ascending running sum passes thr
-    cut_bin.clamp_(min=0)
-    # The removed mass lies in [below[cut_bin], thr], so the draw's x in a range of one or two bins.
-    below_cut = below.gather(1, cut_bin)
-    uu = u.to(torch.float64)[:, None]
-    x_lo, x_hi = below_cut + uu * (total - below_cut), thr + uu * (total - thr)
-    draw_hi = ((suffix > x_lo).sum(1, keepdim=True) - 1).clamp_(min=0)  # the lower x: a higher bin
-    draw_lo = ((suffix > x_hi).sum(1, keepdim=True) - 1).clamp_(min=0)
-    ar = torch.arange(BINS + 1)[None]
-    want = (ar == cut_bin) | ((ar >= draw_lo) & (ar <= draw_hi))
-    rc = want.gather(1, idx).nonzero()  # [N, 2] row-major: columns ascending within a row
-    rows_t, cols_t = rc[:, 0], rc[:, 1]
-    r, c = rows_t.numpy(), cols_t.numpy()
-    vals = scores[rows_t, cols_t].numpy()
+    cum_t = hist.cumsum_(1)  # [S, BINS + 1] the ascending running sum at the end of each bin
+    cum_b = cum_t.numpy()
+    ar_s = np.arange(S)
+
+    def bin_of(y: np.ndarray) -> np.ndarray:
+        """Per row, the bin where the ascending running sum passes y [S, k]: the first one whose
+        running sum exceeds y (the last bin if none does)."""
+        return torch.searchsorted(cum_t, torch.from_numpy(y), right=True).clamp_(max=BINS).numpy()
+
+    def below(r: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The mass of the bins below bin b of row r."""
+        return np.where(b > 0, cum_b[r, b - 1], 0.0)
+
+    total_n = cum_b[:, -1]
+    thr_n = np.array([_float32_threshold(p) for _, _, p in knobs])
+    near = CUT_MARGIN * V * thr_n + 1e-12  # HF's running sum lies within this of ours near thr
+    cb = bin_of(thr_n[:, None])[:, 0]  # the cut bin
+    # The removed mass lies in [below the cut bin, thr + near], so the draw's x in a range of one or
+    # two bins.
+    below_cut = below(ar_s, cb)
+    uu = u.numpy().astype(np.float64)
+    most = thr_n + near
+    x_lohi = np.stack([below_cut + uu * (total_n - below_cut), most + uu * (total_n - most)], axis=1)
+    draw_lo, draw_hi = bin_of(x_lohi).T
+    ar_b = np.arange(BINS + 1)
+    want = (ar_b >= draw_lo[:, None]) & (ar_b <= draw_hi[:, None])
+    want[ar_s, cb] = True
+    hit = np.flatnonzero(torch.from_numpy(want).gather(1, idx).numpy())  # row-major: ascending columns
+    r, c = np.divmod(hit, V)
+    vals = logits.detach().reshape(-1).numpy()[hit]
+    if scaled:  # the same division as the row's (float32, correctly rounded)
+        vals = vals / np.array(temps, dtype=np.float32)[r]
     order = np.lexsort((vals, r))  # by row, then score ascending; tied scores in vocabulary order
-    r, c, vals = r[order], c[order], vals[order]
-    bins = idx[rows_t, cols_t].numpy()[order]
-    p = pd[rows_t, cols_t].numpy()[order]
-    below_n, thr_n, total_n = below.numpy(), thr.numpy()[:, 0], total.numpy()[:, 0]
+    hit, r, c, vals = hit[order], r[order], c[order], vals[order]
+    bins = idx.numpy().reshape(-1)[hit]
+    p = pd.numpy().reshape(-1)[hit]
     # Running sum within each (row, bin) run, on top of the mass below the bin.
     cs = np.cumsum(p)
     new = np.ones(len(r), dtype=bool)
     new[1:] = (r[1:] != r[:-1]) | (bins[1:] != bins[:-1])
     starts = np.flatnonzero(new)
     base = np.repeat(cs[starts] - p[starts], np.diff(np.append(starts, len(r))))
-    cum = below_n[r, bins] + (cs - base)
+    cum = below(r, bins) + (cs - base)
     ok = good.flatten().numpy().copy()
 
     def run(in_bin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -502,29 +529,50 @@ def _binned_draw(
             (i >= 0) & (i < len(a)), a[np.clip(i, 0, max(len(a) - 1, 0))] if len(a) else fill, fill
         )
 
-    # The cut: HF removes the tokens whose running sum is <= thr (the m smallest).
-    cb = cut_bin.numpy()[:, 0]
+    # The cut: HF removes the tokens whose running sum is <= thr (the m smallest). Ours counts m0;
+    # a token within ``near`` of thr may go either way, so HF's m is m0 or its neighbour ``alt``
+    # (one token more or fewer), if every token outside [lo, hi) is clear of thr. The draw must then
+    # give the same token for both.
     in_cut = bins == cb[r]
     start, count = run(in_cut)
-    m = np.bincount(r[in_cut & (cum <= thr_n[r])], minlength=S)
-    ok &= (start >= 0) & (m < count)  # the first kept token is in this bin
-    last = start + m - 1
-    removed = np.where(m > 0, take(cum, last, 0.0), below_n[np.arange(S), cb])
-    kept_cum = take(cum, start + m, np.inf)
-    near = CUT_MARGIN * V * thr_n + 1e-12
-    ok &= (thr_n - removed > near) & (kept_cum - thr_n > near)
-    ok &= ~((m > 0) & (take(vals, last, np.nan) == take(vals, start + m, np.nan)))  # a cut in a tie
-    # The draw: the first token in ascending order whose running sum exceeds x (as _nucleus_draw).
-    x = removed + u.numpy().astype(np.float64) * (total_n - removed)
-    db = ((suffix.numpy() > x[:, None]).sum(1) - 1).clip(min=0)
-    ok &= (db >= draw_lo.numpy()[:, 0]) & (db <= draw_hi.numpy()[:, 0])
-    in_draw = bins == db[r]
-    start, count = run(in_draw)
-    j = np.bincount(r[in_draw & (cum <= x[r])], minlength=S)
-    ok &= (start >= 0) & (j < count)
-    pos = start + j
-    prev = np.where(j > 0, take(cum, pos - 1, 0.0), below_n[np.arange(S), db])
-    margin = DRAW_MARGIN * total_n
-    ok &= (take(cum, pos, np.inf) - x > margin) & (x - prev > margin)
-    tokens = torch.from_numpy(np.where(ok, take(c, pos, 0), 0).astype(np.int64))
+    m0 = np.bincount(r[in_cut & (cum <= thr_n[r])], minlength=S)
+    ok &= start >= 0
+
+    def removed_by(m: np.ndarray) -> np.ndarray:
+        """The mass of the m smallest tokens of the cut bin and all below it."""
+        return np.where(m > 0, take(cum, start + m - 1, 0.0), below_cut)
+
+    def tie_at(m: np.ndarray) -> np.ndarray:
+        """The m-th and (m+1)-th smallest of the cut bin have the same score: HF's sort decides."""
+        return (m > 0) & (take(vals, start + m - 1, np.nan) == take(vals, start + m, np.nan))
+
+    removed = removed_by(m0)
+    alt = m0 + (take(cum, start + m0, np.inf) - thr_n <= near) - (thr_n - removed <= near)
+    lo, hi = np.minimum(m0, alt), np.maximum(m0, alt)
+    ok &= (lo >= 0) & (hi < count)  # the first token HF may keep is in this bin
+    ok &= (thr_n - removed_by(lo) > near) & (take(cum, start + hi, np.inf) - thr_n > near)
+    ok &= ~tie_at(m0) & ~tie_at(alt)
+
+    def draw(removed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The first token in ascending order whose running sum exceeds x (as _nucleus_draw), and
+        whether it is clear of the draw margin."""
+        x = removed + uu * (total_n - removed)
+        db = bin_of(x[:, None])[:, 0]
+        fine = (db >= draw_lo) & (db <= draw_hi)
+        in_draw = bins == db[r]
+        start, count = run(in_draw)
+        j = np.bincount(r[in_draw & (cum <= x[r])], minlength=S)
+        fine &= (start >= 0) & (j < count)
+        pos = start + j
+        prev = np.where(j > 0, take(cum, pos - 1, 0.0), below(ar_s, db))
+        margin = DRAW_MARGIN * total_n
+        fine &= (take(cum, pos, np.inf) - x > margin) & (x - prev > margin)
+        return take(c, pos, 0), fine
+
+    token, fine = draw(removed)
+    ok &= fine
+    if bool((ok & (alt != m0)).any()):
+        other, fine = draw(removed_by(alt))
+        ok &= fine & (other == token)
+    tokens = torch.from_numpy(np.where(ok, token, 0).astype(np.int64))
     return tokens, torch.from_numpy(ok)
