@@ -82,7 +82,10 @@ def part_share(args, rank: int) -> dict:
     for name, (build, tok, prompts, kw) in workloads.items():
         for n in args.ns:
             for share in (False, True):
+                # The prefix cache off: every round brings the same prompts, which it would serve
+                # from the round before (an RL step's prompts are new).
                 opts = dict(backend="fsdp2", max_batch_size=16, share_prefill=share, gather=args.gather)
+                opts["prefix_cache_tokens"] = 0
                 with shardgen.Engine(build(), tok, **opts) as eng:
                     eng.rollout(prompts, n=n, seed=0, **kw)  # warm-up
                     before = eng.stats()
@@ -126,7 +129,12 @@ def part_budget(args, rank: int) -> dict:
         for budget in args.budgets:
             cap = None if budget == "none" else int(budget)
             kw = dict(
-                backend="fsdp2", max_batch_size=8, max_prefill_tokens=cap, timeline=True, gather=args.gather
+                backend="fsdp2",
+                max_batch_size=8,
+                max_prefill_tokens=cap,
+                timeline=True,
+                gather=args.gather,
+                prefix_cache_tokens=0,  # the rounds' prompts are the same: prefilled, not from a cache
             )
             with shardgen.Engine(long_model(args.hidden, args.layers), **kw) as eng:
                 dist.barrier()
