@@ -170,6 +170,32 @@ def test_from_pretrained_on_an_image_text_to_text_checkpoint(vlm_checkpoint):
     assert [c.token_ids for c in got] == [hf_tokens(ref, p, a, 8), hf_tokens(ref, [9, 10], None, 8)]
 
 
+def test_from_pretrained_keeps_the_checkpoints_processor(tmp_path):
+    """A checkpoint saved with its processor: ``engine.processor`` is it (its tokenizer the
+    engine's), and a request built with it (a PIL image and text with the image token) decodes as
+    HF ``generate()`` does on the processor's own outputs. Without processor files: None."""
+    import numpy as np
+    from PIL import Image
+    from vlm import hf_llava_tokens, tiny_llava, tiny_llava_processor
+
+    model, proc = tiny_llava(4), tiny_llava_processor()
+    model.save_pretrained(tmp_path / "llava")
+    proc.save_pretrained(tmp_path / "llava")
+    picture = Image.fromarray((np.random.default_rng(0).random((20, 24, 3)) * 255).astype("uint8"))
+    with shardgen.Engine.from_pretrained(str(tmp_path / "llava"), backend="local") as eng:
+        assert type(eng.processor).__name__ == "LlavaProcessor" and eng.tokenizer is not None
+        x = eng.processor(images=[picture], text=["t3 t4 <image> t7"], return_tensors="pt")
+        ids = x["input_ids"][0].tolist()
+        assert ids.count(proc.image_token_id) == 16  # the processor expanded the image token
+        got = eng.generate([ids], inputs=[{"pixel_values": x["pixel_values"]}], max_new_tokens=8,
+                           eos_token_id=EOS, pad_token_id=PAD)  # fmt: skip
+    assert got[0].token_ids == hf_llava_tokens(model, ids, {"pixel_values": x["pixel_values"]}, 8)
+    assert got[0].text == proc.tokenizer.decode(got[0].token_ids, skip_special_tokens=True)
+    tiny_llava(4).save_pretrained(tmp_path / "bare")
+    with shardgen.Engine.from_pretrained(str(tmp_path / "bare"), backend="local") as eng:
+        assert eng.processor is None
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
 def test_from_pretrained_vlm_two_ranks(ds_world2, vlm_checkpoint, backend):

@@ -135,3 +135,28 @@ def hf_llava_tokens(
             synced_gpus=False, **(inputs or {}),
         )[0, len(ids) :].tolist()  # fmt: skip
     return out[: out.index(EOS) + 1] if EOS in out else out
+
+
+def tiny_llava_processor() -> Any:
+    """A processor for :func:`tiny_llava`, as a LLaVA checkpoint ships one: a word-level tokenizer
+    (``t<i>`` is id i, ``<image>`` the image token) and a PIL CLIP image processor to 16 x 16."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    vocab = {f"t{i}": i for i in range(128)}
+    for name, i in {"<pad>": PAD, "<s>": 1, "</s>": EOS, "<image>": IMAGE}.items():
+        vocab.pop(f"t{i}")
+        vocab[name] = i
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+        additional_special_tokens=["<image>"],
+    )  # fmt: skip
+    side = {"height": LLAVA_SIDE, "width": LLAVA_SIDE}
+    pixels = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_SIDE}, crop_size=side)
+    # CLIP's class token: 17 features, the default strategy drops it: 16 image tokens
+    kind = {"patch_size": LLAVA_PATCH, "vision_feature_select_strategy": "default"}
+    kind["num_additional_image_tokens"] = 1
+    return LlavaProcessor(image_processor=pixels, tokenizer=tok, **kind)

@@ -132,19 +132,37 @@ class Engine:
         process.opened(self._driver, cfg.gil_switch_interval)
         self._driver.start()
 
+    #: The checkpoint's processor when ``from_pretrained`` found one (a VLM's: its image processor
+    #: and tokenizer), for building a request's ids and ``inputs=``; else None.
+    processor: Any = None
+
     @classmethod
     def from_pretrained(
-        cls, path: str, *, dtype: torch.dtype | str | None = None, tokenizer: Any = None, **kwargs: Any
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        tokenizer: Any = None,
+        processor: Any = None,
+        **kwargs: Any,
     ) -> Engine:
-        """Load an HF causal LM (and its tokenizer) from ``path`` and build the engine. Collective.
+        """Load an HF model (and its tokenizer, and its processor where it has one) from ``path``
+        and build the engine. Collective.
 
         The weights go straight into each rank's shard (``shardgen.loading``): no rank holds the
         full model. ``dtype``: ``"auto"``/None (the checkpoint's), ``"bfloat16"``, ...
+        ``processor``: the one to keep as ``engine.processor`` (default: ``AutoProcessor`` of
+        ``path`` when it has processor files); the tokenizer comes from it when ``path`` has none.
         """
-        from shardgen.loading.pretrained import pretrained
+        from shardgen.loading.pretrained import pretrained, processor_of
 
         model, tokenizer = pretrained(path, dtype=dtype, tokenizer=tokenizer)
-        return cls(model, tokenizer, **kwargs)
+        processor = processor_of(path) if processor is None else processor
+        if tokenizer is None and processor is not None:
+            tokenizer = getattr(processor, "tokenizer", None)
+        engine = cls(model, tokenizer, **kwargs)
+        engine.processor = processor
+        return engine
 
     # ------------------------------------------------------------------ user API (not collective)
     def submit(

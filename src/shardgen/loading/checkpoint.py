@@ -202,15 +202,40 @@ class Checkpoint:
         self.read_flat(name, start * row, dst)
 
 
-def _renamed(model: nn.Module, keys: list[str]) -> dict[str, str]:
+def _renamed(model: nn.Module, keys: list[str], model_names: list[str]) -> dict[str, str]:
     """``model name -> checkpoint key`` by the key renamings transformers applies when it loads the
     model (a VLM saved in its older layout: Qwen2-VL's ``model.layers`` are its
-    ``model.language_model.layers``), each rule in turn as transformers does. Not collective."""
+    ``model.language_model.layers``, LLaVA's ``language_model.model.layers`` its
+    ``model.language_model.layers``): transformers' own rules (each sub-model's, scoped to it, then
+    the legacy ones) and its own renaming function, with the base-model prefix added or dropped
+    as it does (``model_names``: the model's parameter and persistent buffer names). Converters
+    (weights fused or split on load) are not renamings: not applied. Not collective."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # an older transformers
+        return _renamed_by_type(model, keys)
+    # transformers looks the root's rules up by class name, which a sharding wrapper's subclass
+    # (FSDP2's ``FSDPQwen2VLForConditionalGeneration``) does not have: its class's rules as well.
+    out = _renamed_by_type(model, keys)
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    names = dict.fromkeys(model_names, True)  # transformers asks .get(name) of a state dict
+    prefix = getattr(model, "base_model_prefix", None) or None
+    for k in keys:
+        name, _ = rename_source_key(k, renamings, [], prefix, names)
+        if name != k or name in names:
+            out[name] = k
+    return out
+
+
+def _renamed_by_type(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """:func:`_renamed` for a transformers without ``get_model_conversion_mapping``: the model
+    kind's own renamings, each rule in turn."""
     import re
 
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping as mapping
-    except ImportError:  # an older transformers
+    except ImportError:
         return {}
     # By class name (a sharding wrapper's subclass: its model class's), then model type.
     names = [c.__name__ for c in type(model).__mro__] + [getattr(model.config, "model_type", "")]
@@ -262,7 +287,8 @@ def checkpoint_names(model: nn.Module, ckpt: Checkpoint) -> dict[int, tuple[str,
                 break
         if found is None:
             if renamed is None:
-                renamed = _renamed(model, list(ckpt.entries))
+                every = [n for c in list(names.values()) + list(persistent.values()) for n in c]
+                renamed = _renamed(model, list(ckpt.entries), every)
             found = next((renamed[n] for n in candidates if n in renamed), None)
         if found is not None:
             out[key] = (found, tensors[key])

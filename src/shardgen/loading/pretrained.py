@@ -269,6 +269,26 @@ def pretrained(path: str, *, dtype: torch.dtype | str | None, tokenizer: Any = N
     return model, tokenizer
 
 
+def processor_of(path: str) -> Any:
+    """The checkpoint's processor (``AutoProcessor``: a VLM's image processor with its tokenizer),
+    or None when ``path`` has no processor files, or transformers cannot build the one it names
+    (a missing optional package, such as torchvision for a video processor: logged). Not collective."""
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, f)) for f in _PROCESSOR_FILES):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError, ImportError, AttributeError) as e:
+        log.warning("%s names a processor that could not be loaded (%s: %s); engine.processor is None",
+                    path, type(e).__name__, e)  # fmt: skip
+        return None
+
+
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
 @contextlib.contextmanager
 def _progress_bar_on_rank0() -> Iterator[None]:
     """transformers' progress bars ("Loading weights") inside the block on rank 0 only."""
