@@ -7,6 +7,9 @@ command's output.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -15,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -169,10 +173,38 @@ def write_toy_prompts(d: Path) -> Path:
     return d
 
 
+REFERENCE = ["run", "--prompts", "prompts.jsonl", "--out", "ref.jsonl", "--nproc", "2", "--quiet"]
+
+
 def run_reference(d: Path) -> Job:
-    """An uninterrupted 2-rank run of ``d/prompts.jsonl`` into ``d/ref.jsonl``."""
-    return run(["run", "--prompts", "prompts.jsonl", "--out", "ref.jsonl", "--nproc", "2", "--json-summary",
-                "ref-summary.json", "--quiet"], d)  # fmt: skip
+    """An uninterrupted 2-rank run of ``d/prompts.jsonl`` into ``d/ref.jsonl``; its results are
+    kept for :func:`reference_results` in the other test files of this pytest run."""
+    with _shared_reference(d) as kept:
+        job = run([*REFERENCE, "--json-summary", "ref-summary.json"], d)
+        shutil.copy(d / "ref.jsonl", kept)
+    return job
+
+
+def reference_results(d: Path) -> list[dict]:
+    """The reference run's results for ``d/prompts.jsonl``: those another test file of this pytest
+    run (another xdist worker) kept, waiting for it when it is running, else run here. The run
+    is a 2-rank job: about 20 s of the suite's CPU each time it is not run again."""
+    with _shared_reference(d) as kept:
+        if not kept.exists():
+            run(REFERENCE, d)
+            shutil.copy(d / "ref.jsonl", kept)
+        return read_results(kept)
+
+
+@contextlib.contextmanager
+def _shared_reference(d: Path) -> Iterator[Path]:
+    """The kept results' path for ``d/prompts.jsonl``, under an exclusive lock: in the root of this
+    pytest run's temporary folders (xdist's workers each have one below it), keyed by the file."""
+    root = d.parent.parent if d.parent.name.startswith("popen-gw") else d.parent
+    digest = hashlib.sha1((d / "prompts.jsonl").read_bytes()).hexdigest()[:16]
+    with open(root / f"shardgen-reference-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield root / f"shardgen-reference-{digest}.jsonl"
 
 
 def wait_for_journals(job: Job, out: Path, lines: int, timeout: float = 240) -> None:

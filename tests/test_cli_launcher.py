@@ -19,8 +19,8 @@ from cli_jobs import (
     assert_summary_only,
     processes_mentioning,
     read_results,
+    reference_results,
     run,
-    run_reference,
     wait_for_journals,
     write_toy_prompts,
 )
@@ -35,9 +35,8 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(workdir: Path) -> list[dict]:
-    """The results of an uninterrupted 2-rank run of prompts.jsonl."""
-    run_reference(workdir)
-    return read_results(workdir / "ref.jsonl")
+    """The results of an uninterrupted 2-rank run of prompts.jsonl (tests/test_cli.py's run's)."""
+    return reference_results(workdir)
 
 
 def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list[dict]) -> None:
