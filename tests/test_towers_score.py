@@ -1,7 +1,8 @@
 """``engine.score(prompts, responses, inputs=...)`` on models with towers (a VLM's images per row):
 the local backend against single-process HF teacher forcing (Qwen2-VL and LLaVA), the mistakes at
 the door, and 2 ranks on FSDP2 and DeepSpeed with rank 0 scoring image rows and rank 1 text rows
-only (its forward runs the vision tower on a shadow image, so the gathers match)."""
+only (its forward runs the vision tower on a shadow image, so the gathers match; with the tick's
+tower agreement off they part)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,14 @@ def test_llava_score_two_ranks(ds_world2):
     out = ds_world2.run(sc.score_equal, "fsdp2", "per-layer", None, True, timeout=180)
     assert [res["diff"] < TOL for res in out] == [True, True], out
     assert out[1]["tower_runs"] >= 1
+
+
+@pytest.mark.multirank
+def test_score_without_the_tower_agreement_the_ranks_part(ds_world2):
+    """The FSDP2 run above with the tick's tower agreement off fails: rank 0's vision tower
+    gathers meet rank 1's decoder gathers (an error or a hang, killed). Last in the module: the
+    World does not survive it."""
+    from world import WorldError, WorldHang
+
+    with pytest.raises((WorldError, WorldHang)):
+        ds_world2.run(sc.score_without_agreement, "fsdp2", timeout=30)

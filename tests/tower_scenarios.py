@@ -187,3 +187,15 @@ def score_equal(backend: str, gather: str, bucket_mb: float | None = None, llava
                 assert sb.mask[i].sum() == len(resp)
                 diff = max(diff, (sb.logprobs[i, : len(resp)] - want).abs().max().item())
     return {"diff": diff, "tower_runs": len(runs), "policy": eng.gather_policy}
+
+
+def score_without_agreement(backend: str, bucket_mb: float | None = None) -> dict:
+    """``score_equal`` with the towers' agreement switched off: rank 1's text rows skip the vision
+    tower's gathers that rank 0's image rows issue."""
+    from shardgen.core import protocol
+
+    protocol._AGREE_TOWERS = False
+    try:
+        return score_equal(backend, "per-layer", bucket_mb)
+    finally:
+        protocol._AGREE_TOWERS = True
