@@ -139,3 +139,63 @@ def llava_equal(backend: str, bucket_mb: float | None = None) -> list:
                 if c.token_ids != want:
                     bad.append((c.token_ids, want))
     return bad
+
+
+def score_rows(r: int, llava: bool = False) -> tuple[list[list[int]], list[list[int]], list[Any]]:
+    """Rank 0: image rows (Qwen2-VL: two sizes, two images in one prompt) beside a text row; rank
+    1: text rows only; any other rank: none. (prompts, responses, inputs)."""
+    from vlm import llava_images, llava_prompt
+
+    if r == 0 and llava:
+        xs = [llava_images(1, 1), None, llava_images(2, 3)]
+        ps = [llava_prompt([5, 6], xs[0]), llava_prompt([9], None, [10, 11]), llava_prompt([5], xs[2])]
+    elif r == 0:
+        xs = [images((4, 6), seed=1), None, images((2, 2), (4, 4), seed=3)]
+        ps = [prompt([5, 6], xs[0]), prompt([9], None, [10, 11, 12]), prompt([5], xs[2])]
+    elif r == 1:
+        xs, ps = [None, None], [[9, 10, 11], [4, 4]]
+    else:
+        return [], [], []
+    rs = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13]][: len(ps)]
+    return ps, rs, xs
+
+
+def score_equal(backend: str, gather: str, bucket_mb: float | None = None, llava: bool = False) -> dict:
+    """``score(prompts, responses, inputs=)`` on every rank's rows (``score_rows``) against
+    single-process HF teacher forcing; the largest logprob difference and how many times the
+    vision tower ran here (a text-only rank: on its shadow image, when another rank's rows run it)."""
+    from vlm import hf_scores, tiny_llava
+
+    import shardgen
+
+    r = dist.get_rank()
+    make = tiny_llava if llava else tiny_qwen2_vl
+    model, ref = make(3), make(3)
+    ps, rs, xs = score_rows(r, llava)
+    opts: dict[str, Any] = {"gather": gather}
+    if bucket_mb is not None:
+        opts["bucket_mb"] = bucket_mb
+    runs = []  # the vision tower's forwards on this rank (real or shadow)
+    tower = model.model.vision_tower if llava else model.model.visual
+    tower.register_forward_hook(lambda *_: runs.append(1))
+    diff = 0.0
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        if ps:
+            sb = eng.score(ps, rs, inputs=xs)
+            for i, (p, resp, x) in enumerate(zip(ps, rs, xs, strict=True)):
+                want = hf_scores(ref, p, resp, x)
+                assert sb.mask[i].sum() == len(resp)
+                diff = max(diff, (sb.logprobs[i, : len(resp)] - want).abs().max().item())
+    return {"diff": diff, "tower_runs": len(runs), "policy": eng.gather_policy}
+
+
+def score_without_agreement(backend: str, bucket_mb: float | None = None) -> dict:
+    """``score_equal`` with the towers' agreement switched off: rank 1's text rows skip the vision
+    tower's gathers that rank 0's image rows issue."""
+    from shardgen.core import protocol
+
+    protocol._AGREE_TOWERS = False
+    try:
+        return score_equal(backend, "per-layer", bucket_mb)
+    finally:
+        protocol._AGREE_TOWERS = True

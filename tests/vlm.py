@@ -160,3 +160,18 @@ def tiny_llava_processor() -> Any:
     kind = {"patch_size": LLAVA_PATCH, "vision_feature_select_strategy": "default"}
     kind["num_additional_image_tokens"] = 1
     return LlavaProcessor(image_processor=pixels, tokenizer=tok, **kind)
+
+
+def hf_scores(
+    model: Any, ids: list[int], response: list[int], inputs: dict[str, torch.Tensor] | None
+) -> torch.Tensor:
+    """Single-process HF teacher forcing on one row: ``model(prompt + response, images)``'s log
+    softmax at each response token (Qwen2-VL with its token types; LLaVA takes the images alone)."""
+    x = torch.tensor([list(ids) + list(response)])
+    kw: dict[str, Any] = dict(inputs or {})
+    if inputs is not None and "image_grid_thw" in inputs:
+        kw["mm_token_type_ids"] = (x == IMAGE).int()
+    with torch.no_grad():
+        logits = model(input_ids=x, **kw).logits[0, len(ids) - 1 : len(ids) - 1 + len(response)]
+    lp = torch.log_softmax(logits.float(), -1)
+    return lp.gather(-1, torch.tensor(response, dtype=torch.long)[:, None]).squeeze(-1)

@@ -255,6 +255,7 @@ class Engine:
         top_k: int = 0,
         logits: bool = False,
         entropy: bool = True,
+        inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> score_api.ScoreBatch:
         """Teacher forcing: the model's logprobs of each given response token. Not collective: any
         rank, any number of calls, zero rows included, from any thread, beside ``generate()``s.
@@ -266,7 +267,10 @@ class Engine:
         ``logprobs`` / ``mask`` / ``entropy`` ``[R, G]`` (log softmax(logits / temperature)),
         ``top_ids`` / ``top_logprobs`` ``[R, G, k]`` with ``top_k``, ``logits`` ``[R, G, V]`` (model
         dtype, CPU) with ``logits=True``. The rows run through the tick like prefills, in
-        ``max_prefill_tokens`` chunks, rows of one prompt computing it once.
+        ``max_prefill_tokens`` chunks, rows of one prompt computing it once. ``inputs``: one dict (or
+        None) per row, the model's own forward inputs for its prompt, as ``generate()``'s (a VLM's
+        ``{"pixel_values": ..., "image_grid_thw": ...}``); a run holding image rows goes in one
+        forward (no chunks, no shared prompts: the images go with their tokens).
         """
         self._check_usable()
         if getattr(self._hf_config, "is_encoder_decoder", False):
@@ -276,11 +280,12 @@ class Engine:
         params = score_api.check_params(temperature, top_k, logits, entropy, vocab)
         p, r = score_api.rows_of(source, responses, prompts, response_mask, self.tokenizer)
         score_api.check_rows(p, r, vocab, context_length(text))
+        each = score_api.check_inputs(p, inputs, self._hf_config)
         dtype = getattr(self.model, "dtype", torch.float32)
         if all(len(x) == 0 for x in r):  # nothing to score (zero rows included): no engine work
             empty = [score_api.RowScore(torch.zeros(0, dtype=torch.float32)) for _ in r]
             return score_api.pack(empty, params, vocab, dtype)
-        reqs = score_api.requests_of(p, r, params)
+        reqs = score_api.requests_of(p, r, params, each)
         if not self._shared.enqueue(reqs):  # type: ignore[arg-type]
             raise EngineClosedError(f"rank {self.rank}: engine is closed")
         return score_api.pack([q.future.result() for q in reqs], params, vocab, dtype)

@@ -203,8 +203,16 @@ class LocalWork:
             n = self._score_take()
             rows = [self.scoring[i] for i in range(n)]
             prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
-            sp = ScorePlan.of(prompts, responses, cfg.share_prefill, cfg.max_prefill_tokens)
-            return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp)
+            towers = 0
+            for r in rows:
+                if r.inputs is not None:
+                    towers |= self.backend.tower_mask(r.inputs)
+            # A run holding rows with inputs of their own (images) goes in one forward, every row
+            # computed: the images go with their tokens (as a generation prefill's).
+            plain = all(r.inputs is None for r in rows)
+            share, budget = (cfg.share_prefill, cfg.max_prefill_tokens) if plain else (False, None)
+            sp = ScorePlan.of(prompts, responses, share, budget)
+            return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp, towers=towers)
         if batch is not None:
             return ForwardPlan(Work.DECODE, 0, None, len(batch.seqs), len(batch.seqs))
         return IDLE_PLAN

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shardgen.generation.requests import encode_prompt
+from shardgen.generation.requests import encode_prompt, input_problems
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,9 @@ class ScoreRequest:
     prompt_ids: list[int]
     response_ids: list[int]
     params: ScoreParams
+    inputs: dict[str, Any] | None = None
+    """The model's own forward inputs for the prompt beside its ids (a VLM's ``pixel_values`` and
+    ``image_grid_thw``), as given; None: text only."""
     future: Future = field(default_factory=Future)
 
 
@@ -168,6 +171,26 @@ def check_rows(prompts: list[list[int]], responses: list[list[int]], vocab: int,
             )
 
 
+def check_inputs(prompts: list[list[int]], inputs: Any, model_config: Any) -> list[dict[str, Any] | None]:
+    """``score(..., inputs=)``: one dict (or None) per row, each fitting its prompt as
+    ``generate()``'s do (``requests.input_problems``: image tokens against the grid, patches
+    against the grid, tensors). ``ValueError`` with the numbers."""
+    if inputs is None:
+        return [None] * len(prompts)
+    if not isinstance(inputs, (list, tuple)) or len(inputs) != len(prompts):
+        n = len(inputs) if isinstance(inputs, (list, tuple)) else type(inputs).__name__
+        raise ValueError(
+            f"inputs must be a list of one dict (or None) per row: got {n} for {len(prompts)} rows"
+        )
+    out: list[dict[str, Any] | None] = []
+    for i, (p, x) in enumerate(zip(prompts, inputs, strict=True)):
+        problems = input_problems(p, x, model_config)
+        if problems:
+            raise ValueError(f"row {i}: " + "; ".join(problems))
+        out.append(x or None)
+    return out
+
+
 def reduce(logits: torch.Tensor, tokens: torch.Tensor, params: ScoreParams) -> dict[str, torch.Tensor]:
     """One chunk's ``[N, V]`` logits and the ``[N]`` tokens they predict -> what the rows keep, at
     once (the chunk's float32 copy goes with the call): ``logprobs`` [N], and per ``params``
@@ -218,6 +241,12 @@ def pack(results: list[RowScore], params: ScoreParams, vocab: int, dtype: torch.
 
 
 def requests_of(
-    prompts: Sequence[list[int]], responses: Sequence[list[int]], params: ScoreParams
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    params: ScoreParams,
+    inputs: Sequence[dict[str, Any] | None] | None = None,
 ) -> list[ScoreRequest]:
-    return [ScoreRequest(list(p), list(r), params) for p, r in zip(prompts, responses, strict=True)]
+    each = list(inputs) if inputs is not None else [None] * len(prompts)
+    return [
+        ScoreRequest(list(p), list(r), params, x) for p, r, x in zip(prompts, responses, each, strict=True)
+    ]

@@ -14,6 +14,12 @@ holds none, as a generation prefill's chunk does. So at most one chunk's logits 
 Shared prompts (rows with one prompt, the n samples of a rollout): the prompt columns run on
 the distinct prompts only, their KV cache is then forked into every row (and the logits of
 column P - 1 with it), and the response columns run on every row.
+
+Rows with inputs of their own (a VLM's images: ``ScoreRequest.inputs``): the scheduler plans their
+run as one forward of every row (no chunks, no shared prompts), which takes the rows' images
+concatenated in row order, the token types marking their image tokens, and for an M-RoPE model
+(Qwen2-VL) the vision position rows of every column from the model's own ``get_rope_index``, as
+a generation prefill's (``batch.py``).
 """
 
 from __future__ import annotations
@@ -107,6 +113,8 @@ class ScoreRun:
         params = inspect.signature(hf_model.forward).parameters
         self._takes_positions = "position_ids" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
+        self._takes_mm_types = "mm_token_type_ids" in params  # Qwen2-VL marks its image tokens
+        self._mrope = callable(getattr(getattr(hf_model, "model", None), "get_rope_index", None))
         prep = inspect.signature(hf_model.prepare_inputs_for_generation).parameters
         self._cache_kw = "cache" if "cache" in prep else "past_key_values"
         p_w, g_w = plan.prompt_width, plan.response_width
@@ -124,9 +132,35 @@ class ScoreRun:
         self.mask: torch.Tensor | None = (
             None if bool((mask == 1).all()) else mask
         )  # as HF: None when all ones
+        self._own, self._vision = self._own_inputs()
         self.cache = DynamicCache(config=hf_model.config.get_text_config(decoder=True))
         self._pieces: list[dict[str, torch.Tensor]] = []
         self._chunk = 0
+
+    def _own_inputs(self) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The first forward's inputs beside the ids: the rows' own (their images, concatenated in
+        row order, and the token types); for an M-RoPE model the 3 vision position rows of every
+        column, ``[3, B, W]`` (each row's text positions where it has no image)."""
+        own: dict[str, Any] = {}
+        with_inputs = [r.inputs for r in self.reqs if r.inputs is not None]
+        if with_inputs:
+            assert self.plan.distinct is None and len(self.plan.chunks) == 1, "image rows: one forward"
+            for key in with_inputs[0]:
+                parts = [x[key] for x in with_inputs if x.get(key) is not None]
+                if parts:
+                    own[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0).to(self.device)
+            token = getattr(self.hf_model.config, "image_token_id", None)
+            if token is not None and self._takes_mm_types:
+                own["mm_token_type_ids"] = (self.ids == token).int()
+        if not self._mrope:
+            return own, None
+        if "image_grid_thw" not in own:
+            return own, self.pos[None].expand(3, -1, -1)
+        vision, _ = self.hf_model.model.get_rope_index(
+            self.ids, mm_token_type_ids=own["mm_token_type_ids"],
+            image_grid_thw=own["image_grid_thw"], attention_mask=self.mask,
+        )  # fmt: skip
+        return own, vision.to(self.device)
 
     @property
     def done(self) -> bool:
@@ -140,16 +174,20 @@ class ScoreRun:
         """ONE forward: the next chunk; its useful logits reduced before it returns. The tokens computed."""
         plan, ch = self.plan, self.plan.chunks[self._chunk]
         self._chunk += 1
-        ids, pos, mask = self.ids, self.pos, self.mask
+        ids, pos, mask, vision = self.ids, self.pos, self.mask, self._vision
         if not ch.every:
             assert plan.distinct is not None
             idx = torch.tensor(plan.distinct, dtype=torch.long, device=self.device)
             ids, pos = ids.index_select(0, idx), pos.index_select(0, idx)
             mask = None if mask is None else mask.index_select(0, idx)
+            vision = None if vision is None else vision.index_select(1, idx)
         kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
         kw["attention_mask"] = None if mask is None else mask[:, : ch.c1]
         if self._takes_positions:
-            kw["position_ids"] = pos[:, : ch.c1]
+            p = pos[:, : ch.c1]
+            kw["position_ids"] = p if vision is None else torch.cat([p[None], vision[..., : ch.c1]], dim=0)
+        if ch.c0 == 0:  # the rows' own inputs (their images) go with their tokens
+            kw.update(self._own)
         inputs = self.hf_model.prepare_inputs_for_generation(
             ids[:, : ch.c1],
             next_sequence_length=ch.c1 - ch.c0 if ch.c0 else None,
