@@ -45,6 +45,8 @@ def vlm_equal(
 
     r = dist.get_rank()
     model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
+    runs: list[int] = []  # the vision tower's forwards on this rank (a replica's not counted)
+    model.model.visual.register_forward_hook(lambda *_: runs.append(1))
     calls = _requests(r)
     bad = []
     opts: dict[str, Any] = {"gather": gather}
@@ -63,7 +65,8 @@ def vlm_equal(
                 if c.token_ids != want:
                     bad.append((k, j, c.token_ids, want))
     stats = eng.stats()  # after close: every rank's work done
-    return {"bad": bad, "shadows": stats["shadow_forwards"], "policy": eng.gather_policy}
+    out = {"bad": bad, "shadows": stats["shadow_forwards"], "tower_runs": len(runs)}
+    return {**out, "policy": eng.gather_policy}
 
 
 def without_agreement(backend: str, bucket_mb: float | None = None) -> str:
