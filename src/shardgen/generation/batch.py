@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicLayer
 
 from shardgen.generation.cache import ReservedLayer
 from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.requests import joined_inputs
 from shardgen.generation.sampling import chosen_logprobs, select_tokens
 from shardgen.generation.sequence import SeqState
 
@@ -123,17 +124,10 @@ class Batch:
         marking their tokens), and for an M-RoPE model (Qwen2-VL) the 3 vision position rows of
         every column, ``[3, U, T]``; each row's offset (``rope_deltas``) is kept for its decode
         steps, as HF ``generate()`` keeps it."""
-        own: dict[str, Any] = {}
         seqs = [self.seqs[r] for r in rows]
         with_inputs = [s.inputs for s in seqs if s.inputs is not None]
-        if with_inputs:
-            for key in with_inputs[0]:
-                parts = [x[key] for x in with_inputs if x.get(key) is not None]
-                if parts:
-                    own[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0).to(self.device)
-            token = getattr(self.hf_model.config, "image_token_id", None)
-            if token is not None and self._takes_mm_types:
-                own["mm_token_type_ids"] = (self._pre[0] == token).int()
+        cfg = self.hf_model.config
+        own = joined_inputs(with_inputs, self._pre[0], cfg, self._takes_mm_types, self.device)
         if not self._mrope:
             return own, None
         pos = self._pre[1]

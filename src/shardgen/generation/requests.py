@@ -93,6 +93,25 @@ def build_request(
     return req
 
 
+def joined_inputs(
+    inputs: list[dict[str, Any]], ids: Any, config: Any, token_types: bool, device: Any
+) -> dict[str, Any]:
+    """One forward's own inputs from its image rows' ``inputs`` (row order): each key's tensors
+    concatenated along dim 0 (images in row order), and, for a model whose forward takes them
+    (``token_types``), the token types marking ``ids``' image tokens (``config.image_token_id``)."""
+    own: dict[str, Any] = {}
+    if not inputs:
+        return own
+    for key in inputs[0]:
+        parts = [x[key] for x in inputs if x.get(key) is not None]
+        if parts:
+            own[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0).to(device)
+    token = getattr(config, "image_token_id", None)
+    if token is not None and token_types:
+        own["mm_token_type_ids"] = (ids == token).int()
+    return own
+
+
 def input_problems(ids: list[int], inputs: Any, model_config: Any) -> list[str]:
     """What is wrong with one request's own forward ``inputs`` (``{"pixel_values": ...,
     "image_grid_thw": ...}``): not a dict of tensors, or images whose merged patches do not

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from shardgen.generation.requests import joined_inputs
 from shardgen.generation.score import RowScore, ScoreRequest, reduce
 
 Forward = Callable[..., Any]
@@ -141,17 +142,10 @@ class ScoreRun:
         """The first forward's inputs beside the ids: the rows' own (their images, concatenated in
         row order, and the token types); for an M-RoPE model the 3 vision position rows of every
         column, ``[3, B, W]`` (each row's text positions where it has no image)."""
-        own: dict[str, Any] = {}
         with_inputs = [r.inputs for r in self.reqs if r.inputs is not None]
         if with_inputs:
             assert self.plan.distinct is None and len(self.plan.chunks) == 1, "image rows: one forward"
-            for key in with_inputs[0]:
-                parts = [x[key] for x in with_inputs if x.get(key) is not None]
-                if parts:
-                    own[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0).to(self.device)
-            token = getattr(self.hf_model.config, "image_token_id", None)
-            if token is not None and self._takes_mm_types:
-                own["mm_token_type_ids"] = (self.ids == token).int()
+        own = joined_inputs(with_inputs, self.ids, self.hf_model.config, self._takes_mm_types, self.device)
         if not self._mrope:
             return own, None
         if "image_grid_thw" not in own:
