@@ -124,6 +124,27 @@ class Backend:
         """Materialize full weights on every rank (gather policy ``once``). Collective."""
         raise NotImplementedError(f"backend {self.name!r} cannot gather the whole model")
 
+    #: ``backends/whole.py``'s chunks for ``gather_all`` (None: not planned yet; False: the
+    #: backend's own gathers, for a layout the chunks do not cover).
+    _whole: Any = None
+    #: Bytes a chunk of ``gather_all`` gathers at most.
+    WHOLE_CHUNK_BYTES = 64 << 20
+
+    def _fill_whole(self, source: Any, budget: int) -> bool:
+        """Fill ``self.replica`` from chunks of many parameters' shards (``backends/whole.py``),
+        planned once from ``source()`` (a stationary ``Source``); False, nothing gathered, when a
+        parameter is not covered. Collective on the param group when it returns True: the
+        chunks' gathers, every rank in the same tick."""
+        from shardgen.backends import whole
+        from shardgen.backends.stationary import Unsupported
+
+        if self._whole is None:
+            self._whole = whole.plan(self.module, source().shard, Unsupported, budget) or False
+        if not self._whole:
+            return False
+        whole.fill(self.replica, self._whole, self.param_group, self.device)
+        return True
+
     def release_all(self) -> None:
         """Undo ``gather_all``: free the replica; forwards gather per unit again. Local (no
         collective): the shards were never changed."""

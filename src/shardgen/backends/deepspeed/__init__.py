@@ -212,31 +212,21 @@ class DeepSpeedBackend(Backend):
         return gathered_cost(n, self.full_param_bytes(), dist.get_world_size(self.param_group))
 
     # ------------------------------------------------------------------ gather policy once
-    #: ``backends/whole.py``'s chunks for ``gather_all`` (None: not planned yet; False: by bucket).
-    _whole: Any = None
-    #: Bytes a chunk of ``gather_all`` gathers at most.
-    WHOLE_CHUNK_BYTES = 64 << 20
-
     def gather_all(self) -> None:
         """Fill the plain replica (``replica.py``); forwards then run on it. Partitions in memory
         over the param group (no NVMe, no hpZ) travel in chunks of many parameters
         (``backends/whole.py``), without DeepSpeed's per-parameter bookkeeping; others chunk by
         chunk through DeepSpeed: the plan's buckets, else one unit at a time. Collective on the
         param group: one gather per chunk, every rank in the same tick and order."""
-        from shardgen.backends import whole
         from shardgen.backends.deepspeed.stationary import DeepSpeedSource
-        from shardgen.backends.stationary import Unsupported
 
         if self.replica is not None and self.replica.live:
             return
         if self.replica is None:
             self.replica = Replica(self.module, type(self.module), self.device)
-        if self._whole is None:
-            odev = self.offload_device
-            source = DeepSpeedSource(self.module, self.offload, self.param_group, self.device, odev)
-            self._whole = whole.plan(self.module, source.shard, Unsupported, self.WHOLE_CHUNK_BYTES) or False
-        if self._whole:
-            whole.fill(self.replica, self._whole, self.param_group, self.device)
+        odev = self.offload_device
+        source = lambda: DeepSpeedSource(self.module, self.offload, self.param_group, self.device, odev)  # noqa: E731
+        if self._fill_whole(source, self.WHOLE_CHUNK_BYTES):
             self.replica.finish()
             self.lockstep = False
             return

@@ -199,11 +199,6 @@ class FSDP2Backend(PooledGathers, Backend):
 
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
-    #: ``backends/whole.py``'s chunks for ``gather_all`` (None: not planned yet; False: unit by unit).
-    _whole: Any = None
-    #: Bytes a chunk of ``gather_all`` gathers at most (at least a decoder layer's).
-    WHOLE_CHUNK_BYTES = 64 << 20
-
     def gather_all(self) -> None:
         """Fill the plain replica (``replica.py``); forwards then run on it (no hooks, no DTensor).
         Dim-0 shards over the param group (shardgen's units, most user models) travel in chunks
@@ -212,22 +207,15 @@ class FSDP2Backend(PooledGathers, Backend):
         else one all-gather per unit in module order; every rank in the same tick."""
         from torch.distributed.tensor import DTensor
 
-        from shardgen.backends import whole
         from shardgen.backends.fsdp2.stationary import FSDP2Source
-        from shardgen.backends.stationary import Unsupported
 
         if self.replica is not None and self.replica.live:
             return
         if self.replica is None:
             self.replica = Replica(self.module, plain_type(self.module), self.device)
         fsdp.lazy_init(self.units())  # shards swapped since (a load_state_dict) are read anew
-        if self._whole is None:
-            source = FSDP2Source(self.module, self.param_group, self.device)
-            budget = max(self.WHOLE_CHUNK_BYTES, self.block_bytes())
-            self._whole = whole.plan(self.module, source.shard, Unsupported, budget) or False
-        if self._whole:
-            whole.fill(self.replica, self._whole, self.param_group, self.device)
-        else:
+        budget = max(self.WHOLE_CHUNK_BYTES, self.block_bytes())  # at least a decoder layer's
+        if not self._fill_whole(lambda: FSDP2Source(self.module, self.param_group, self.device), budget):
             states: set[int] = set()
             for unit in self.units():
                 state = fsdp.fsdp_state(unit)
