@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from models import batch, tiny_model
+from models import batch, chunked_against_own_fill, tiny_model
 
 # ----------------------------------------------------------------------------- recorder
 _RECS: list[list[tuple]] = []  # active recordings (nested, any thread)
@@ -629,24 +629,5 @@ def whole_gather_equals_bucketed() -> list[dict]:
         b = _create(model, _param_group(), cfg)
         if budget is not None:
             b.WHOLE_CHUNK_BYTES = budget
-        b.gather_all()
-        chunks = len(b._whole) if b._whole else 0
-        whole = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
-        b.release_all()
-        b._whole = False  # DeepSpeed's own gathers, as for NVMe or hpZ partitions
-        b.gather_all()
-        own = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
-        rep = b.replica.module
-        tied = rep.get_output_embeddings().weight is rep.get_input_embeddings().weight
-        b.release_all()
-        b.close()
-        full = dict(ref.named_parameters())
-        out.append({
-            "case": name,
-            "chunks": chunks,
-            "names": sorted(whole) == sorted(own) == sorted(full),
-            "equal_own": [n for n in whole if not torch.equal(whole[n], own[n])],
-            "equal_full": [n for n in whole if not torch.equal(whole[n], full[n].detach())],
-            "tied": tied,
-        })  # fmt: skip
+        out.append({"case": name, **chunked_against_own_fill(b, ref)})
     return out

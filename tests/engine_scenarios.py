@@ -9,7 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from models import batch, eos_after, hf_generate, tiny_model
+from models import batch, chunked_against_own_fill, eos_after, hf_generate, tiny_model
 from numerics import assert_ids_agree
 from world import assert_no_thread, rank
 
@@ -427,25 +427,5 @@ def whole_gather_equals_unit_by_unit() -> list[dict]:
         if budget is not None:
             b.WHOLE_CHUNK_BYTES = budget
             b.block_bytes = lambda: 0  # type: ignore[method-assign]
-        b.gather_all()
-        chunks = len(b._whole) if b._whole else 0
-        whole = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
-        b.release_all()
-        b._whole = False  # unit by unit, as for a layout the chunks do not cover
-        b.gather_all()
-        units = {n: p.detach().clone() for n, p in b.replica.module.named_parameters()}
-        rep = b.replica.module
-        tied = rep.get_output_embeddings().weight is rep.get_input_embeddings().weight
-        b.release_all()
-        b.close()
-        full = dict(ref.named_parameters())
-        out.append({
-            "case": name,
-            "chunks": chunks,
-            "names": sorted(whole) == sorted(units) == sorted(full),
-            "equal_units": [n for n in whole if not torch.equal(whole[n], units[n])],
-            "equal_full": [n for n in whole if not torch.equal(whole[n], full[n].detach().to(want))],
-            "dtypes": sorted({str(t.dtype) for t in whole.values()}),
-            "tied": tied,
-        })  # fmt: skip
+        out.append({"case": name, **chunked_against_own_fill(b, ref, want)})
     return out

@@ -78,3 +78,29 @@ def eos_after(model, ids, mask, row: int, step: int, **kw) -> int:
     finally:
         model.generation_config.eos_token_id = saved
     return int(out[row, ids.shape[1] + step])
+
+
+def chunked_against_own_fill(backend, ref, dtype: torch.dtype = torch.float32) -> dict:
+    """A backend's ``gather_all`` in chunks (``backends/whole.py``) against its own gathers
+    (``_whole = False``: as for a layout the chunks do not cover), and both against ``ref``'s
+    values in ``dtype``; the backend is closed. Collective on its param group (two gathers)."""
+    backend.gather_all()
+    chunks = len(backend._whole) if backend._whole else 0
+    whole = {n: p.detach().clone() for n, p in backend.replica.module.named_parameters()}
+    backend.release_all()
+    backend._whole = False
+    backend.gather_all()
+    own = {n: p.detach().clone() for n, p in backend.replica.module.named_parameters()}
+    rep = backend.replica.module
+    tied = rep.get_output_embeddings().weight is rep.get_input_embeddings().weight
+    backend.release_all()
+    backend.close()
+    full = dict(ref.named_parameters())
+    return {
+        "chunks": chunks,
+        "names": sorted(whole) == sorted(own) == sorted(full),
+        "equal_own": [n for n in whole if not torch.equal(whole[n], own[n])],
+        "equal_full": [n for n in whole if not torch.equal(whole[n], full[n].detach().to(dtype))],
+        "dtypes": sorted({str(t.dtype) for t in whole.values()}),
+        "tied": tied,
+    }

@@ -143,7 +143,7 @@ def test_fsdp2_gather_once_in_chunks_equals_unit_by_unit(world3):
     for r, cases in enumerate(world3.run(sc.whole_gather_equals_unit_by_unit, timeout=180)):
         by = {c["case"]: c for c in cases}
         for c in cases:
-            assert c["names"] and not c["equal_units"] and not c["equal_full"], (r, c)
+            assert c["names"] and not c["equal_own"] and not c["equal_full"], (r, c)
         assert [by[k]["chunks"] for k in ("llama-odd-rows", "gpt2-tied")] == [1, 1], (r, cases)
         assert by["llama-small-chunks"]["chunks"] > 3, (r, by["llama-small-chunks"])
         assert by["gpt2-tied"]["tied"] and by["llama-user-bf16"]["dtypes"] == ["torch.bfloat16"], (r, cases)
