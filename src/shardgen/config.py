@@ -26,6 +26,14 @@ LIBRARY_DEFAULTS: dict[str, Any] = {
 model's ``generation_config`` sets them."""
 
 BACKEND_NAMES = ("fsdp2", "deepspeed", "local")
+
+
+def check_backend_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a backend. Not collective: checked before any."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+
+
 GATHER_POLICIES = ("per-layer", "stationary", "once", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 CLAIM_ORDERS = ("longest", "input")

@@ -8,12 +8,7 @@ import torch
 
 from shardgen.backends.base import Backend
 from shardgen.config import BACKEND_NAMES as BACKENDS
-
-
-def check_backend_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is a backend. Not collective: checked before any."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+from shardgen.config import check_backend_name
 
 
 def make_backend(

@@ -9,8 +9,7 @@ import json
 import os
 import sys
 
-from shardgen.backends import check_backend_name
-from shardgen.config import EngineConfig, JobConfig, SamplingParams
+from shardgen.config import EngineConfig, JobConfig, SamplingParams, check_backend_name
 from shardgen.errors import ExitCode, JobError
 from shardgen.flags import build, flag_names, to_argv
 from shardgen.jobs.journal import journal_paths

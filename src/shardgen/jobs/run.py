@@ -45,7 +45,7 @@ from shardgen.jobs.journal import (
     load_results,
 )
 from shardgen.jobs.prompts import PromptRecord
-from shardgen.loading.pretrained import missing_model_path
+from shardgen.loading.paths import missing_model_path
 from shardgen.log import get_logger
 
 log = get_logger()

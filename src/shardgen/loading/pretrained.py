@@ -63,6 +63,7 @@ from torch import nn
 
 from shardgen.loading.auto import auto_class
 from shardgen.loading.checkpoint import Checkpoint, checkpoint_names, is_safetensors_checkpoint
+from shardgen.loading.paths import missing_model_path
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -134,22 +135,6 @@ def _load_generation_config(model: nn.Module, path: str) -> None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(path)
-
-
-def looks_like_path(name: str) -> bool:
-    """``name`` can only be a local path, never a hub id (``repo`` or ``namespace/repo``): it
-    starts with ``.``, ``/`` or ``~``, has more than one ``/``, or a ``\\`` (Windows)."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
-
-
-def missing_model_path(name: str) -> str | None:
-    """What to say of a model ``name`` that can only be a local path and does not exist
-    (``model path ... does not exist``: ``shardgen run --model`` and ``Engine.from_pretrained``
-    both say it, instead of the hub's "Repo id must be in the form ..."); None otherwise. ``~`` is
-    the user's home, as in a shell."""
-    if looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
-        return f"model path {name} does not exist"
-    return None
 
 
 def source_of(model: Any) -> Source | None:
