@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 import threading
@@ -46,6 +47,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import relaunch_as_ranks, script_args, write_json  # noqa: E402
 from stats import median_ci, quartiles  # noqa: E402
 
+# Where the backends call pool.trim_heap (the "no trim" arm makes each a no-op).
+BACKEND_TRIMS = (
+    "shardgen.backends.fsdp2.pool",
+    "shardgen.backends.deepspeed",
+    "shardgen.backends.whole",
+    "shardgen.backends.stationary.mode",
+)
 
 def rank_main(args: argparse.Namespace) -> None:
     import torch
@@ -136,8 +144,9 @@ def rank_main(args: argparse.Namespace) -> None:
             from unittest import mock
 
             with contextlib.ExitStack() as stack:
-                for where in ("shardgen.backends.fsdp2.pool", "shardgen.backends.deepspeed"):
-                    stack.enter_context(mock.patch(f"{where}.trim_heap", lambda: False))
+                for where in BACKEND_TRIMS:
+                    if hasattr(importlib.import_module(where), "trim_heap"):
+                        stack.enter_context(mock.patch(f"{where}.trim_heap", lambda: False))
                 return block("paused", model, opt, ds, seed, spare)
         with shardgen.Engine(model, backend=backend) as eng:
             if arm == "hooks off":  # (close() still hands the model back)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 from typing import Any
 
 import torch
@@ -215,6 +216,21 @@ def _malloc_trim() -> Any:
         return None
     trim.argtypes = [ctypes.c_size_t]
     return trim
+
+
+def off_heap_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor on its own anonymous memory map, not on the malloc heap: freeing
+    it (the last reference gone) unmaps it, so a large scratch buffer freed between tensors that
+    stay leaves no hole in the heap to grow around, and needs no ``trim_heap`` (which would also
+    hand back the free heap that the next training step reuses: PERFORMANCE section 13). Local."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, numel * itemsize)  # the tensor keeps it alive; unmapped with the tensor
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 def trim_heap() -> bool:

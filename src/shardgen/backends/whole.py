@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardgen.backends.pool import all_gather_single, gather_in_place, trim_heap
+from shardgen.backends.pool import all_gather_single, gather_in_place, off_heap_empty
 from shardgen.backends.replica import Replica
 from shardgen.backends.stationary.shards import FlatShard
 
@@ -96,7 +96,12 @@ def fill(replica: Replica, chunks: list[Chunk], group: Any, device: torch.device
     chunk (``world`` broadcasts on a CPU), in the plan's order, every rank in the same tick."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     for chunk in chunks:
-        out = torch.empty((world, chunk.numel), dtype=chunk.dtype, device=device)
+        if device.type == "cpu":
+            # Off the heap: freed between the replica's tensors, a heap buffer left a hole that the
+            # next fills grew around (a loaded job's memory: +30 to +52 MB per 1,000 prompts).
+            out = off_heap_empty((world, chunk.numel), chunk.dtype)
+        else:
+            out = torch.empty((world, chunk.numel), dtype=chunk.dtype, device=device)
         mine = out[me]
         for s, off in zip(chunk.shards, chunk.offsets, strict=True):
             n = s.sizes[me]
@@ -118,9 +123,3 @@ def fill(replica: Replica, chunks: list[Chunk], group: Any, device: torch.device
                         flat.narrow(0, a, n).copy_(out[r, off : off + n])
             replica.put(name, full)
         del out
-    if device.type == "cpu":
-        # The chunks' buffers are freed now, between the replica's tensors, and glibc (its mmap
-        # threshold raised by the first such free) keeps them on the heap: with a gather at every
-        # call after an idle engine, a loaded job's memory grew (tests/test_soak.py's short job,
-        # in the full suite: +30 to +52 MB per 1,000 prompts). Hand the free heap back.
-        trim_heap()
