@@ -55,6 +55,7 @@ BACKEND_TRIMS = (
     "shardgen.backends.stationary.mode",
 )
 
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
