@@ -271,15 +271,22 @@ class Engine:
         None) per row, the model's own forward inputs for its prompt, as ``generate()``'s (a VLM's
         ``{"pixel_values": ..., "image_grid_thw": ...}``); a run holding image rows goes in one
         forward (no chunks, no shared prompts: the images go with their tokens).
+
+        An encoder-decoder (T5, BART): the prompt is the encoder's input and the response the
+        decoder's tokens, scored as HF's ``model(input_ids=prompt, decoder_input_ids=[start] +
+        response[:-1])`` does (``start``: ``decoder_start_token_id``); a ``RolloutBatch``'s rows
+        split at its ``prompt_width``. The model's own logits: no forced-token processor applies
+        (BART's ``forced_bos_token_id`` / ``forced_eos_token_id`` shape what ``generate()`` draws,
+        not what this scores). A run is one forward of every row (the encoder runs whole: no
+        ``max_prefill_tokens`` chunks, no shared prompts); ``inputs=`` is not taken.
         """
         self._check_usable()
-        if getattr(self._hf_config, "is_encoder_decoder", False):
-            raise ValueError("score() needs a decoder-only model: an encoder-decoder's is not built")
+        encdec = bool(getattr(self._hf_config, "is_encoder_decoder", False))
         text = self._hf_config.get_text_config(decoder=True)
         vocab = int(text.vocab_size)
         params = score_api.check_params(temperature, top_k, logits, entropy, vocab)
         p, r = score_api.rows_of(source, responses, prompts, response_mask, self.tokenizer)
-        score_api.check_rows(p, r, vocab, context_length(text))
+        score_api.check_rows(p, r, vocab, context_length(text), encdec)
         each = score_api.check_inputs(p, inputs, self._hf_config)
         dtype = getattr(self.model, "dtype", torch.float32)
         if all(len(x) == 0 for x in r):  # nothing to score (zero rows included): no engine work

@@ -21,6 +21,10 @@ What enc-dec rows do without: the prefix cache, chunked prefill (the encoder run
 ``n`` samples of a prompt share one encoder run and one first decoder step (shared prefill).
 Outputs: the decoder's new tokens, without the start token (HF's ``generate()`` returns it
 first).
+
+Scoring (``EncDecScoreRun``): teacher forcing as HF's ``model(input_ids=prompt,
+decoder_input_ids=[start] + response[:-1])``, the logits of decoder column ``j`` scoring response
+token ``j``. A run is one forward of every row (the encoder runs whole, inside it).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 from shardgen.generation.batch import Batch, Forward, combine_rows
 from shardgen.generation.cache import ReservedLayer
 from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.score import ScoreRequest, reduce
+from shardgen.generation.scoring import ScoreChunk, ScorePlan, ScoreRun
 from shardgen.generation.sequence import SeqState
 
 
@@ -189,3 +195,70 @@ class EncDecBatch(Batch):
         for layer in self._cross():
             layer.keys = layer.keys[..., :used, :]
             layer.values = layer.values[..., :used, :]
+
+
+def encdec_score_plan(prompts: list[list[int]], responses: list[list[int]]) -> ScorePlan:
+    """An encoder-decoder's score run: ONE forward of every row, the encoder on the prompts
+    (right-padded to S) and the decoder on the start token and the responses (right-padded to
+    G, at least the start token's column), the head on every decoder column. Its shape: rows x
+    (S + G) tokens, rows x G head rows. Pure."""
+    s_w = max(len(p) for p in prompts)
+    g_w = max(1, max(len(r) for r in responses))
+    return ScorePlan(len(prompts), None, None, s_w, g_w, [ScoreChunk(True, 0, s_w + g_w, g_w)])
+
+
+class EncDecScoreRun(ScoreRun):
+    """The rows of one encoder-decoder score run (``encdec_score_plan``): the encoder's input the
+    prompt, the decoder's ``[start] + response[:-1]``, both right-padded (right padding of
+    the encoder is masked; the decoder's is causal, so it never reaches a row's own columns, and
+    every row's decoder positions count from 0, as BART's learned positions do alone). The
+    scores are the model's own logits: no forced-token processor applies (BART's
+    ``forced_bos_token_id`` / ``forced_eos_token_id`` shape what ``generate()`` draws, not what
+    teacher forcing scores)."""
+
+    def __init__(
+        self, hf_model: Any, reqs: list[ScoreRequest], device: torch.device, plan: ScorePlan
+    ) -> None:
+        assert reqs and plan.batch_rows == len(reqs), f"a plan of {plan.batch_rows} rows for {len(reqs)}"
+        assert len(plan.chunks) == 1 and plan.distinct is None, "an encoder-decoder score run is one forward"
+        self.hf_model, self.reqs, self.device, self.plan = hf_model, reqs, device, plan
+        self.params = reqs[0].params
+        assert all(r.params == self.params for r in reqs), "one run, one setting"
+        start = decoder_start(hf_model)
+        assert start is not None, "an encoder-decoder with no decoder start token"
+        s_w, g_w = plan.prompt_width, plan.response_width
+        pad = getattr(hf_model.config, "pad_token_id", None)
+        pad = pad if isinstance(pad, int) else 0
+        enc = torch.full((len(reqs), s_w), pad, dtype=torch.long)
+        enc_mask = torch.zeros((len(reqs), s_w), dtype=torch.long)
+        dec = torch.full((len(reqs), g_w), pad, dtype=torch.long)
+        dec[:, 0] = start
+        targets = torch.zeros((len(reqs), g_w), dtype=torch.long)  # 0 past a row's length: dropped
+        for i, r in enumerate(reqs):
+            p, g = len(r.prompt_ids), len(r.response_ids)
+            enc[i, :p] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            enc_mask[i, :p] = 1
+            if g > 1:
+                dec[i, 1:g] = torch.tensor(r.response_ids[:-1], dtype=torch.long)
+            if g:
+                targets[i, :g] = torch.tensor(r.response_ids, dtype=torch.long)
+        self.enc, self.enc_mask, self.dec = enc.to(device), enc_mask.to(device), dec.to(device)
+        self.targets = targets
+        self._pieces: list[dict[str, torch.Tensor]] = []
+        self._chunk = 0
+
+    def step(self, forward: Forward) -> int:
+        """The run's ONE forward (the encoder inside it: the tick's tower bit covers it); its
+        logits reduced before it returns. The tokens computed (encoder and decoder, no padding)."""
+        assert not self.done, "an encoder-decoder score run is one forward"
+        self._chunk += 1
+        out = forward(
+            input_ids=self.enc, attention_mask=self.enc_mask, decoder_input_ids=self.dec,
+            use_cache=False, return_dict=True,
+        )  # fmt: skip
+        logits = out.logits  # [B, G, V]
+        del out
+        red = reduce(logits.reshape(-1, logits.shape[-1]), self.targets.reshape(-1), self.params)
+        del logits
+        self._pieces.append({k: v.reshape(*self.targets.shape, *v.shape[1:]) for k, v in red.items()})
+        return int(self.enc_mask.sum()) + sum(len(r.response_ids) for r in self.reqs)
