@@ -92,3 +92,49 @@ def hf_teacher(
             row["top_logprobs"] = lp.topk(top_k, -1).values
         out.append(row)
     return out
+
+
+WHISPER_MELS, WHISPER_FRAMES = 8, 12  # the encoder takes 2 * max_source_positions frames
+
+
+def tiny_whisper(seed: int = 3) -> Any:
+    """A 2+2-layer Whisper (8 mel bins, 6 encoder positions: 12 frames), no suppressed tokens,
+    its weights drawn wide (so that scores depend on the features), eval mode. Its prompts are
+    decoder prefixes, from the start token (1)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=WHISPER_MELS, encoder_layers=2, decoder_layers=2, d_model=16,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_source_positions=WHISPER_FRAMES // 2, max_target_positions=32, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
+        begin_suppress_tokens=None, init_std=0.2,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(cfg).eval()
+
+
+def features(seed: int) -> dict[str, torch.Tensor]:
+    """One Whisper row's ``inputs``: random ``[mels, frames]`` features."""
+    g = torch.Generator().manual_seed(seed)
+    return {"input_features": torch.randn((WHISPER_MELS, WHISPER_FRAMES), generator=g)}
+
+
+def hf_whisper(
+    model: Any, prompts: list[list[int]], responses: list[list[int]], xs: list[dict]
+) -> list[dict]:
+    """Per row, single-process HF teacher forcing of a Whisper row, unpadded:
+    ``model(input_features=x, decoder_input_ids=(prompt + response)[:-1])``, log softmax at the
+    response (the format of ``score_scenarios.reference``)."""
+    out = []
+    for p, r, x in zip(prompts, responses, xs, strict=True):
+        with torch.no_grad():
+            logits = model(
+                input_features=x["input_features"][None], decoder_input_ids=torch.tensor([(p + r)[:-1]])
+            ).logits[0, len(p) - 1 :]
+        lp = torch.log_softmax(logits.float(), -1)
+        row = {"logprobs": lp.gather(-1, torch.tensor(r, dtype=torch.long)[:, None]).squeeze(-1)}
+        row["entropy"] = -(lp.exp() * lp).sum(-1)
+        row["logits"], row["all"] = logits, lp
+        out.append(row)
+    return out

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
-from encdec_models import hf_teacher, hf_tokens, tiny, tiny_scored
+from encdec_models import features, hf_teacher, hf_tokens, hf_whisper, tiny, tiny_scored, tiny_whisper
 
 # Per rank: its calls, each a list of (prompt ids, max_new_tokens) and how long the rank waits
 # before it. Every rank's first call is submitted inside ``paused()``, so that the first tick
@@ -139,6 +139,40 @@ def encdec_from_pretrained(kind: str, backend: str, path: str) -> list:
         got = [f.result(timeout=120).token_ids for f in got]
     want = [hf_tokens(ref, p, n) for p, n in calls]
     return [(g, w) for g, w in zip(got, want, strict=True) if g != w]
+
+
+# Per rank: Whisper score rows (decoder prefix, response, the features' seed); rank 1 fewer.
+_WHISPER_ROWS: dict[int, list[tuple[list[int], list[int], int]]] = {
+    0: [([1, 5, 6], [7, 8, 9], 0), ([1], [3, 4], 1), ([1, 7], [10], 2), ([1, 8, 9, 10], [11, 12], 3)],
+    1: [([1, 4], [5, 6, 7, 8], 4)],
+}
+
+
+def whisper_score(backend: str, gather: str, bucket_mb: float | None = None) -> dict:
+    """``score(..., inputs=[{"input_features": ...}])`` on a Whisper: rank 0 scores 4 rows in runs
+    of 2 (its encoder in each forward), rank 1 one row after a wait (its shadows run the encoder
+    on zero features meanwhile). Each row against single-process HF teacher forcing: the largest
+    difference and the counts."""
+    from score_scenarios import worst
+
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny_whisper(), tiny_whisper()
+    opts: dict[str, Any] = {"gather": gather, "max_batch_size": 2}
+    if bucket_mb is not None:
+        opts["bucket_mb"] = bucket_mb
+    rows = _WHISPER_ROWS.get(r, [])
+    ps, rs, xs = [p for p, _, _ in rows], [x for _, x, _ in rows], [features(k) for _, _, k in rows]
+    diff = 0.0
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        if r == 1:
+            time.sleep(0.2)
+        if rows:
+            diff = worst(eng.score(ps, rs, inputs=xs), hf_whisper(ref, ps, rs, xs))
+    stats = eng.stats()
+    return {"diff": diff, "shadows": stats["shadow_forwards"], "forwards": stats["prefill_forwards"],
+            "policy": eng.gather_policy}  # fmt: skip
 
 
 def score_without_agreement(kind: str, backend: str, bucket_mb: float | None = None) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import encdec_scenarios as sc
 import pytest
 import torch
-from encdec_models import hf_teacher, hf_tokens, tiny, tiny_scored
+from encdec_models import features, hf_teacher, hf_tokens, hf_whisper, tiny, tiny_scored, tiny_whisper
 from score_scenarios import worst
 
 import shardgen
@@ -121,6 +121,43 @@ def test_score_a_rollout_batch_splits_its_rows_at_the_prompt_width():
     assert (sb.logprobs - b.logprobs).abs().max() < TOL
 
 
+def test_whisper_score_matches_hf_teacher_forcing():
+    """Whisper: each row's ``input_features`` the encoder's input, its prompt the decoder's
+    prefix; prefixes of 1 to 4 tokens and responses of 0 to 3 in runs of 3 rows, each within TOL
+    of HF ``model(input_features=x, decoder_input_ids=(prompt + response)[:-1])``; one row alone
+    bit for bit; other features score differently (they are used)."""
+    model = tiny_whisper()
+    ps, rs = [[1, 5, 6], [1], [1, 7], [1, 8, 9, 10]], [[7, 8, 9], [3, 4], [], [11]]
+    xs = [features(i) for i in range(4)]
+    with shardgen.Engine(model, backend="local", max_batch_size=3) as eng:
+        sb = eng.score(ps, rs, inputs=xs, logits=True)
+        one = eng.score(ps[:1], rs[:1], inputs=xs[:1])
+        other = eng.score(ps[:1], rs[:1], inputs=[features(9)])
+        assert eng.stats()["prefill_forwards"] == 4  # runs of 3 and 1 rows, then two of 1
+    assert worst(sb, hf_whisper(model, ps, rs, xs)) < TOL
+    assert torch.equal(one.logprobs[0], hf_whisper(model, ps[:1], rs[:1], xs[:1])[0]["logprobs"])
+    assert (other.logprobs[0] - one.logprobs[0]).abs().max() > 1e-2
+
+
+def test_whisper_mistakes_are_value_errors():
+    model = tiny_whisper()
+    x = features(0)
+    with shardgen.Engine(model, backend="local") as eng:
+        with pytest.raises(ValueError, match=r"row 0: a whisper row needs inputs=\{'input_features'"):
+            eng.score([[1, 5]], [[6]])
+        with pytest.raises(
+            ValueError, match=r"row 1: input_features of shape \(8, 11\): the encoder takes \[8, 12\]"
+        ):
+            eng.score([[1], [1]], [[6], [6]], inputs=[x, {"input_features": x["input_features"][:, :11]}])
+        with pytest.raises(
+            ValueError, match="row 0: 30 prompt \\+ 3 response tokens exceed the context length 32"
+        ):
+            eng.score([[1] * 30], [[6] * 3], inputs=[x])
+        with pytest.raises(ValueError, match="generate\\(\\) is not built for whisper"):
+            eng.generate([[1, 5]], inputs=[x], max_new_tokens=2)
+        assert eng.score([[1, 5]], [[6]], inputs=[x]).logprobs.shape == (1, 1)  # still serves
+
+
 def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
     import torch
     from transformers import PegasusConfig, PegasusForConditionalGeneration
@@ -190,6 +227,18 @@ def test_score_two_ranks_while_the_peer_decodes(ds_world2, backend, bucket_mb):
             assert res["policy"] == "per-layer"
         assert out[0]["forwards"] == 3 + 0 and out[1]["forwards"] == 1 + 1  # 3 runs; a prefill + 1 run
         assert out[0]["shadows"] > 0  # rank 0 idle while rank 1 scores or decodes
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
+def test_whisper_score_two_ranks(ds_world2, backend, bucket_mb):
+    """Whisper rows on rank 0 (runs of 2), one row on rank 1 later: each within TOL of HF; the
+    idle rank's shadows run the encoder on zero features (checked by hand: with the tick's tower
+    agreement off, gloo aborts)."""
+    out = ds_world2.run(sc.whisper_score, backend, "per-layer", bucket_mb, timeout=180)
+    for r, res in enumerate(out):
+        assert res["diff"] < TOL, f"rank {r}: {res}"
+    assert [res["forwards"] for res in out] == [2, 1]
 
 
 @pytest.mark.multirank

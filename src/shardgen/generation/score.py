@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shardgen.backends.towers import feature_encoder
 from shardgen.generation.requests import encode_prompt, input_problems
 
 
@@ -195,8 +196,10 @@ def check_inputs(prompts: list[list[int]], inputs: Any, model_config: Any) -> li
     """``score(..., inputs=)``: one dict (or None) per row, each fitting its prompt as
     ``generate()``'s do (``requests.input_problems``: image tokens against the grid, patches
     against the grid, tensors). ``ValueError`` with the numbers."""
-    if inputs is None:
+    if inputs is None and not feature_encoder(model_config):
         return [None] * len(prompts)
+    if inputs is None:  # every row needs its features: each says so
+        inputs = [None] * len(prompts)
     if not isinstance(inputs, (list, tuple)) or len(inputs) != len(prompts):
         n = len(inputs) if isinstance(inputs, (list, tuple)) else type(inputs).__name__
         raise ValueError(
