@@ -185,3 +185,18 @@ def score_without_agreement(kind: str, backend: str, bucket_mb: float | None = N
         return encdec_score(kind, backend, "per-layer", bucket_mb)
     finally:
         protocol._AGREE_TOWERS = True
+
+
+def whisper_from_pretrained(backend: str, path: str) -> float:
+    """``Engine.from_pretrained`` on a saved Whisper, rank 0 scoring two rows, rank 1 one: the
+    largest difference to HF teacher forcing."""
+    from score_scenarios import worst
+
+    import shardgen
+
+    ref = tiny_whisper()
+    rows = {0: [([1, 5, 6], [7, 8], 0), ([1], [3, 4, 5], 1)], 1: [([1, 9], [10], 2)]}[dist.get_rank()]
+    ps, rs, xs = [p for p, _, _ in rows], [x for _, x, _ in rows], [features(k) for _, _, k in rows]
+    with shardgen.Engine.from_pretrained(path, backend=backend) as eng:
+        sb = eng.score(ps, rs, inputs=xs)
+    return worst(sb, hf_whisper(ref, ps, rs, xs))

@@ -285,11 +285,21 @@ def test_without_the_tower_agreement_the_ranks_part(backend, bucket_mb):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     out = {}
-    for kind in ("t5", "bart"):
+    for kind in ("t5", "bart", "whisper"):
         path = tmp_path_factory.mktemp(kind)
-        tiny(kind).save_pretrained(path)
+        (tiny_whisper() if kind == "whisper" else tiny(kind)).save_pretrained(path)
         out[kind] = str(path)
     return out
+
+
+def test_whisper_from_pretrained_scores_as_hf(checkpoints):
+    """A saved Whisper loads as the speech seq2seq class (``AutoModelForSpeechSeq2Seq``)."""
+    ref, xs = tiny_whisper(), [features(0), features(1)]
+    ps, rs = [[1, 5, 6], [1]], [[7, 8], [3, 4, 5]]
+    with shardgen.Engine.from_pretrained(checkpoints["whisper"], backend="local") as eng:
+        assert type(eng.model) is type(ref)
+        sb = eng.score(ps, rs, inputs=xs)
+    assert worst(sb, hf_whisper(ref, ps, rs, xs)) < TOL
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
@@ -304,10 +314,13 @@ def test_from_pretrained_picks_the_seq2seq_class(checkpoints, kind):
 @pytest.mark.multirank
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
 def test_from_pretrained_two_ranks(ds_world2, checkpoints, backend):
-    """Loaded straight into each rank's shards (tied embeddings and head included)."""
+    """Loaded straight into each rank's shards (tied embeddings and head included); a Whisper
+    (the speech seq2seq class) scores as HF."""
     for kind in ("t5", "bart"):
         out = ds_world2.run(sc.encdec_from_pretrained, kind, backend, checkpoints[kind], timeout=240)
         assert out == [[], []], kind
+    diffs = ds_world2.run(sc.whisper_from_pretrained, backend, checkpoints["whisper"], timeout=240)
+    assert max(diffs) < TOL, diffs
 
 
 @pytest.mark.multirank
