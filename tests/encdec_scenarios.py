@@ -4,11 +4,12 @@ numbers, and on a rank holding none."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
-from encdec_models import hf_tokens, tiny
+from encdec_models import features, hf_teacher, hf_tokens, hf_whisper, tiny, tiny_scored, tiny_whisper
 
 # Per rank: its calls, each a list of (prompt ids, max_new_tokens) and how long the rank waits
 # before it. Every rank's first call is submitted inside ``paused()``, so that the first tick
@@ -62,6 +63,56 @@ def encdec_equal(
             "policy": eng.gather_policy}  # fmt: skip
 
 
+# Per rank: score rows (prompt, response); rank 0 more, in runs of 2 rows (3 forwards), rank 1
+# one row after its generation.
+_SCORE_ROWS: dict[int, list[tuple[list[int], list[int]]]] = {
+    0: [([5, 6, 7, 8, 9], [7, 8, 9]), ([10, 11], [3]), (list(range(3, 13)), [4, 5, 6, 7, 8, 9, 10]),
+        ([20], [11, 12]), ([30, 31, 32], [2, 13])],
+    1: [([40, 41, 42, 43], [9, 10, 11, 12, 13])],
+}  # fmt: skip
+
+
+def encdec_score(kind: str, backend: str, gather: str, bucket_mb: float | None = None) -> dict:
+    """``score()`` on an encoder-decoder, the ranks' forwards apart: rank 0's score runs (each its
+    encoder inside the one forward) meet rank 1's decode steps of a request submitted in the same
+    ``paused()`` block, then rank 1 scores one row while rank 0 idles (its shadows run the
+    encoder). Each row against single-process HF teacher forcing, the tokens against HF
+    ``generate()``: the largest score difference, the token mismatches, the counts."""
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny_scored(kind), tiny_scored(kind)
+    opts: dict[str, Any] = {"gather": gather, "max_batch_size": 2}
+    if bucket_mb is not None:
+        opts["bucket_mb"] = bucket_mb
+    rows = _SCORE_ROWS.get(r, [])
+    ps, rs = [p for p, _ in rows], [x for _, x in rows]
+    got: dict[str, Any] = {}
+    bad = []
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        with eng.paused():  # the first calls reach every driver in one tick
+            if r == 0:
+                t = threading.Thread(target=lambda: got.update(sb=eng.score(ps, rs, top_k=2)))
+                t.start()
+                while not eng._shared.open_reqs:  # the rows queued before the pause ends
+                    time.sleep(0.01)
+            gen = eng.submit([30, 31, 32], max_new_tokens=10) if r == 1 else None
+        if gen is not None:
+            if gen.result(timeout=120).token_ids != hf_tokens(ref, [30, 31, 32], 10):
+                bad.append("generate")
+            got["sb"] = eng.score(ps, rs, top_k=2)
+        elif r == 0:
+            t.join(timeout=120)
+    stats = eng.stats()
+    diff = 0.0
+    if rows:
+        from score_scenarios import worst
+
+        diff = worst(got["sb"], hf_teacher(ref, ps, rs, top_k=2), top_k=2)
+    return {"diff": diff, "bad": bad, "shadows": stats["shadow_forwards"], "policy": eng.gather_policy,
+            "forwards": stats["prefill_forwards"]}  # fmt: skip
+
+
 def without_agreement(kind: str, backend: str, bucket_mb: float | None = None) -> str:
     """The towers' agreement switched off: a rank's forward that starts a request runs the
     encoder's gathers, its peer's decode step (or shadow) does not: they never match."""
@@ -88,3 +139,64 @@ def encdec_from_pretrained(kind: str, backend: str, path: str) -> list:
         got = [f.result(timeout=120).token_ids for f in got]
     want = [hf_tokens(ref, p, n) for p, n in calls]
     return [(g, w) for g, w in zip(got, want, strict=True) if g != w]
+
+
+# Per rank: Whisper score rows (decoder prefix, response, the features' seed); rank 1 fewer.
+_WHISPER_ROWS: dict[int, list[tuple[list[int], list[int], int]]] = {
+    0: [([1, 5, 6], [7, 8, 9], 0), ([1], [3, 4], 1), ([1, 7], [10], 2), ([1, 8, 9, 10], [11, 12], 3)],
+    1: [([1, 4], [5, 6, 7, 8], 4)],
+}
+
+
+def whisper_score(backend: str, gather: str, bucket_mb: float | None = None) -> dict:
+    """``score(..., inputs=[{"input_features": ...}])`` on a Whisper: rank 0 scores 4 rows in runs
+    of 2 (its encoder in each forward), rank 1 one row after a wait (its shadows run the encoder
+    on zero features meanwhile). Each row against single-process HF teacher forcing: the largest
+    difference and the counts."""
+    from score_scenarios import worst
+
+    import shardgen
+
+    r = dist.get_rank()
+    model, ref = tiny_whisper(), tiny_whisper()
+    opts: dict[str, Any] = {"gather": gather, "max_batch_size": 2}
+    if bucket_mb is not None:
+        opts["bucket_mb"] = bucket_mb
+    rows = _WHISPER_ROWS.get(r, [])
+    ps, rs, xs = [p for p, _, _ in rows], [x for _, x, _ in rows], [features(k) for _, _, k in rows]
+    diff = 0.0
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        if r == 1:
+            time.sleep(0.2)
+        if rows:
+            diff = worst(eng.score(ps, rs, inputs=xs), hf_whisper(ref, ps, rs, xs))
+    stats = eng.stats()
+    return {"diff": diff, "shadows": stats["shadow_forwards"], "forwards": stats["prefill_forwards"],
+            "policy": eng.gather_policy}  # fmt: skip
+
+
+def score_without_agreement(kind: str, backend: str, bucket_mb: float | None = None) -> dict:
+    """``encdec_score`` with the towers' agreement switched off: rank 0's score forwards run the
+    encoder's gathers, rank 1's decode steps do not."""
+    from shardgen.core import protocol
+
+    protocol._AGREE_TOWERS = False
+    try:
+        return encdec_score(kind, backend, "per-layer", bucket_mb)
+    finally:
+        protocol._AGREE_TOWERS = True
+
+
+def whisper_from_pretrained(backend: str, path: str) -> float:
+    """``Engine.from_pretrained`` on a saved Whisper, rank 0 scoring two rows, rank 1 one: the
+    largest difference to HF teacher forcing."""
+    from score_scenarios import worst
+
+    import shardgen
+
+    ref = tiny_whisper()
+    rows = {0: [([1, 5, 6], [7, 8], 0), ([1], [3, 4, 5], 1)], 1: [([1, 9], [10], 2)]}[dist.get_rank()]
+    ps, rs, xs = [p for p, _, _ in rows], [x for _, x, _ in rows], [features(k) for _, _, k in rows]
+    with shardgen.Engine.from_pretrained(path, backend=backend) as eng:
+        sb = eng.score(ps, rs, inputs=xs)
+    return worst(sb, hf_whisper(ref, ps, rs, xs))

@@ -18,7 +18,8 @@ model with towers.
 An encoder-decoder (T5, BART) has its encoder as a tower, run by the prompt's ``input_ids``: a
 request's first forward runs it once (its output then stays with the request's row), its decode
 steps never. So a forward in which one rank starts a request while another only decodes runs
-the encoder on both, the second on one shadow token.
+the encoder on both, the second on one shadow token. Whisper's encoder is run by the request's
+``input_features`` (its shadow: zero features of the one length it takes).
 
 Nothing here is collective; what runs inside the hook is the forward's own traffic.
 """
@@ -82,6 +83,15 @@ def _encoder_shadow(encoder: nn.Module, device: torch.device) -> None:
     encoder(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
 
 
+def _features_shadow(encoder: nn.Module, device: torch.device) -> None:
+    """Whisper's encoder on zero features of the one length it takes (two convolutions, the
+    second of stride 2: twice its positions)."""
+    cfg = encoder.config
+    dtype = next((p.dtype for p in encoder.parameters() if p.is_floating_point()), torch.float32)
+    frames = 2 * int(cfg.max_source_positions)
+    encoder(torch.zeros((1, int(cfg.num_mel_bins), frames), dtype=dtype, device=device), return_dict=True)
+
+
 def _encoder(path: str, before: str) -> tuple[Tower, ...]:
     """An encoder-decoder's encoder at ``path``, run by the prompt ids, just before the decoder."""
     return (Tower("encoder", path, ("input_ids", "inputs_embeds"), before, _encoder_shadow),)
@@ -91,7 +101,20 @@ def _encoder(path: str, before: str) -> tuple[Tower, ...]:
 ENCODER_DECODERS: dict[str, tuple[Tower, ...]] = {
     "t5": _encoder("encoder", "decoder"),
     "bart": _encoder("model.encoder", "model.decoder"),
+    # Whisper: the encoder runs on the request's own input_features; the prompt ids are the
+    # decoder's prefix (its start and task tokens).
+    "whisper": (Tower("encoder", "model.encoder", ("input_features",), "model.decoder", _features_shadow),),
 }
+
+#: Encoder-decoders whose encoder takes the request's ``inputs`` (features), the prompt ids being
+#: the decoder's prefix: ``score()`` only (their decoding is not built).
+FEATURE_ENCODERS: frozenset[str] = frozenset({"whisper"})
+
+
+def feature_encoder(config: object) -> bool:
+    """``config``'s model kind takes its encoder input from ``inputs`` (Whisper). Local."""
+    return getattr(config, "model_type", None) in FEATURE_ENCODERS
+
 
 #: Model types (``config.model_type``) -> their towers.
 TOWERS: dict[str, tuple[Tower, ...]] = {

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.base import describe_model
 from shardgen.backends.kinds import backend_for
-from shardgen.backends.towers import encoder_decoder_problem
+from shardgen.backends.towers import encoder_decoder_problem, feature_encoder
 from shardgen.config import EngineConfig, SamplingParams, context_length
 from shardgen.core import comm, groups, process
 from shardgen.core.driver import Driver, DriverSetup
@@ -271,15 +271,31 @@ class Engine:
         None) per row, the model's own forward inputs for its prompt, as ``generate()``'s (a VLM's
         ``{"pixel_values": ..., "image_grid_thw": ...}``); a run holding image rows goes in one
         forward (no chunks, no shared prompts: the images go with their tokens).
+
+        An encoder-decoder (T5, BART): the prompt is the encoder's input and the response the
+        decoder's tokens, scored as HF's ``model(input_ids=prompt, decoder_input_ids=[start] +
+        response[:-1])`` does (``start``: ``decoder_start_token_id``); a ``RolloutBatch``'s rows
+        split at its ``prompt_width``. The model's own logits: no forced-token processor applies
+        (BART's ``forced_bos_token_id`` / ``forced_eos_token_id`` shape what ``generate()`` draws,
+        not what this scores). A run is one forward of every row (the encoder runs whole: no
+        ``max_prefill_tokens`` chunks, no shared prompts); ``inputs=`` is not taken. Whisper: the
+        prompt ids are the decoder's prefix (its start and task tokens) and each row's
+        ``inputs={"input_features": x}`` the encoder's input, scored as HF's
+        ``model(input_features=x, decoder_input_ids=(prompt + response)[:-1])``.
         """
         self._check_usable()
-        if getattr(self._hf_config, "is_encoder_decoder", False):
-            raise ValueError("score() needs a decoder-only model: an encoder-decoder's is not built")
         text = self._hf_config.get_text_config(decoder=True)
+        context = context_length(text)
+        # the prompt ids: the encoder's input (T5, BART), or the decoder's prefix (Whisper, whose
+        # decoder then holds prompt + response as a decoder-only model's does)
+        prefix = feature_encoder(self._hf_config)
+        encdec = bool(getattr(self._hf_config, "is_encoder_decoder", False)) and not prefix
+        if prefix:
+            context = getattr(self._hf_config, "max_target_positions", None)
         vocab = int(text.vocab_size)
         params = score_api.check_params(temperature, top_k, logits, entropy, vocab)
         p, r = score_api.rows_of(source, responses, prompts, response_mask, self.tokenizer)
-        score_api.check_rows(p, r, vocab, context_length(text))
+        score_api.check_rows(p, r, vocab, context, encdec)
         each = score_api.check_inputs(p, inputs, self._hf_config)
         dtype = getattr(self.model, "dtype", torch.float32)
         if all(len(x) == 0 for x in r):  # nothing to score (zero rows included): no engine work

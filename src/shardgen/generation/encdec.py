@@ -21,6 +21,12 @@ What enc-dec rows do without: the prefix cache, chunked prefill (the encoder run
 ``n`` samples of a prompt share one encoder run and one first decoder step (shared prefill).
 Outputs: the decoder's new tokens, without the start token (HF's ``generate()`` returns it
 first).
+
+Scoring (``EncDecScoreRun``): teacher forcing as HF's ``model(input_ids=prompt,
+decoder_input_ids=[start] + response[:-1])``, the logits of decoder column ``j`` scoring response
+token ``j``; Whisper's (score only): ``model(input_features=x, decoder_input_ids=(prompt +
+response)[:-1])``, the prompt the decoder's prefix. A run is one forward of every row (the
+encoder runs whole, inside it).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 from shardgen.generation.batch import Batch, Forward, combine_rows
 from shardgen.generation.cache import ReservedLayer
 from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.score import ScoreRequest, reduce
+from shardgen.generation.scoring import ScoreChunk, ScorePlan, ScoreRun
 from shardgen.generation.sequence import SeqState
 
 
@@ -189,3 +197,86 @@ class EncDecBatch(Batch):
         for layer in self._cross():
             layer.keys = layer.keys[..., :used, :]
             layer.values = layer.values[..., :used, :]
+
+
+def encdec_score_plan(prompts: list[list[int]], responses: list[list[int]]) -> ScorePlan:
+    """An encoder-decoder's score run: ONE forward of every row, the encoder on the prompts (or a
+    Whisper row's features) and the decoder on each row's prefix and response, right-padded, the
+    head on every decoder column. The shape the tick carries: rows x (P + G) tokens, rows x G
+    head rows (P the longest prompt, G the longest response, at least 1). Pure."""
+    p_w = max(len(p) for p in prompts)
+    g_w = max(1, max(len(r) for r in responses))
+    return ScorePlan(len(prompts), None, None, p_w, g_w, [ScoreChunk(True, 0, p_w + g_w, g_w)])
+
+
+class EncDecScoreRun(ScoreRun):
+    """The rows of one encoder-decoder score run (``encdec_score_plan``). Each row's decoder
+    holds its prefix and its response, fed but the last token: the prefix is
+    ``[decoder_start_token_id]`` (T5, BART: the prompt ids are the encoder's input) or the prompt
+    ids (Whisper: the encoder's input is the row's ``input_features``); the logits of decoder
+    column ``len(prefix) - 1 + j`` score response token ``j``. The encoder ids and the decoder
+    inputs are right-padded: the encoder's padding is masked; the decoder's is causal, so it
+    never reaches a row's own columns, and every row's decoder positions count from 0 (BART's and
+    Whisper's learned positions need nothing more). The scores are the model's own logits: no
+    forced-token processor applies (BART's ``forced_bos_token_id`` / ``forced_eos_token_id``
+    shape what ``generate()`` draws, not what teacher forcing scores)."""
+
+    def __init__(
+        self, hf_model: Any, reqs: list[ScoreRequest], device: torch.device, plan: ScorePlan
+    ) -> None:
+        assert reqs and plan.batch_rows == len(reqs), f"a plan of {plan.batch_rows} rows for {len(reqs)}"
+        assert len(plan.chunks) == 1 and plan.distinct is None, "an encoder-decoder score run is one forward"
+        self.hf_model, self.reqs, self.device, self.plan = hf_model, reqs, device, plan
+        self.params = reqs[0].params
+        assert all(r.params == self.params for r in reqs), "one run, one setting"
+        pad = getattr(hf_model.config, "pad_token_id", None)
+        pad = pad if isinstance(pad, int) else 0
+        self.features = all(r.inputs is not None for r in reqs)  # Whisper: the prompt is the prefix
+        assert self.features or all(r.inputs is None for r in reqs), "one kind of row a run"
+        start = decoder_start(hf_model)
+        assert start is not None, "an encoder-decoder with no decoder start token"
+        prefixes = [r.prompt_ids if self.features else [start] for r in reqs]
+        width = max(1, max(len(x) + len(r.response_ids) - 1 for x, r in zip(prefixes, reqs, strict=True)))
+        dec = torch.full((len(reqs), width), pad, dtype=torch.long)
+        targets = torch.zeros((len(reqs), plan.response_width), dtype=torch.long)  # 0 past a row: dropped
+        cols = torch.zeros((len(reqs), plan.response_width), dtype=torch.long)  # the column scoring each
+        for i, (x, r) in enumerate(zip(prefixes, reqs, strict=True)):
+            fed, g = (x + r.response_ids)[:-1], len(r.response_ids)
+            dec[i, : len(fed)] = torch.tensor(fed, dtype=torch.long)
+            targets[i, :g] = torch.tensor(r.response_ids, dtype=torch.long)
+            cols[i] = (len(x) - 1 + torch.arange(plan.response_width)).clamp(max=width - 1)
+        self.dec, self.targets, self._cols = dec.to(device), targets, cols.to(device)
+        if self.features:
+            feats = [r.inputs["input_features"] for r in reqs]  # type: ignore[index]
+            feats = [f if f.dim() == 3 else f[None] for f in feats]
+            self.encoder_inputs: dict[str, torch.Tensor] = {"input_features": torch.cat(feats).to(device)}
+            self._encoder_tokens = 0
+        else:
+            s_w = max(len(r.prompt_ids) for r in reqs)
+            enc = torch.full((len(reqs), s_w), pad, dtype=torch.long)
+            enc_mask = torch.zeros((len(reqs), s_w), dtype=torch.long)
+            for i, r in enumerate(reqs):
+                enc[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.long)
+                enc_mask[i, : len(r.prompt_ids)] = 1
+            self.encoder_inputs = {"input_ids": enc.to(device), "attention_mask": enc_mask.to(device)}
+            self._encoder_tokens = int(enc_mask.sum())
+        self._pieces: list[dict[str, torch.Tensor]] = []
+        self._chunk = 0
+
+    def step(self, forward: Forward) -> int:
+        """The run's ONE forward (the encoder inside it: the tick's tower bit covers it); its
+        logits reduced before it returns. The tokens computed (encoder ids and decoder, no padding)."""
+        assert not self.done, "an encoder-decoder score run is one forward"
+        self._chunk += 1
+        out = forward(**self.encoder_inputs, decoder_input_ids=self.dec, use_cache=False, return_dict=True)
+        logits = out.logits  # [B, W, V]
+        del out
+        if self.features:  # each row's response columns start after its own prefix
+            logits = logits.gather(1, self._cols[..., None].expand(-1, -1, logits.shape[-1]))
+        red = reduce(logits.reshape(-1, logits.shape[-1]), self.targets.reshape(-1), self.params)
+        del logits
+        self._pieces.append({k: v.reshape(*self.targets.shape, *v.shape[1:]) for k, v in red.items()})
+        fed = sum(
+            max(0, len(r.prompt_ids if self.features else [0]) + len(r.response_ids) - 1) for r in self.reqs
+        )
+        return self._encoder_tokens + fed

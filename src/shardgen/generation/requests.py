@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shardgen.backends.towers import feature_encoder
 from shardgen.config import SamplingParams, context_length
 from shardgen.generation.sampling import make_generator
 from shardgen.generation.sequence import SeqState, StopCheck, resolve_special_ids
@@ -116,6 +117,8 @@ def input_problems(ids: list[int], inputs: Any, model_config: Any) -> list[str]:
     """What is wrong with one request's own forward ``inputs`` (``{"pixel_values": ...,
     "image_grid_thw": ...}``): not a dict of tensors, or images whose merged patches do not
     match the prompt's image tokens (the model would fail inside the engine's forward)."""
+    if feature_encoder(model_config):
+        return feature_problems(inputs, model_config)
     if inputs is None:
         return []
     if getattr(model_config, "is_encoder_decoder", False):
@@ -143,6 +146,24 @@ def input_problems(ids: list[int], inputs: Any, model_config: Any) -> list[str]:
     return out
 
 
+def feature_problems(inputs: Any, model_config: Any) -> list[str]:
+    """What is wrong with one Whisper row's ``inputs``: it must be ``{"input_features": x}``, ``x``
+    a ``[num_mel_bins, frames]`` (or ``[1, ...]``) float tensor of the one length the encoder
+    takes (``frames = 2 * max_source_positions``)."""
+    mels, frames = int(model_config.num_mel_bins), 2 * int(model_config.max_source_positions)
+    want = f"inputs={{'input_features': a [{mels}, {frames}] tensor}}"
+    if not isinstance(inputs, dict) or set(inputs) != {"input_features"}:
+        got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+        return [f"a {model_config.model_type} row needs {want} (its encoder's input), got {got}"]
+    x = inputs["input_features"]
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return [f"input_features must be a float tensor, got {type(x).__name__}"]
+    shape = tuple(x.shape[1:]) if x.dim() == 3 and x.shape[0] == 1 else tuple(x.shape)
+    if shape != (mels, frames):
+        return [f"input_features of shape {tuple(x.shape)}: the encoder takes [{mels}, {frames}]"]
+    return []
+
+
 def request_problems(
     ids: list[int], params: SamplingParams, *, model_config: Any, tokenizer: Any
 ) -> list[str]:
@@ -150,6 +171,11 @@ def request_problems(
     resolved. The order is fixed (the sampling settings first), so a request with one fault gets
     the same message whatever else is checked."""
     out = params.problems()
+    if feature_encoder(model_config):
+        out.append(
+            f"generate() is not built for {model_config.model_type} (score() is): its prompt is the "
+            "decoder's prefix, its encoder's input the request's features"
+        )
     if not ids:
         out.append("empty prompt: a request needs at least one prompt token")
     vocab = getattr(model_config, "vocab_size", None)

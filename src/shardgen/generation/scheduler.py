@@ -26,7 +26,7 @@ import torch
 
 from shardgen.config import EngineConfig
 from shardgen.generation.batch import Batch
-from shardgen.generation.encdec import EncDecBatch, is_encoder_decoder
+from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, encdec_score_plan, is_encoder_decoder
 from shardgen.generation.prefill import PrefillPlan
 from shardgen.generation.prefix_cache import PrefixCache
 from shardgen.generation.requests import Request
@@ -207,6 +207,10 @@ class LocalWork:
             for r in rows:
                 if r.inputs is not None:
                     towers |= self.backend.tower_mask(r.inputs)
+            if self.encdec:  # one forward, the encoder on the prompts inside it: a tower
+                towers |= self.backend.tower_mask({"input_ids": prompts[0]})
+                sp = encdec_score_plan(prompts, responses)
+                return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp, towers=towers)
             # A run holding rows with inputs of their own (images) goes in one forward, every row
             # computed: the images go with their tokens (as a generation prefill's).
             plain = all(r.inputs is None for r in rows)
@@ -258,7 +262,8 @@ class LocalWork:
             assert self.scorer is None and self.prefilling is None
             take = [self.scoring.popleft() for _ in range(plan.take)]
             self.stats.requests += len(take)
-            self.scorer = ScoreRun(self.model, take, self.device, plan.score)
+            kind = EncDecScoreRun if self.encdec else ScoreRun
+            self.scorer = kind(self.model, take, self.device, plan.score)
         run = self.scorer
         assert run is not None, "a score forward planned with no run"
         self.stats.prefill_tokens += run.step(forward)

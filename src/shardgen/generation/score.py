@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shardgen.backends.towers import feature_encoder
 from shardgen.generation.requests import encode_prompt, input_problems
 
 
@@ -154,18 +155,38 @@ def _prompt_ids(prompt: Any, tokenizer: Any, i: int) -> list[int]:
         raise ValueError(f"prompt {i}: {e}") from None
 
 
-def check_rows(prompts: list[list[int]], responses: list[list[int]], vocab: int, context: int | None) -> None:
-    """Every row scorable: a prompt of at least one token, ids in ``[0, vocab)``, within the context."""
+def check_rows(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    vocab: int,
+    context: int | None,
+    encoder_decoder: bool = False,
+) -> None:
+    """Every row scorable: a prompt of at least one token, ids in ``[0, vocab)``, within the context
+    (an encoder-decoder's: the prompt within the encoder's, the response within the decoder's,
+    whose input is the start token and the response but its last token)."""
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         if not p:
-            raise ValueError(
-                f"row {i}: the prompt is empty (the first response token needs a position before it)"
+            why = (
+                "the encoder needs a token"
+                if encoder_decoder
+                else "the first response token needs a position before it"
             )
+            raise ValueError(f"row {i}: the prompt is empty ({why})")
         for what, ids in (("prompt", p), ("response", r)):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"row {i}: {what} id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if context is not None and len(p) + len(r) > context:
+        if encoder_decoder:
+            if context is not None and len(p) > context:
+                raise ValueError(
+                    f"row {i}: a prompt of {len(p)} tokens exceeds the encoder's context of {context}"
+                )
+            if context is not None and len(r) > context:
+                raise ValueError(
+                    f"row {i}: {len(r)} response tokens exceed the decoder's context of {context}"
+                )
+        elif context is not None and len(p) + len(r) > context:
             raise ValueError(
                 f"row {i}: {len(p)} prompt + {len(r)} response tokens exceed the context length {context}"
             )
@@ -175,8 +196,10 @@ def check_inputs(prompts: list[list[int]], inputs: Any, model_config: Any) -> li
     """``score(..., inputs=)``: one dict (or None) per row, each fitting its prompt as
     ``generate()``'s do (``requests.input_problems``: image tokens against the grid, patches
     against the grid, tensors). ``ValueError`` with the numbers."""
-    if inputs is None:
+    if inputs is None and not feature_encoder(model_config):
         return [None] * len(prompts)
+    if inputs is None:  # every row needs its features: each says so
+        inputs = [None] * len(prompts)
     if not isinstance(inputs, (list, tuple)) or len(inputs) != len(prompts):
         n = len(inputs) if isinstance(inputs, (list, tuple)) else type(inputs).__name__
         raise ValueError(
