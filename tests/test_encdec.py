@@ -106,43 +106,59 @@ def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "backend, gather, bucket_mb",
+    "backend, gather, bucket_mb, kinds",
     [
-        ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("fsdp2", "stationary", None),
-        ("deepspeed", "per-layer", 0.001), ("deepspeed", "once", None),
+        ("fsdp2", "per-layer", None, ("t5", "bart")), ("fsdp2", "once", None, ("t5", "bart")),
+        ("fsdp2", "stationary", None, ("t5", "bart")), ("deepspeed", "per-layer", 0.001, ("t5", "bart")),
+        ("deepspeed", "once", None, ("t5", "bart")), ("deepspeed", "stationary", None, ("t5",)),
     ],
 )  # fmt: skip
-def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, gather, bucket_mb):
+def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, gather, bucket_mb, kinds):
     """Rank 0's refills start encoders while rank 1 decodes, and rank 1's later calls start while
     rank 0 decodes; rank 1 makes more calls. DeepSpeed with each unit a bucket (its gathers per
-    module: the cross-attention gathered whole). ``stationary`` is refused for a model with
-    towers: it gathers per layer."""
-    for kind in ("t5", "bart"):
+    module: the cross-attention gathered whole). ``stationary``: every forward stationary, the
+    encoder's and the cross-attention's exchanges sized at the call, nothing gathered."""
+    for kind in kinds:
         out = ds_world2.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
         for r, res in enumerate(out):
             assert res["bad"] == [], f"{kind}, rank {r}: {res['bad']}"
-            assert res["policy"] == ("once" if gather == "once" else "per-layer")
+            assert res["policy"] == gather
+            if gather == "stationary":
+                assert_stationary(res, kind)
         assert out[0]["refills"] > 0
         if gather != "once":
             assert out[1]["shadows"] > 0  # rank 1 waited on rank 0's forwards, encoder included
 
 
+def assert_stationary(res: dict, kind: str) -> None:
+    """Every forward of the rank ran stationary, the encoder's exchanges and the cross-attention
+    keys / values (gated: with the encoder) among them, and no module fell back to gathers."""
+    st = res["stationary"]
+    assert st is not None and st["forwards"] == res["forwards"] > 0, (kind, st, res["forwards"])
+    assert st["free_exchanges"] > 0 and st["fallbacks"] == [], (kind, st)
+    assert len(st["gated"]) == 4, (kind, st["gated"])  # k and v of 2 decoder layers
+    assert any(".encoder." in n or n.startswith("encoder.") for n in st["free"]), (kind, st["free"])
+
+
 @pytest.mark.multirank
 def test_three_ranks_uneven_and_a_rank_holding_none():
     """Rank 2 holds no request: its shadows run the encoder whenever a peer starts one. FSDP2
-    per-layer and once; DeepSpeed with a bucket per unit and module by module (its own hooks)."""
+    per-layer, once and stationary; DeepSpeed with a bucket per unit and module by module (its
+    own hooks)."""
     from rollout_scenarios import ds_world
 
     with ds_world(3) as world:
         for kind, backend, gather, bucket_mb in [
             ("t5", "fsdp2", "per-layer", None), ("bart", "fsdp2", "per-layer", None),
             ("bart", "fsdp2", "once", None), ("t5", "deepspeed", "per-layer", 0.001),
-            ("bart", "deepspeed", "per-layer", 0),
+            ("bart", "deepspeed", "per-layer", 0), ("bart", "fsdp2", "stationary", None),
         ]:  # fmt: skip
             out = world.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
             for r, res in enumerate(out):
                 assert res["bad"] == [], f"{kind} {backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
-            if gather == "per-layer":
+                if gather == "stationary":
+                    assert_stationary(res, kind)
+            if gather != "once":
                 assert out[2]["shadows"] > 0
 
 

@@ -69,13 +69,23 @@ def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "backend, gather",
-    [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto")],
-)
+    [
+        ("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto"),
+        ("fsdp2", "stationary"), ("deepspeed", "stationary"),
+    ],
+)  # fmt: skip
 def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
+    """``stationary``: every forward stationary on both ranks, the vision tower's exchanges sized
+    at the call (rank 1's on its shadow image), only its patch convolution gathered per call."""
     out = ds_world2.run(sc.vlm_equal, backend, gather, timeout=240)
     for r, res in enumerate(out):
         assert res["bad"] == [], f"rank {r}: {res['bad']}"
-    if gather == "per-layer":
+        if gather == "stationary":
+            st = res["stationary"]
+            assert res["policy"] == "stationary" and st["forwards"] == res["forwards"] > 0, (r, st)
+            assert st["free_exchanges"] > 0 and st["fallbacks"] == ["model.visual.patch_embed.proj"], (r, st)
+            assert any(n.startswith("model.visual.blocks.") for n in st["free"]), st["free"]
+    if gather in ("per-layer", "stationary"):
         assert out[1]["tower_runs"] > 0  # rank 1 (no image) ran the vision tower on shadow inputs
 
 
@@ -95,8 +105,11 @@ def test_vlm_three_ranks_text_only_and_none():
                 assert res["bad"] == [], f"{backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
             if gather == "per-layer":
                 assert out[1]["tower_runs"] > 0 and out[2]["tower_runs"] > 0  # no image on either
-        for backend, bucket_mb in [("fsdp2", None), ("deepspeed", 0.001)]:  # LLaVA: rank 2 none
-            assert world.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], [], []], backend
+        for backend, bucket_mb, gather in [
+            ("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("fsdp2", None, "stationary"),
+        ]:  # LLaVA: rank 2 none  # fmt: skip
+            got = world.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240)
+            assert got == [[], [], []], (backend, gather)
 
 
 @pytest.mark.multirank
@@ -220,6 +233,11 @@ def test_llava_local_matches_hf_per_request():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
-def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb):
-    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], []]
+@pytest.mark.parametrize(
+    "backend, bucket_mb, gather",
+    [("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("deepspeed", None, "stationary")],
+)
+def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb, gather):
+    """``stationary``: the scenario also checks every forward ran stationary (the vision tower's
+    exchanges sized at the call, its patch convolution alone gathered per call)."""
+    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240) == [[], []]
