@@ -104,6 +104,55 @@ def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
         shardgen.Engine(tiny_pegasus, backend="local")
 
 
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_stationary_plan_sizes_the_encoder_at_the_call_and_gates_the_cross_attention(kind):
+    """The stationary plan of an encoder-decoder, over one rank's whole shards: the encoder's
+    modules sized at the call, the cross-attention keys and values gated by the encoder (their
+    follower: the attention's output). A prefill forward from the shards (the modules' own weights
+    zeroed) equals HF's; a shadow forward that runs no encoder computes the cross-attention
+    locally; a real forward calling it without the agreed encoder is a RuntimeError."""
+    import torch
+
+    from shardgen.backends.encdec import shadow_inputs
+    from shardgen.backends.stationary import Source, Stationary
+    from shardgen.backends.stationary import shards as sh
+    from shardgen.backends.towers import towers_of
+
+    class Whole(Source):  # every parameter whole on one rank, read from a copy
+        def shard(self, module, name):
+            p = module._parameters[name]
+            v = p.detach().clone().reshape(-1)
+            return sh.FlatShard(tuple(p.shape), [0], [p.numel()], lambda v=v: v, p.dtype, 0, key=id(p))
+
+    model = tiny(kind)
+    mode = Stationary.create(model, Whole(None, 0, 1, torch.device("cpu")), towers_of(model))
+    plan = mode.plan
+    gated = [s for s in plan.linears.values() if s.gated]
+    assert len(gated) == 4 and plan.describe()["fallbacks"] == {}, plan.describe()
+    encoder = {
+        s.name for s in plan.linears.values() if f".{s.name}".startswith((".encoder.", ".model.encoder."))
+    }
+    assert len(encoder) == {"t5": 14, "bart": 12}[kind] and encoder <= set(plan.describe()["free"]), encoder
+    outs = {plan.groups[g][0].name for _, gs in plan.followers.items() for g in gs}
+    assert outs == {s.name for s in gated if s.name.endswith(("k", "k_proj"))}, outs
+    followers = {s.name for s in plan.linears.values() if id(s.module) in plan.followers}
+    assert followers == {n.rsplit(".", 1)[0] + (".o" if kind == "t5" else ".out_proj") for n in outs}
+    enc = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 0, 0, 0]])
+    mask = (enc != 0).long()
+    start = torch.full((2, 1), model.config.decoder_start_token_id)
+    kw = {"input_ids": enc, "attention_mask": mask, "decoder_input_ids": start, "use_cache": False}
+    with torch.no_grad():
+        want = model(**kw).logits
+        for p in model.parameters():
+            p.zero_()
+        got = mode.forward([(2, 2)], lambda: model(**kw), towers=1).logits
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        shadow = shadow_inputs(model, torch.device("cpu"))
+        mode.forward([(0, 0)], lambda: model(**shadow), towers=0)  # gated: zeros, no exchange
+        with pytest.raises(RuntimeError, match="runs no encoder"):
+            mode.forward([(1, 1)], lambda: model(**shadow), towers=0)
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "backend, gather, bucket_mb, kinds",
