@@ -59,8 +59,20 @@ def encdec_equal(
                 if got != want:
                     bad.append((k, j, got, want))
     stats = eng.stats()  # after close: every rank's work done
+    st = eng.backend.stationary
     return {"bad": bad, "shadows": stats["shadow_forwards"], "refills": stats["refills"],
-            "policy": eng.gather_policy}  # fmt: skip
+            "policy": eng.gather_policy, "forwards": stats["forwards"] + stats["shadow_forwards"],
+            "stationary": stationary_stats(st)}  # fmt: skip
+
+
+def stationary_stats(st: Any) -> dict | None:
+    """What the weight-stationary mode ran (None: not built): its forwards, its exchanges sized at
+    the call (a tower's, the cross-attention's), and which modules fall back (gathered per call)."""
+    if st is None:
+        return None
+    d = st.plan.describe()
+    return {"forwards": st.forwards, "free_exchanges": st.free_exchanges, "fallbacks": sorted(d["fallbacks"]),
+            "free": d["free"], "gated": d["gated"]}  # fmt: skip
 
 
 # Per rank: score rows (prompt, response); rank 0 more, in runs of 2 rows (3 forwards), rank 1

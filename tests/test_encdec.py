@@ -190,27 +190,89 @@ def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
         shardgen.Engine(tiny_pegasus, backend="local")
 
 
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_stationary_plan_sizes_the_encoder_at_the_call_and_gates_the_cross_attention(kind):
+    """The stationary plan of an encoder-decoder, over one rank's whole shards: the encoder's
+    modules sized at the call, the cross-attention keys and values gated by the encoder (their
+    follower: the attention's output). A prefill forward from the shards (the modules' own weights
+    zeroed) equals HF's; a shadow forward that runs no encoder computes the cross-attention
+    locally; a real forward calling it without the agreed encoder is a RuntimeError."""
+    import torch
+
+    from shardgen.backends.encdec import shadow_inputs
+    from shardgen.backends.stationary import Source, Stationary
+    from shardgen.backends.stationary import shards as sh
+    from shardgen.backends.towers import towers_of
+
+    class Whole(Source):  # every parameter whole on one rank, read from a copy
+        def shard(self, module, name):
+            p = module._parameters[name]
+            v = p.detach().clone().reshape(-1)
+            return sh.FlatShard(tuple(p.shape), [0], [p.numel()], lambda v=v: v, p.dtype, 0, key=id(p))
+
+    model = tiny(kind)
+    mode = Stationary.create(model, Whole(None, 0, 1, torch.device("cpu")), towers_of(model))
+    plan = mode.plan
+    gated = [s for s in plan.linears.values() if s.gated]
+    assert len(gated) == 4 and plan.describe()["fallbacks"] == {}, plan.describe()
+    encoder = {
+        s.name for s in plan.linears.values() if f".{s.name}".startswith((".encoder.", ".model.encoder."))
+    }
+    assert len(encoder) == {"t5": 14, "bart": 12}[kind] and encoder <= set(plan.describe()["free"]), encoder
+    outs = {plan.groups[g][0].name for _, gs in plan.followers.items() for g in gs}
+    assert outs == {s.name for s in gated if s.name.endswith(("k", "k_proj"))}, outs
+    followers = {s.name for s in plan.linears.values() if id(s.module) in plan.followers}
+    assert followers == {n.rsplit(".", 1)[0] + (".o" if kind == "t5" else ".out_proj") for n in outs}
+    enc = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 0, 0, 0]])
+    mask = (enc != 0).long()
+    start = torch.full((2, 1), model.config.decoder_start_token_id)
+    kw = {"input_ids": enc, "attention_mask": mask, "decoder_input_ids": start, "use_cache": False}
+    with torch.no_grad():
+        want = model(**kw).logits
+        for p in model.parameters():
+            p.zero_()
+        got = mode.forward([(2, 2)], lambda: model(**kw), towers=1).logits
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        shadow = shadow_inputs(model, torch.device("cpu"))
+        mode.forward([(0, 0)], lambda: model(**shadow), towers=0)  # gated: zeros, no exchange
+        with pytest.raises(RuntimeError, match="runs no encoder"):
+            mode.forward([(1, 1)], lambda: model(**shadow), towers=0)
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "backend, gather, bucket_mb",
+    "backend, gather, bucket_mb, kinds",
     [
-        ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("fsdp2", "stationary", None),
-        ("deepspeed", "per-layer", 0.001), ("deepspeed", "once", None),
+        ("fsdp2", "per-layer", None, ("t5", "bart")), ("fsdp2", "once", None, ("t5", "bart")),
+        ("fsdp2", "stationary", None, ("t5", "bart")), ("deepspeed", "per-layer", 0.001, ("t5", "bart")),
+        ("deepspeed", "once", None, ("t5", "bart")), ("deepspeed", "stationary", None, ("t5",)),
     ],
 )  # fmt: skip
-def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, gather, bucket_mb):
+def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, gather, bucket_mb, kinds):
     """Rank 0's refills start encoders while rank 1 decodes, and rank 1's later calls start while
     rank 0 decodes; rank 1 makes more calls. DeepSpeed with each unit a bucket (its gathers per
-    module: the cross-attention gathered whole). ``stationary`` is refused for a model with
-    towers: it gathers per layer."""
-    for kind in ("t5", "bart"):
+    module: the cross-attention gathered whole). ``stationary``: every forward stationary, the
+    encoder's and the cross-attention's exchanges sized at the call, nothing gathered."""
+    for kind in kinds:
         out = ds_world2.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
         for r, res in enumerate(out):
             assert res["bad"] == [], f"{kind}, rank {r}: {res['bad']}"
-            assert res["policy"] == ("once" if gather == "once" else "per-layer")
+            assert res["policy"] == gather
+            if gather == "stationary":
+                assert_stationary(res, kind)
         assert out[0]["refills"] > 0
         if gather != "once":
             assert out[1]["shadows"] > 0  # rank 1 waited on rank 0's forwards, encoder included
+
+
+def assert_stationary(res: dict, kind: str) -> None:
+    """Every forward of the rank ran stationary, the encoder's exchanges and the cross-attention
+    keys / values (gated: with the encoder) among them, and no module fell back to gathers."""
+    st = res["stationary"]
+    assert st is not None and st["forwards"] == res["forwards"] > 0, (kind, st, res["forwards"])
+    assert st["free_exchanges"] > 0 and st["fallbacks"] == [], (kind, st)
+    assert len(st["gated"]) == 4, (kind, st["gated"])  # k and v of 2 decoder layers
+    assert any(".encoder." in n or n.startswith("encoder.") for n in st["free"]), (kind, st["free"])
 
 
 @pytest.mark.multirank
@@ -244,19 +306,22 @@ def test_whisper_score_two_ranks(ds_world2, backend, bucket_mb):
 @pytest.mark.multirank
 def test_three_ranks_uneven_and_a_rank_holding_none():
     """Rank 2 holds no request: its shadows run the encoder whenever a peer starts one. FSDP2
-    per-layer and once; DeepSpeed with a bucket per unit and module by module (its own hooks)."""
+    per-layer, once and stationary; DeepSpeed with a bucket per unit and module by module (its
+    own hooks)."""
     from rollout_scenarios import ds_world
 
     with ds_world(3) as world:
         for kind, backend, gather, bucket_mb in [
             ("t5", "fsdp2", "per-layer", None), ("bart", "fsdp2", "per-layer", None),
             ("bart", "fsdp2", "once", None), ("t5", "deepspeed", "per-layer", 0.001),
-            ("bart", "deepspeed", "per-layer", 0),
+            ("bart", "deepspeed", "per-layer", 0), ("bart", "fsdp2", "stationary", None),
         ]:  # fmt: skip
             out = world.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
             for r, res in enumerate(out):
                 assert res["bad"] == [], f"{kind} {backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
-            if gather == "per-layer":
+                if gather == "stationary":
+                    assert_stationary(res, kind)
+            if gather != "once":
                 assert out[2]["shadows"] > 0
 
 

@@ -69,34 +69,55 @@ def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "backend, gather",
-    [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto")],
-)
+    [
+        ("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto"),
+        ("fsdp2", "stationary"), ("deepspeed", "stationary"),
+    ],
+)  # fmt: skip
 def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
+    """``stationary``: every forward stationary on both ranks, the vision tower's exchanges sized
+    at the call (rank 1's on its shadow image), only its patch convolution gathered per call."""
     out = ds_world2.run(sc.vlm_equal, backend, gather, timeout=240)
     for r, res in enumerate(out):
         assert res["bad"] == [], f"rank {r}: {res['bad']}"
-    if gather == "per-layer":
+        if gather == "stationary":
+            assert_stationary(res, r)
+    if gather in ("per-layer", "stationary"):
         assert out[1]["tower_runs"] > 0  # rank 1 (no image) ran the vision tower on shadow inputs
+
+
+def assert_stationary(res: dict, rank: int) -> None:
+    """Every forward of the rank ran stationary, the vision tower's exchanges sized at the call
+    among them (a rank without an image: on its shadow image), only the patch convolution gathered."""
+    st = res["stationary"]
+    assert res["policy"] == "stationary" and st["forwards"] == res["forwards"] > 0, (rank, st)
+    assert st["free_exchanges"] > 0 and st["fallbacks"] == ["model.visual.patch_embed.proj"], (rank, st)
+    assert any(n.startswith("model.visual.blocks.") for n in st["free"]), st["free"]
 
 
 @pytest.mark.multirank
 def test_vlm_three_ranks_text_only_and_none():
     """Rank 0 images, rank 1 text only, rank 2 nothing; batches of 2 (refills); FSDP2, and
-    DeepSpeed with each unit a bucket and module by module (its own hooks)."""
+    DeepSpeed with each unit a bucket and module by module (its own hooks), and stationary."""
     from rollout_scenarios import ds_world
 
     with ds_world(3) as world:
         for backend, gather, bucket_mb in [
-            ("fsdp2", "per-layer", None), ("fsdp2", "once", None),
-            ("deepspeed", "per-layer", 0.001), ("deepspeed", "per-layer", 0),
+            ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("deepspeed", "per-layer", 0.001),
+            ("deepspeed", "per-layer", 0), ("deepspeed", "stationary", None),
         ]:  # fmt: skip
             out = world.run(sc.vlm_equal, backend, gather, 2, bucket_mb, timeout=300)
             for r, res in enumerate(out):
                 assert res["bad"] == [], f"{backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
-            if gather == "per-layer":
+                if gather == "stationary":
+                    assert_stationary(res, r)
+            if gather != "once":
                 assert out[1]["tower_runs"] > 0 and out[2]["tower_runs"] > 0  # no image on either
-        for backend, bucket_mb in [("fsdp2", None), ("deepspeed", 0.001)]:  # LLaVA: rank 2 none
-            assert world.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], [], []], backend
+        for backend, bucket_mb, gather in [
+            ("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("fsdp2", None, "stationary"),
+        ]:  # LLaVA: rank 2 none  # fmt: skip
+            got = world.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240)
+            assert got == [[], [], []], (backend, gather)
 
 
 @pytest.mark.multirank
@@ -220,6 +241,11 @@ def test_llava_local_matches_hf_per_request():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
-def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb):
-    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], []]
+@pytest.mark.parametrize(
+    "backend, bucket_mb, gather",
+    [("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("deepspeed", None, "stationary")],
+)
+def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb, gather):
+    """``stationary``: the scenario also checks every forward ran stationary (the vision tower's
+    exchanges sized at the call, its patch convolution alone gathered per call)."""
+    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240) == [[], []]

@@ -62,15 +62,19 @@ def test_score_inputs_that_do_not_fit_are_value_errors():
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "backend, gather, bucket_mb",
-    [("fsdp2", "per-layer", None), ("deepspeed", "per-layer", 0.001), ("fsdp2", "once", None)],
-)
+    [
+        ("fsdp2", "per-layer", None), ("deepspeed", "per-layer", 0.001), ("fsdp2", "once", None),
+        ("fsdp2", "stationary", None),
+    ],
+)  # fmt: skip
 def test_score_two_ranks_one_with_text_only(ds_world2, backend, gather, bucket_mb):
     """Rank 0 scores image rows, rank 1 text rows only: each equals HF per row, and rank 1's
-    forward ran the vision tower (on its shadow image) when gathered per layer."""
+    forward ran the vision tower (on its shadow image) when gathered per layer or stationary."""
     out = ds_world2.run(sc.score_equal, backend, gather, bucket_mb, timeout=180)
     for r, res in enumerate(out):
         assert res["diff"] < TOL, f"rank {r}: {res['diff']}"
-    if gather == "per-layer":  # (once: the forwards run on the gathered replica, not these modules)
+        assert res["policy"] == gather
+    if gather != "once":  # (once: the forwards run on the gathered replica, not these modules)
         assert out[0]["tower_runs"] >= 1
         assert out[1]["tower_runs"] >= 1  # the shadow: rank 1 holds no image
 

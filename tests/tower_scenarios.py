@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+from encdec_scenarios import stationary_stats
 from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
 
 # Per rank: the calls it makes, each a list of (text, images or None). Rank 0 mixes images of
@@ -66,7 +67,8 @@ def vlm_equal(
                     bad.append((k, j, c.token_ids, want))
     stats = eng.stats()  # after close: every rank's work done
     out = {"bad": bad, "shadows": stats["shadow_forwards"], "tower_runs": len(runs)}
-    return {**out, "policy": eng.gather_policy}
+    out["forwards"] = stats["forwards"] + stats["shadow_forwards"]
+    return {**out, "policy": eng.gather_policy, "stationary": stationary_stats(eng.backend.stationary)}
 
 
 def without_agreement(backend: str, bucket_mb: float | None = None) -> str:
@@ -116,9 +118,11 @@ def vlm_from_pretrained(backend: str, path: str) -> list:
     return [] if got == want else [(got, want)]
 
 
-def llava_equal(backend: str, bucket_mb: float | None = None) -> list:
+def llava_equal(backend: str, bucket_mb: float | None = None, gather: str = "per-layer") -> list:
     """LLaVA: rank 0 one and two images per prompt beside a text-only request, rank 1 text only,
-    any rank past 1 none; against HF ``generate()`` per request. The mismatches."""
+    any rank past 1 none; against HF ``generate()`` per request. The mismatches; ``stationary``:
+    also a line if a forward was not stationary, no exchange was sized at the call (the tower's),
+    or a module fell back to gathers."""
     from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
 
     import shardgen
@@ -134,14 +138,24 @@ def llava_equal(backend: str, bucket_mb: float | None = None) -> list:
         xs, ps = [], []
     opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
     bad = []
-    with shardgen.Engine(model, backend=backend, gather="per-layer", **opts) as eng:
+    with shardgen.Engine(model, backend=backend, gather=gather, **opts) as eng:
         if ps:
             got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
             for p, x, c in zip(ps, xs, got, strict=True):
                 want = hf_llava_tokens(ref, p, x, 8)
                 if c.token_ids != want:
                     bad.append((c.token_ids, want))
+    if gather == "stationary":
+        st, stats = stationary_stats(eng.backend.stationary), eng.stats()
+        forwards = stats["forwards"] + stats["shadow_forwards"]
+        if st is None or st["forwards"] != forwards or not st["free_exchanges"] or st["fallbacks"] != _CONVS:
+            bad.append(("not stationary", forwards, st))
     return bad
+
+
+#: The one module of the tiny LLaVA that falls back (gathered per call): the vision tower's
+#: patch embedding, a convolution.
+_CONVS = ["model.vision_tower.embeddings.patch_embedding"]
 
 
 def score_rows(r: int, llava: bool = False) -> tuple[list[list[int]], list[list[int]], list[Any]]:

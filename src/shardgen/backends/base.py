@@ -69,11 +69,11 @@ class Backend:
         then gather per layer). Local: classifies and probes the model, no collective."""
         return f"backend {self.name!r} has no weight-stationary mode"
 
-    def stationary_forward(self, inputs: dict[str, Any], shapes: Shapes | None) -> Any:
-        """One forward in the stationary mode with the agreed ``shapes``. Collective on the
-        parameter group (``backends/stationary/mode.py``): every rank, same tick."""
+    def stationary_forward(self, inputs: dict[str, Any], shapes: Shapes | None, towers: int = 0) -> Any:
+        """One forward in the stationary mode with the agreed ``shapes`` and ``towers``. Collective
+        on the parameter group (``backends/stationary/mode.py``): every rank, same tick."""
         assert self.stationary is not None and shapes is not None, "a stationary forward needs shapes"
-        return self.stationary.forward(list(shapes), lambda: self.module(**inputs))
+        return self.stationary.forward(list(shapes), lambda: self.module(**inputs), towers)
 
     def per_layer_cost(self) -> Any:
         """The collectives of one per-layer forward (``stationary.cost.Cost``), for ``auto``."""
@@ -99,7 +99,7 @@ class Backend:
             decoder_positions(self.hf_model, positions),
         ):
             if mode == STATIONARY:
-                return self.stationary_forward(inputs, shapes)
+                return self.stationary_forward(inputs, shapes, run)
             return self._per_layer_forward(**inputs)
 
     def _per_layer_forward(self, **inputs: Any) -> Any:

@@ -10,10 +10,14 @@ input and where a shadow run goes in the forward), the tick agrees on the set of
 forward runs (``core/protocol.py``: a bit per tower, OR-ed over the ranks in the tick's one
 all-reduce), and a rank whose forward runs a tower that its own inputs do not feed runs it on
 the shadow input, at the point of the forward where the real inputs would run it
-(``shadow_towers``), so the gathers match. Per-layer and ``once`` gathers apply to a tower's
-units as to the decoder's (FSDP2 shards a tower's blocks as units: ``parts.decoder_layers``
-finds them in the model's list of blocks never split); the stationary mode is not built for a
-model with towers.
+(``shadow_towers``), so the gathers match. Per-layer, ``once`` and stationary gathers apply to
+a tower's units as to the decoder's (FSDP2 shards a tower's blocks as units: ``parts.decoder_layers``
+finds them in the model's list of blocks never split). In the stationary mode
+(``backends/stationary``) a tower's linears and embeddings stay in their shards; their token
+counts (a rank's image patches, its encoder's length) are no function of the tick's agreed
+shapes, so each of their exchanges first all-gathers every rank's count (``plan.py``: rule
+``"free"``); an encoder-decoder's cross-attention keys and values go with the encoder's agreed
+bit (``mode.py``).
 
 An encoder-decoder (T5, BART) has its encoder as a tower, run by the prompt's ``input_ids``: a
 request's first forward runs it once (its output then stays with the request's row), its decode
@@ -160,7 +164,8 @@ def tower_mask(towers: tuple[Tower, ...], inputs: dict[str, Any] | None) -> int:
     return sum(1 << i for i, t in enumerate(towers) if any(inputs.get(k) is not None for k in t.keys))
 
 
-def _module(model: nn.Module, path: str) -> nn.Module:
+def module_at(model: nn.Module, path: str) -> nn.Module:
+    """The submodule of ``model`` at the dotted ``path``."""
     m = model
     for part in path.split("."):
         m = getattr(m, part)
@@ -181,14 +186,14 @@ def shadow_towers(
     handles = []
     done: set[str] = set()
     for t in missing:
-        tower = _module(model, t.path)
+        tower = module_at(model, t.path)
 
         def hook(_m: nn.Module, _args: Any, t: Tower = t, tower: nn.Module = tower) -> None:
             if t.name not in done:
                 done.add(t.name)
                 t.shadow(tower, device)
 
-        handles.append(_module(model, t.before).register_forward_pre_hook(hook))
+        handles.append(module_at(model, t.before).register_forward_pre_hook(hook))
     try:
         yield
     finally:

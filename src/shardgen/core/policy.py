@@ -58,8 +58,7 @@ def resolve(
         if fits:
             return "once"
     if policy in ("stationary", "auto"):
-        names = ", ".join(t.name for t in backend.towers)
-        why = f"the model has towers ({names})" if names else backend.enable_stationary()
+        why = backend.enable_stationary()
         ok = _all(why is None, control, world)
         if not ok:
             backend.stationary = None

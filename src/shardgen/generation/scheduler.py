@@ -198,7 +198,10 @@ class LocalWork:
             budget = cfg.max_prefill_tokens if plain else None
             keys = None if plain else [s.inputs_key for s in seqs[:n]]
             pre = PrefillPlan.of(prompts, cfg.share_prefill, budget, matches, keys)
-            return ForwardPlan(kind, n, pre, *pre.shape(0), towers=towers)
+            shape = pre.shape(0)
+            if self.encdec:  # the decoder (the layers' agreed shape) takes one start token per row
+                shape = (len(pre.rows), len(pre.rows))
+            return ForwardPlan(kind, n, pre, *shape, towers=towers)
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
             n = self._score_take()
             rows = [self.scoring[i] for i in range(n)]

@@ -195,7 +195,7 @@ class DeepSpeedBackend(Backend):
         odev = self.offload_device
         source = DeepSpeedSource(self.module, self.offload, self.param_group, self.device, odev)
         try:
-            self.stationary = Stationary.create(self.module, source)
+            self.stationary = Stationary.create(self.module, source, self.towers)
         except Unsupported as e:
             return str(e)
         return None

@@ -152,7 +152,7 @@ class FSDP2Backend(PooledGathers, Backend):
 
         try:
             source = FSDP2Source(self.module, self.param_group, self.device)
-            self.stationary = Stationary.create(self.module, source)
+            self.stationary = Stationary.create(self.module, source, self.towers)
         except Unsupported as e:
             return str(e)
         return None

@@ -3,10 +3,12 @@
 For a stationary forward (:func:`stationary_cost`) the count is exact, computed from the plan
 and the agreed token counts: collectives issued, elements in their output buffers on a rank
 (what a recorder of ``torch.distributed`` calls sees: tests/test_stationary.py checks it), and
-bytes each rank receives from others. A per-layer forward moves every unit's full weights
-(the backends' ``per_layer_cost``). ``auto`` compares :meth:`Cost.seconds` of both with one
-link model per device type (:data:`LINKS`), from the tick's agreed state only, so every rank
-makes the same choice. Pure functions; no collective.
+bytes each rank receives from others. A model with towers: the exchanges sized at the call (a
+tower's, an encoder-decoder's cross-attention) are left out, their counts not being agreed.
+A per-layer forward moves every unit's full weights (the backends' ``per_layer_cost``).
+``auto`` compares :meth:`Cost.seconds` of both with one link model per device type
+(:data:`LINKS`), from the tick's agreed state only, so every rank makes the same choice. Pure
+functions; no collective.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cos
     cost = Cost()
     if world == 1:
         return cost
-    counts = {"body": [t for t, _ in shapes], "rows": [r for _, r in shapes]}
+    # "free" (a tower's modules, sized at the call): not in the agreed shapes, left out (a
+    # tower runs in few forwards: a prefill's with an image, a request's first)
+    counts = {"body": [t for t, _ in shapes], "rows": [r for _, r in shapes], "free": [0] * world}
     wire = [0] * world
     for group in plan.groups:
         lead = group[0]

@@ -32,6 +32,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardgen.backends.pool import all_gather_single
+
+
+def gather_counts(n: int, rank: int, world: int, group: Any, device: torch.device) -> list[int]:
+    """Every rank's ``n`` (a token count no agreed shape gives: a tower's), in rank order.
+
+    Collective on ``group``: one all-gather of one integer per rank (none in a group of one
+    rank); every rank calls it at the same module call of the same forward."""
+    if world == 1:
+        return [n]
+    out = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather_single()(out, torch.tensor([n], dtype=torch.int64, device=device), group=group)
+    return [int(c) for c in out.tolist()]
+
 
 def gather_rows(x: torch.Tensor, counts: list[int], rank: int, group: Any) -> torch.Tensor:
     """``[sum(counts), k]``: every rank's rows of ``x`` (``[counts[rank], k]`` here), in rank order.

@@ -23,6 +23,16 @@ tokens' columns are computed meanwhile, and waited before the all-to-all of the 
 two per embedding call (the ids, the rows), one all-gather per dtype per fallback call. The
 call order is the module structure's (HF decoders call every module once per forward, whatever
 the batch), so a 1x1 shadow issues what any real forward does.
+
+A model with towers (``backends/towers.py``): the towers a forward runs are agreed in the tick
+(``towers``), and every rank runs each of them (on its shadow input where its own inputs lack
+it), so their modules' calls match too. A tower's token counts are not in ``shapes``: a module
+of rule ``"free"`` (``plan.py``) holds whatever its input holds, and its exchange first
+all-gathers every rank's count (one more collective, ``exchange.gather_counts``: three per
+exchange group, three per embedding call). An encoder-decoder's gated linears (cross-attention
+keys and values) exchange in every forward that runs the encoder: a rank whose decoder reads
+them from its cache issues their exchanges with no rows just before their follower's; in a
+forward that runs no encoder only a shadow forward calls them, which computes zeros locally.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from shardgen.backends.stationary.plan import (
     swapped,
 )
 from shardgen.backends.stationary.shards import CutRows, gather_full, local_rows
+from shardgen.backends.towers import Tower
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -56,9 +67,12 @@ log = get_logger()
 class _Forward:
     """Per-forward state: the agreed counts and the outputs of groups waiting for their members."""
 
-    def __init__(self, shapes: list[tuple[int, int]]) -> None:
+    def __init__(self, shapes: list[tuple[int, int]], rank: int, towers: int) -> None:
         self.counts = {"body": [t for t, _ in shapes], "rows": [r for _, r in shapes]}
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(module) -> (input, output)
+        self.shadow = tuple(shapes[rank]) == (0, 0)  # this rank's forward is a shadow
+        self.towers = towers  # the towers every rank's forward runs (agreed)
+        self.gated: set[int] = set()  # the gated groups exchanged so far
 
 
 class Stationary:
@@ -79,18 +93,19 @@ class Stationary:
         ]
         self._fw: _Forward | None = None
         self.forwards = 0
+        self.free_exchanges = 0  # exchanges sized at the call (a tower's, cross-attention's)
 
     @classmethod
-    def create(cls, model: nn.Module, source: Source) -> Stationary:
-        """Classify and probe ``model`` (local, no collective); log what falls back."""
+    def create(cls, model: nn.Module, source: Source, towers: tuple[Tower, ...] = ()) -> Stationary:
+        """Classify and probe ``model`` with its ``towers`` (local, no collective); log what falls back."""
         plan = classify(model, source)
-        probe(model, plan, source)
+        probe(model, plan, source, towers)
         d = plan.describe()
         log.info(
             "shardgen: gather='stationary': %d linears in %d exchanges (shared: %s), embeddings %s, "
-            "%d small parameters kept (%.2f MB); fallback per module: %s",
+            "%d small parameters kept (%.2f MB); fallback per module: %s; sized at the call: %d",
             d["linears"], d["exchanges"], d["groups"] or "none", d["embeddings"] or "none",
-            d["kept"], d["kept_bytes"] / 2**20, d["fallbacks"] or "none",
+            d["kept"], d["kept_bytes"] / 2**20, d["fallbacks"] or "none", len(d["free"]),
         )  # fmt: skip
         return cls(model, source, plan)
 
@@ -114,10 +129,11 @@ class Stationary:
         self.cut.ensure(src.group, src.device)
 
     # ------------------------------------------------------------------ the forward
-    def forward(self, shapes: list[tuple[int, int]], call: Any) -> Any:
+    def forward(self, shapes: list[tuple[int, int]], call: Any, towers: int = 0) -> Any:
         """Run ``call()`` (the model's forward) as a stationary forward with the agreed ``shapes``
-        (``(tokens, head_rows)`` per rank; ``(0, 0)`` for a shadow). Collective on the parameter group
-        (see the module docstring): every rank, the same tick."""
+        (``(tokens, head_rows)`` per rank; ``(0, 0)`` for a shadow) and ``towers`` (the agreed bits:
+        those every rank's forward runs). Collective on the parameter group (see the module
+        docstring): every rank, the same tick."""
         plan = self.plan
         assert len(shapes) == self.source.world, (shapes, self.source.world)
         with torch.no_grad(), self.source.aside():
@@ -127,7 +143,7 @@ class Stationary:
             forwards = [(s.module, self._linear_fn(s)) for s in plan.linears.values()]
             forwards += [(s.module, self._embedding_fn(s)) for s in plan.embeddings.values()]
             forwards += [(s.module, self._fallback_fn(s)) for s in plan.fallbacks.values()]
-            self._fw = _Forward(shapes)
+            self._fw = _Forward(shapes, self.source.rank, towers)
             try:
                 with swapped(places), overridden(forwards):
                     out = call()
@@ -143,6 +159,10 @@ class Stationary:
         """(agreed counts, shadow) for a call of ``spec`` holding ``tokens`` tokens here."""
         fw = self._fw
         assert fw is not None, "stationary module called outside a stationary forward"
+        if spec.rule == "free":  # a count no agreed shape gives: every rank's, gathered now
+            src = self.source
+            self.free_exchanges += 1
+            return ex.gather_counts(tokens, src.rank, src.world, src.group, src.device), False
         counts = fw.counts[spec.rule]
         mine = counts[self.source.rank]
         if mine and tokens != mine:
@@ -172,11 +192,50 @@ class Stationary:
 
     def _exchange(self, group: list[LinearSpec], x: torch.Tensor) -> torch.Tensor:
         """One exchange for the linears of ``group`` reading ``x``: collective (see the module
-        docstring); returns the first linear's output, keeps the others' for their calls."""
-        src, lead = self.source, group[0]
+        docstring); returns the first linear's output, keeps the others' for their calls. Before
+        it, the exchanges of the gated groups it follows that this rank's decoder skipped."""
+        src, lead, fw = self.source, group[0], self._fw
+        assert fw is not None
+        for g in self.plan.followers.get(id(lead.module), ()):
+            if fw.towers and g not in fw.gated:  # read from the cache here: no rows, same exchange
+                fw.gated.add(g)
+                gl = self.plan.groups[g]
+                self._run(gl, x.new_zeros((0, int(gl[0].shard.shape[1]))))
         cols = int(lead.shard.shape[1])
+        if lead.gated:
+            if not fw.towers:  # no encoder runs anywhere this forward: no rank exchanges them
+                if not fw.shadow:
+                    raise RuntimeError(
+                        f"rank {src.rank}: {lead.name} (cross-attention, computed with the encoder) "
+                        "called in a forward that runs no encoder"
+                    )
+                outs = [x.new_zeros((*x.shape[:-1], int(s.shard.shape[0]))) for s in group]
+                for s, res in zip(group[1:], outs[1:], strict=True):
+                    fw.pending[id(s.module)] = (x, res)
+                return outs[0]
+            fw.gated.add(lead.group)
         counts, shadow = self._counts(lead, x, x.numel() // cols)
         rows = x.new_zeros((0, cols)) if shadow else x.reshape(-1, cols)
+        outs = self._run(group, rows, counts)
+        results = []
+        for s, out in zip(group, outs, strict=True):
+            width = int(s.shard.shape[0])
+            res = x.new_zeros((*x.shape[:-1], width)) if shadow else out.view(*x.shape[:-1], width)
+            results.append(res)
+        for s, res in zip(group[1:], results[1:], strict=True):
+            fw.pending[id(s.module)] = (x, res)
+        return results[0]
+
+    def _run(
+        self, group: list[LinearSpec], rows: torch.Tensor, counts: list[int] | None = None
+    ) -> list[torch.Tensor]:
+        """The two exchanges of ``group`` for this rank's ``rows`` (``[n, in]``), every rank's
+        ``counts`` agreed (None: gathered now, a ``"free"`` group's or a skipped gated one's):
+        each linear's ``[n, out]``. Collective on the parameter group (the module docstring)."""
+        src, lead = self.source, group[0]
+        if counts is None:
+            counts = ex.gather_counts(rows.shape[0], src.rank, src.world, src.group, src.device)
+            self.free_exchanges += 1
         gathering = ex.start_gather(rows, counts, src.rank, src.group)
         # This rank's own tokens' columns are computed while the other ranks' rows arrive.
         own = self._columns(group, rows) if counts[src.rank] else None
@@ -188,17 +247,7 @@ class Stationary:
         y = blocks_in[0] if len(blocks_in) == 1 else torch.cat(blocks_in)
         parts = self._parts[lead.group]
         blocks = ex.return_columns(y, counts, [sum(p) for p in parts], src.rank, src.group)
-        outs = ex.split_columns(blocks, parts)
-        results = []
-        for s, out in zip(group, outs, strict=True):
-            width = int(s.shard.shape[0])
-            res = x.new_zeros((*x.shape[:-1], width)) if shadow else out.view(*x.shape[:-1], width)
-            results.append(res)
-        fw = self._fw
-        assert fw is not None
-        for s, res in zip(group[1:], results[1:], strict=True):
-            fw.pending[id(s.module)] = (x, res)
-        return results[0]
+        return ex.split_columns(blocks, parts)
 
     def _columns(self, group: list[LinearSpec], p: torch.Tensor) -> torch.Tensor:
         """This rank's columns of every linear of ``group`` for the tokens ``p`` (one source rank's

@@ -22,6 +22,17 @@ by zeros of its full shape (a fallback's only for its call): it records which li
 called, with which input tensor and how many tokens: ``rows x width`` (``"body"``) or ``rows``
 (``"rows"``: the LM head after ``logits_to_keep=1``, which the decoder also passes when the
 model takes it). No collective.
+
+A model with towers (``backends/towers.py``): the probe also runs each tower on its shadow input.
+A tower's token counts (image patches, encoder lengths) are no function of the tick's agreed
+shapes, so every module the towers call, and any module of such a model fed a count the probe
+cannot predict (T5's relative position buckets, BART's learned positions), gets the rule
+``"free"``: its exchanges first all-gather each rank's count (``exchange.gather_counts``). An
+encoder-decoder's cross-attention keys and values (linears fed the encoder output) are
+*gated*: the decoder computes them only in a forward that runs the encoder (later steps read
+them from the cache), so every rank computes them exactly when the tick agreed the encoder, a
+rank whose decoder reads them from the cache issuing their exchanges with no rows just before
+the linear that follows them in the probe (their *follower*: the attention's output).
 """
 
 from __future__ import annotations
@@ -39,11 +50,13 @@ from torch import nn
 from shardgen.backends.lookups import looking_up, own_forward, stand_in
 from shardgen.backends.parts import is_moe_block, outermost, plain_type
 from shardgen.backends.stationary.shards import FlatShard
+from shardgen.backends.towers import Tower, module_at
 from shardgen.log import get_logger
 
 log = get_logger()
 
 PROBE_ROWS, PROBE_WIDTH = 2, 3  # rows, width and rows * width tell the token rules apart
+PROBE_ENCODER = 5  # an encoder-decoder probe's encoder width: rows * 5 tokens are the encoder output's
 
 
 class Unsupported(Exception):
@@ -84,9 +97,10 @@ class LinearSpec:
     module: nn.Module
     weight: Ref
     bias: Ref | None = None
-    rule: str = "body"  # which agreed token count its input holds: "body" or "rows"
+    rule: str = "body"  # which agreed token count its input holds: "body", "rows" or "free"
     group: int = -1  # index into Plan.groups
     calls: int = 0  # calls per forward (probe)
+    gated: bool = False  # an encoder-decoder's cross-attention key / value: run with the encoder
 
     @property
     def shard(self) -> FlatShard:
@@ -124,6 +138,8 @@ class Plan:
     fallbacks: dict[int, FallbackSpec] = field(default_factory=dict)
     kept: list[Ref] = field(default_factory=list)
     groups: list[list[LinearSpec]] = field(default_factory=list)
+    #: id(a group's lead module) -> the gated groups (indices) whose exchanges come before its own
+    followers: dict[int, list[int]] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         """What goes where (logs, tests)."""
@@ -131,6 +147,10 @@ class Plan:
             "linears": len(self.linears),
             "exchanges": len(self.groups),
             "groups": [[s.name for s in g] for g in self.groups if len(g) > 1],
+            "free": sorted(
+                s.name for t in (self.linears, self.embeddings) for s in t.values() if s.rule == "free"
+            ),
+            "gated": sorted(s.name for s in self.linears.values() if s.gated),
             "embeddings": [s.name for s in self.embeddings.values()],
             "kept": sum(len(r.places) for r in self.kept),
             "kept_bytes": sum(r.shard.numel * _itemsize(r.shard.dtype) for r in self.kept),
@@ -223,33 +243,41 @@ def hooks_aside(modules: list[nn.Module], ids: set[int]) -> Iterator[None]:
         for attr in ("_forward_pre_hooks", "_forward_hooks"):
             d = getattr(m, attr)
             if any(k in ids for k in d):
-                saved.append((m, attr, d))
-                setattr(m, attr, OrderedDict((k, v) for k, v in d.items() if k not in ids))
+                copy = OrderedDict((k, v) for k, v in d.items() if k not in ids)
+                saved.append((m, attr, d, set(copy)))
+                setattr(m, attr, copy)
     try:
         yield
     finally:
-        for m, attr, d in saved:
+        for m, attr, d, before in saved:
+            # Hooks registered meanwhile go on with the originals: HF installs its output capturing
+            # hooks once, lazily, at the first forward asking for hidden states (a vision tower's,
+            # in a stationary forward), and never again.
+            d.update((k, v) for k, v in getattr(m, attr).items() if k not in before)
             setattr(m, attr, d)
 
 
-def probe(model: nn.Module, plan: Plan, source: Source) -> None:
-    """Run the probe forward and finish ``plan``: token rules, exchange groups, call counts;
-    linears and embeddings fed an unpredictable token count become fallbacks. Local."""
-    calls: list[tuple[Any, torch.Tensor, int]] = []  # (spec, input, tokens); inputs kept alive
+def probe(model: nn.Module, plan: Plan, source: Source, towers: tuple[Tower, ...] = ()) -> None:
+    """Run the probe forward (and each of ``towers`` on its shadow input) and finish ``plan``:
+    token rules, exchange groups, call counts; linears and embeddings fed an unpredictable token
+    count become fallbacks (a model with towers: ``"free"``). Local."""
+    # (spec, input, tokens, in a tower); inputs kept alive
+    calls: list[tuple[Any, torch.Tensor, int, bool]] = []
     bad: dict[int, str] = {}  # id(spec) -> why an embedding subclass cannot stay stationary
     entered: dict[int, int] = {}  # id(spec) -> calls of an embedding subclass's own forward
     dev = source.device
+    where = {"tower": False}  # whether the calls now come from a tower's run
 
     def linear(spec: LinearSpec) -> Callable[..., Any]:
         def fn(x: torch.Tensor, *_a: Any, **_k: Any) -> torch.Tensor:
-            calls.append((spec, x, x.numel() // max(1, x.shape[-1])))
+            calls.append((spec, x, x.numel() // max(1, x.shape[-1]), where["tower"]))
             return x.new_zeros((*x.shape[:-1], int(spec.shard.shape[0])))
 
         return fn
 
     def embedding(spec: EmbeddingSpec) -> Callable[..., Any]:
         def fn(ids: torch.Tensor, *_a: Any, **_k: Any) -> torch.Tensor:
-            calls.append((spec, ids, ids.numel()))
+            calls.append((spec, ids, ids.numel(), where["tower"]))
             return torch.zeros(
                 (*ids.shape, int(spec.shard.shape[1])), dtype=spec.shard.dtype, device=ids.device
             )
@@ -268,7 +296,8 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
             return func(*args, **{k: zeros if v is w else v for k, v in kwargs.items()})
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            entered[id(spec)] = entered.get(id(spec), 0) + 1
+            if not where["tower"]:
+                entered[id(spec)] = entered.get(id(spec), 0) + 1
             with looking_up(spec.module, w, fn, other):
                 return orig(*args, **kwargs)
 
@@ -278,7 +307,7 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
         orig = own_forward(spec.module)
 
         def fn(*args: Any, **kwargs: Any) -> Any:  # zeros of the full shapes, for this call only
-            spec.calls += 1
+            spec.calls += 0 if where["tower"] else 1  # per forward: a tower runs in some only
             zeros = [
                 (m, n, torch.zeros(r.shard.shape, dtype=r.shard.dtype, device=dev))
                 for r in spec.refs
@@ -299,36 +328,70 @@ def probe(model: nn.Module, plan: Plan, source: Source) -> None:
     forwards = [(s.module, linear(s)) for s in plan.linears.values()]
     forwards += [(s.module, embedding(s)) for s in plan.embeddings.values()]
     forwards += [(s.module, fallback(s)) for s in plan.fallbacks.values()]
+    encdec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    with torch.no_grad(), source.aside(), swapped(places), overridden(forwards):
+        where["tower"] = True
+        for t in towers:  # as a shadow run does: the tower alone, on its shadow input
+            t.shadow(module_at(model, t.path), dev)
+        where["tower"] = False
+        model(**_probe_inputs(model, dev, encdec))
+    _finish(plan, calls, bad, entered, bool(towers), encdec)
+
+
+def _probe_inputs(model: nn.Module, dev: torch.device, encdec: bool) -> dict[str, Any]:
+    """The probe forward's inputs: a ``[2, 3]`` batch with the keyword arguments the decoder
+    passes; an encoder-decoder's decoder against a ``[2, PROBE_ENCODER]`` encoder output."""
     params = inspect.signature(model.forward).parameters
-    kwargs: dict[str, Any] = {"use_cache": False}
+    ids = torch.zeros((PROBE_ROWS, PROBE_WIDTH), dtype=torch.long, device=dev)
+    if encdec:  # as the decode step passes them (generation/encdec.py), no cache
+        cfg = model.config
+        width = int(getattr(cfg, "d_model", None) or cfg.hidden_size)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        hidden = torch.zeros((PROBE_ROWS, PROBE_ENCODER, width), dtype=dtype, device=dev)
+        mask = torch.ones((PROBE_ROWS, PROBE_ENCODER), dtype=torch.long, device=dev)
+        return {"decoder_input_ids": ids, "encoder_outputs": (hidden,), "attention_mask": mask,
+                "use_cache": False}  # fmt: skip
+    kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
     if "logits_to_keep" in params:  # as the decoder passes them (generation/batch.py)
         kwargs["logits_to_keep"] = 1
     if "position_ids" in params:
         kwargs["position_ids"] = torch.arange(PROBE_WIDTH, device=dev).expand(PROBE_ROWS, PROBE_WIDTH)
-    ids = torch.zeros((PROBE_ROWS, PROBE_WIDTH), dtype=torch.long, device=dev)
-    with torch.no_grad(), source.aside(), swapped(places), overridden(forwards):
-        model(input_ids=ids, **kwargs)
-    _finish(plan, calls, bad, entered)
+    return kwargs
 
 
 def _finish(
-    plan: Plan, calls: list[tuple[Any, torch.Tensor, int]], bad: dict[int, str], entered: dict[int, int]
+    plan: Plan,
+    calls: list[tuple[Any, torch.Tensor, int, bool]],
+    bad: dict[int, str],
+    entered: dict[int, int],
+    towers: bool = False,
+    encdec: bool = False,
 ) -> None:
     """Token rules, call counts and exchange groups from the probe's ``calls``; the modules it
     could not predict (or, ``bad``, embedding subclasses using their weight otherwise: called
-    ``entered`` times) become fallbacks. Local."""
+    ``entered`` times) become fallbacks, or with ``towers`` (the model has some) ``"free"``, an
+    encoder-decoder's linears fed the encoder output gated (the module docstring). Local."""
     rules = {PROBE_ROWS * PROBE_WIDTH: "body", PROBE_ROWS: "rows"}
-    seen: dict[int, tuple[Any, list[int]]] = {}
-    for spec, _, n in calls:
-        seen.setdefault(id(spec), (spec, []))[1].append(n)
+    seen: dict[int, tuple[Any, list[int], int]] = {}  # id(spec) -> (spec, decoder counts, all calls)
+    for spec, _, n, in_tower in calls:
+        got = seen.get(id(spec), (spec, [], 0))
+        seen[id(spec)] = (spec, got[1] if in_tower else [*got[1], n], got[2] + 1)
     odd: dict[int, str] = {}
-    for spec, counts in seen.values():
+    for spec, counts, total in seen.values():
         spec.calls = len(counts)
         found = {rules.get(n) for n in counts}
-        if len(found) == 1 and None not in found:
+        if len(found) == 1 and None not in found and total == len(counts):
             spec.rule = found.pop()
+        elif towers:  # a tower's module, or a count no agreed shape gives: sized at the call
+            spec.rule = "free"
+            cross = set(counts) == {PROBE_ROWS * PROBE_ENCODER} and total == len(counts)
+            spec.gated = encdec and isinstance(spec, LinearSpec) and cross
         else:
             odd[id(spec)] = f"fed {sorted(set(counts))} tokens for a {PROBE_ROWS}x{PROBE_WIDTH} batch"
+    for table in (plan.linears, plan.embeddings):  # never called in the probe: sized at the call
+        for spec in table.values():
+            if towers and id(spec) not in seen:
+                spec.rule = "free"
     odd.update(bad)
     for table in (plan.linears, plan.embeddings):
         for key, spec in list(table.items()):
@@ -339,10 +402,12 @@ def _finish(
             plan.kept = [r for r in plan.kept if r is not spec.bias]
             n = entered.get(id(spec), spec.calls)  # a fallback gathers per call of the module
             plan.fallbacks[key] = FallbackSpec(spec.name, spec.module, refs, odd[id(spec)], n)
-    # Groups: consecutive calls of once-called linears on the very same input tensor.
+    # Groups: consecutive calls of linears called once in the probe on the very same input tensor.
+    once = {id(spec) for spec, _, total in seen.values() if total == 1}
     groups: list[list[LinearSpec]] = []
     prev: tuple[Any, torch.Tensor] | None = None
-    for spec, x, _ in calls:
+    gated: int | None = None  # the last gated group, until the next other linear follows it
+    for spec, x, _, _ in calls:
         if not isinstance(spec, LinearSpec) or id(spec.module) not in plan.linears:
             prev = None
             continue
@@ -353,14 +418,20 @@ def _finish(
         if (
             lead is not None
             and prev[1] is x
-            and spec.calls == 1
-            and lead.calls == 1
+            and id(spec) in once
+            and id(lead) in once
             and lead.rule == spec.rule
+            and lead.gated == spec.gated
             and lead.shard.shape[1] == spec.shard.shape[1]
         ):
             groups[-1].append(spec)
         else:
             groups.append([spec])
+            if gated is not None and not spec.gated:
+                plan.followers.setdefault(id(spec.module), []).append(gated)
+                gated = None
+            if spec.gated:
+                gated = len(groups) - 1
         spec.group = len(groups) - 1
         prev = (spec, x)
     for spec in plan.linears.values():
