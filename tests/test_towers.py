@@ -6,6 +6,7 @@ tick's agreement on the towers shown needed (off: the ranks' gathers part), and 
 from __future__ import annotations
 
 import pytest
+import torch
 import tower_scenarios as sc
 from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
 
@@ -223,3 +224,81 @@ def test_llava_local_matches_hf_per_request():
 @pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
 def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb):
     assert ds_world2.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], []]
+
+
+# ----------------------------------------------------------------------------- the prefix cache
+@pytest.mark.parametrize("rank", [0, 1])
+def test_image_rows_share_a_cached_prefix_only_with_the_same_images(rank):
+    """The same system text and image with another question: the second prefill computes only
+    the new question (the cached KV runs through the image); the same ids with another image
+    take only the text before it; text rows unaffected. Greedy tokens equal HF per request."""
+    res = sc.prefix_cache_equal("local", rank=rank)
+    assert res["bad"] == []
+    assert (res["computed"], res["cached"]) == sc.PREFIX_CACHE_COUNTS[rank]
+
+
+def test_a_batch_of_image_rows_takes_cached_columns_outside_every_rows_images():
+    """Rows of different lengths in one prefill: the cached columns end where none cuts a row's
+    image (they are lowered to an image's start), and the rows' images after them go with the
+    forward (two images in one prompt, one of them cached)."""
+    model = tiny_qwen2_vl(0)
+    a, b = images((4, 6), seed=1), images((2, 2), (4, 4), seed=2)
+    first = [prompt(sc.SYSTEM, a, [7, 8, 9]), prompt(sc.SYSTEM, b, [3, 3])]
+    then = [prompt(sc.SYSTEM, a, [7, 5, 6, 11]), prompt(sc.SYSTEM, a, [7, 5, 6, 11, 12, 13, 14, 15])]
+    then.append(prompt(sc.SYSTEM, b, [3, 3, 4, 5]))
+    with shardgen.Engine(model, backend="local", prefix_cache_tokens=4096) as eng:
+        got = eng.generate(first, inputs=[a, b], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
+        got += eng.generate(then, inputs=[a, a, b], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
+        stats = eng.stats()
+    xs = [a, b, a, a, b]
+    assert [c.token_ids for c in got] == [
+        hf_tokens(model, p, x, 6) for p, x in zip(first + then, xs, strict=True)
+    ]
+    # 36 columns: the rows' matches (29, 29 and 30 tokens) end at columns 33, 29 and 33, inside the
+    # first two rows' image (prompt columns 21-27): lowered to column 21 (the longest row's image)
+    assert stats["cached_prompt_tokens"] == (21 - 4) + 21 + (21 - 3)
+
+
+def test_llava_rows_share_a_cached_prefix_up_to_the_first_other_image():
+    from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
+
+    model = tiny_llava(0)
+    a = llava_images(2, 1)
+    b = {"pixel_values": torch.cat([a["pixel_values"][:1], llava_images(1, 2)["pixel_values"]])}
+    ps = [llava_prompt(sc.SYSTEM, a, [7, 8]), llava_prompt(sc.SYSTEM, a, [7, 9, 10])]
+    ps.append(llava_prompt(sc.SYSTEM, b, [7, 9, 10]))  # the first image the same, the second not
+    cached = []
+    with shardgen.Engine(model, backend="local", prefix_cache_tokens=4096) as eng:
+        for p, x in zip(ps, [a, a, b], strict=True):
+            n = eng.stats()["cached_prompt_tokens"]
+            c = eng.generate([p], inputs=[x], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)[0]
+            cached.append(eng.stats()["cached_prompt_tokens"] - n)
+            assert c.token_ids == hf_llava_tokens(model, p, x, 6)
+    assert cached == [0, len(ps[1]) - 2, 20 + 16 + 1]  # up to the second image's tokens
+
+
+def test_image_layout_salts_each_images_tokens_and_never_cuts_one():
+    from shardgen.generation.images import image_layout
+
+    model = tiny_qwen2_vl(0)
+    x = images((2, 2), (4, 4), seed=1)
+    ids = prompt([5, 6], x)  # 5 6 START img END START img*4 END 7 8
+    lay = image_layout(ids, x, model.config)
+    assert lay.spans == ((3, 4), (6, 10))
+    assert [lay.cut(n) for n in (3, 4, 5, 7, 10)] == [3, 4, 5, 6, 10]
+    assert lay.inputs_from(x, 1)["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert lay.inputs_from(x, 1)["pixel_values"].shape[0] == 16 and lay.inputs_from(x, 2) is None
+    same = image_layout(ids, {k: v.clone() for k, v in x.items()}, model.config)
+    other = image_layout(ids, images((2, 2), (4, 4), seed=2), model.config)
+    assert same.keys == lay.keys and other.keys[:3] == lay.keys[:3] and other.keys[3] != lay.keys[3]
+    assert image_layout(ids, {**x, "video_grid_thw": x["image_grid_thw"]}, model.config).spans == ((3, 10),)
+
+
+@pytest.mark.multirank
+def test_image_prefix_cache_two_ranks(ds_world2):
+    """FSDP2 per layer: rank 0's image rows hit the cache (a forward with no image left while
+    rank 1 runs text; then one with an image again), rank 1 text only."""
+    out = ds_world2.run(sc.prefix_cache_equal, "fsdp2", timeout=240)
+    for r, res in enumerate(out):
+        assert res["bad"] == [], f"rank {r}: {res['bad']}"
+        assert (res["computed"], res["cached"]) == sc.PREFIX_CACHE_COUNTS[r], f"rank {r}"

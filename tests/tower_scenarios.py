@@ -202,3 +202,52 @@ def score_without_agreement(backend: str, bucket_mb: float | None = None) -> dic
         return score_equal(backend, "per-layer", bucket_mb)
     finally:
         protocol._AGREE_TOWERS = True
+
+
+SYSTEM = list(range(20, 40))  # a system prompt before every image: 20 tokens, more than a block
+
+
+def prefix_cache_turns(r: int) -> list[tuple[list[int], Any]]:
+    """Per rank, requests made one call after another: rank 0 an image prompt, the same system text
+    and image with another question (a cached prefix through the image), the same ids with another
+    image (cached only up to the image's start), a text-only row with the same system text; rank 1
+    text only (a cached system prompt); any other rank none. (prompt, images or None)."""
+    if r == 0:
+        a, b = images((4, 6), seed=1), images((4, 6), seed=2)
+        return [
+            (prompt(SYSTEM, a, [7, 8, 9]), a),
+            (prompt(SYSTEM, a, [7, 5, 6, 11]), a),
+            (prompt(SYSTEM, b, [7, 5, 6, 11]), b),
+            (SYSTEM + [7, 5, 6], None),
+        ]
+    if r == 1:
+        return [(SYSTEM + [9, 10], None), (SYSTEM + [9, 11, 12], None)]
+    return []
+
+
+#: Per rank: the prompt tokens each request of ``prefix_cache_turns`` computes, and those it takes
+#: from the prefix cache (the image prompt 31 tokens: 20 of system text, the image's 8, 3).
+PREFIX_CACHE_COUNTS = {0: ([31, 3, 11, 3], [0, 29, 21, 20]), 1: ([22, 2], [0, 21]), 2: ([], [])}
+
+
+def prefix_cache_equal(backend: str, gather: str = "per-layer", rank: int | None = None) -> dict:
+    """``prefix_cache_turns`` on one engine, a call per request: each completion against
+    single-process HF ``generate()``, and per request the prompt tokens its prefill computed and
+    those the prefix cache gave. Returns the mismatches and those counts. ``rank``: the rank's
+    requests to make (the local backend's); None: this gloo rank's."""
+    import shardgen
+
+    r = dist.get_rank() if rank is None else rank
+    model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
+    bad, computed, cached = [], [], []
+    with shardgen.Engine(model, backend=backend, gather=gather, prefix_cache_tokens=4096) as eng:
+        for p, x in prefix_cache_turns(r):
+            before = eng.stats()
+            c = eng.generate([p], inputs=[x], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)[0]
+            after = eng.stats()
+            computed.append(after["prefill_tokens"] - before["prefill_tokens"])
+            cached.append(after["cached_prompt_tokens"] - before["cached_prompt_tokens"])
+            want = hf_tokens(ref, p, x, 6)
+            if c.token_ids != want:
+                bad.append((p, c.token_ids, want))
+    return {"bad": bad, "computed": computed, "cached": cached}

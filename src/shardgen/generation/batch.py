@@ -116,28 +116,35 @@ class Batch:
         self._pre_mask = None if self.attention_mask is None else self.attention_mask.index_select(0, idx)
         self._chunks = plan.chunks
         self._chunk = 0
-        self._pre_inputs, self._pre_vision = self._own_inputs(plan.rows)
+        self._pre_inputs, self._pre_vision = self._own_inputs(plan)
 
-    def _own_inputs(self, rows: list[int]) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """The prefill's own inputs beside the ids, for the computed ``rows``: the rows' inputs
+    def _own_inputs(self, plan: PrefillPlan) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The prefill's own inputs beside the ids, for the rows ``plan`` computes: the rows' inputs
         (``SeqState.inputs``: a VLM's images, concatenated in row order, with the token types
-        marking their tokens), and for an M-RoPE model (Qwen2-VL) the 3 vision position rows of
-        every column, ``[3, U, T]``; each row's offset (``rope_deltas``) is kept for its decode
-        steps, as HF ``generate()`` keeps it."""
-        seqs = [self.seqs[r] for r in rows]
-        with_inputs = [s.inputs for s in seqs if s.inputs is not None]
+        marking their tokens) but the images of the columns the prefix cache gives, and for an
+        M-RoPE model (Qwen2-VL) the 3 vision position rows of every column, ``[3, U, T]``, from
+        every image of the rows (a cached prefix's included: the positions after an image hang on
+        its grid); each row's offset (``rope_deltas``) is kept for its decode steps, as HF
+        ``generate()`` keeps it."""
+        seqs = [self.seqs[r] for r in plan.rows]
         cfg = self.hf_model.config
-        own = joined_inputs(with_inputs, self._pre[0], cfg, self._takes_mm_types, self.device)
+        every = [s.inputs for s in seqs if s.inputs is not None]
+        carried = [x for u, s in enumerate(seqs) if (x := s.uncached_inputs(plan.cached(u))) is not None]
+        own = joined_inputs(carried, self._pre[0], cfg, self._takes_mm_types, self.device)
         if not self._mrope:
             return own, None
         pos = self._pre[1]
-        if "image_grid_thw" not in own:
+        whole = own
+        if plan.start:  # every image's grid (the pixels of the cached ones are not needed)
+            grids = [{"image_grid_thw": x.get("image_grid_thw")} for x in every]
+            whole = joined_inputs(grids, self._pre[0], cfg, True, self.device)
+        if "image_grid_thw" not in whole:
             vision = pos[None].expand(3, -1, -1)
             deltas = torch.zeros((len(self.seqs), 1), dtype=torch.long, device=self.device)
         else:
             vision, d = self.hf_model.model.get_rope_index(
-                self._pre[0], mm_token_type_ids=own["mm_token_type_ids"],
-                image_grid_thw=own["image_grid_thw"], attention_mask=self._pre_mask,
+                self._pre[0], mm_token_type_ids=whole["mm_token_type_ids"],
+                image_grid_thw=whole["image_grid_thw"], attention_mask=self._pre_mask,
             )  # fmt: skip
             d = d.to(self.device)
             deltas = d if self.fork is None else d.index_select(0, self.fork)
@@ -344,11 +351,13 @@ class Batch:
             kw["position_ids"] = self._positions(pos[:, :c1], vision)
         if self._takes_logits_to_keep:
             kw["logits_to_keep"] = 1
-        if c0 == 0:  # the rows' own inputs (their images) go with their tokens: one forward
+        first = self._chunk == 1
+        if first:  # the rows' own inputs (their images) go with their tokens: one forward
             kw.update(self._pre_inputs)
         inputs = self.hf_model.prepare_inputs_for_generation(
-            ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None, is_first_iteration=c0 == 0, **kw
-        )
+            ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None,
+            is_first_iteration=c0 == 0 or (first and bool(self._pre_inputs)), **kw,
+        )  # fmt: skip
         tokens = (c1 - c0) * ids.shape[0] if mask is None else int(mask[:, c0:c1].sum())
         last = self._chunk == len(self._chunks)
         with self._head_on_every_row(last):

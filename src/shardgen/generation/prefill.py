@@ -37,13 +37,17 @@ class PrefillPlan:
         max_tokens: int | None,
         matches: list[tuple[Any, int]] | None = None,
         keys: list[Any] | None = None,
+        spans: list[tuple[tuple[int, int], ...]] | None = None,
     ) -> PrefillPlan:
         """``share``: rows with the same prompt prefill it once. ``max_tokens``: most tokens (rows x
         columns, padding included) one forward computes; None: all. ``matches``: per row, the
         prefix-cache entry sharing its longest prefix and that prefix's length (``(None, 0)``:
         none): the columns every computed row has cached are not computed. ``keys``: per row, what
         rows must share besides the prompt to share its prefill (the identity of a request's own
-        forward inputs, its images); None: nothing."""
+        forward inputs, its images); None: nothing. ``spans``: per row, the prompt columns
+        ``[start, end)`` of each of its images' tokens: the cached columns end outside every
+        computed row's images (an image's features come in whole, with the forward of its
+        tokens)."""
         first: dict[Any, int] = {}  # prompt (and key) -> its index among the distinct prompts
         rows: list[int] = []
         fork: list[int] = []
@@ -62,6 +66,10 @@ class PrefillPlan:
         start, reuse = 0, ()
         if matches is not None:
             start = max(0, min(width - len(prompts[i]) + matches[i][1] for i in rows))
+            if spans is not None:
+                start = _outside_images(
+                    start, [width - len(prompts[i]) for i in rows], [spans[i] for i in rows]
+                )
             if start:
                 reuse = tuple((matches[i][0], max(0, start - (width - len(prompts[i])))) for i in rows)
         span = width - start
@@ -69,6 +77,10 @@ class PrefillPlan:
         k = -(-span // per_row)  # chunks, of near-equal widths (balanced ticks)
         chunks = [(start + span * j // k, start + span * (j + 1) // k) for j in range(k)]
         return PrefillPlan(len(prompts), rows, fork, chunks, start, reuse)
+
+    def cached(self, u: int) -> int:
+        """How many of computed row ``u``'s first prompt tokens come from the prefix cache."""
+        return self.reuse[u][1] if self.reuse else 0
 
     def shape(self, chunk: int) -> tuple[int, int]:
         """``(tokens, head_rows)`` of forward ``chunk``: every layer computes the computed rows'
@@ -78,3 +90,18 @@ class PrefillPlan:
         last = chunk == len(self.chunks) - 1
         head = self.batch_rows if last and self.fork is not None else len(self.rows)
         return len(self.rows) * (c1 - c0), head
+
+
+def _outside_images(start: int, pads: list[int], spans: list[tuple[tuple[int, int], ...]]) -> int:
+    """``start`` lowered until it cuts no row's image: row u's prompt begins at column ``pads[u]``
+    (left padding), its images at ``spans[u]`` of its prompt."""
+    moved = True
+    while moved and start:
+        moved = False
+        for pad, row in zip(pads, spans, strict=True):
+            c = start - pad
+            for s, e in row:
+                if s < c < e:
+                    start, moved = pad + s, True
+                    break
+    return start

@@ -40,6 +40,9 @@ class SeqState:
     #: The model's own forward inputs for the prompt beside its ids (a VLM's ``pixel_values`` and
     #: ``image_grid_thw``), fed to the prefill only; None: the ids alone.
     inputs: dict[str, Any] | None = None
+    #: Where ``inputs``' images sit in the prompt and what they are (``images.ImageLayout``): the
+    #: prefix cache's key for the row; None: no images, or a layout the cache does not take.
+    images: Any = None
     #: The model's forced tokens (``generation_config.forced_bos_token_id`` / ``forced_eos_token_id``,
     #: BART's), and the decoder's input length before the first new token (the prompt's; an
     #: encoder-decoder's: its start token), which says where HF's processors force them.
@@ -59,8 +62,28 @@ class SeqState:
 
     @property
     def inputs_key(self) -> int | None:
-        """What rows must share besides their prompt to share its prefill (their inputs' identity)."""
-        return None if self.inputs is None else id(self.inputs)
+        """What rows must share besides their prompt to share its prefill: their images' digests
+        (equal images in other dicts share), else their inputs' identity."""
+        if self.inputs is None:
+            return None
+        return self.images.key if self.images is not None else id(self.inputs)
+
+    @property
+    def cache_keys(self) -> tuple[Any, ...] | list[int] | None:
+        """The prompt as the prefix cache keys it: the ids, an image row's image tokens salted by
+        their image (``images.py``); None: a row the cache does not take (inputs of no known
+        layout)."""
+        if self.inputs is None:
+            return self.prompt_ids
+        return None if self.images is None else self.images.keys
+
+    def uncached_inputs(self, cached: int) -> dict[str, Any] | None:
+        """``inputs`` for the images after the first ``cached`` prompt tokens (those a prefix-cache
+        hit leaves to compute; a hit never ends inside an image); None: no image left."""
+        if self.inputs is None or not cached:
+            return self.inputs
+        assert self.images is not None, "a cached prefix for inputs of no known layout"
+        return self.images.inputs_from(self.inputs, self.images.whole_before(cached))
 
     @property
     def finished(self) -> bool:
