@@ -70,7 +70,13 @@ def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "backend, gather",
-    [("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto")],
+    [
+        ("fsdp2", "per-layer"),
+        ("deepspeed", "per-layer"),
+        ("fsdp2", "once"),
+        ("fsdp2", "auto"),
+        ("deepspeed", "once"),
+    ],
 )
 def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
     out = ds_world2.run(sc.vlm_equal, backend, gather, timeout=240)
@@ -78,6 +84,8 @@ def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
         assert res["bad"] == [], f"rank {r}: {res['bad']}"
     if gather == "per-layer":
         assert out[1]["tower_runs"] > 0  # rank 1 (no image) ran the vision tower on shadow inputs
+    if gather == "once":
+        assert [res["policy"] for res in out] == ["once", "once"]  # the gathered replica, not per layer
 
 
 @pytest.mark.multirank
@@ -221,9 +229,12 @@ def test_llava_local_matches_hf_per_request():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("backend, bucket_mb", [("fsdp2", None), ("deepspeed", 0.001)])
-def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb):
-    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, timeout=240) == [[], []]
+@pytest.mark.parametrize(
+    "backend, bucket_mb, gather",
+    [("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("deepspeed", None, "once")],
+)
+def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb, gather):
+    assert ds_world2.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240) == [[], []]
 
 
 # ----------------------------------------------------------------------------- the prefix cache
@@ -295,10 +306,11 @@ def test_image_layout_salts_each_images_tokens_and_never_cuts_one():
 
 
 @pytest.mark.multirank
-def test_image_prefix_cache_two_ranks(ds_world2):
-    """FSDP2 per layer: rank 0's image rows hit the cache (a forward with no image left while
-    rank 1 runs text; then one with an image again), rank 1 text only."""
-    out = ds_world2.run(sc.prefix_cache_equal, "fsdp2", timeout=240)
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_image_prefix_cache_two_ranks(ds_world2, backend):
+    """Per layer: rank 0's image rows hit the cache (a forward with no image left while rank 1
+    runs text; then one with an image again), rank 1 text only."""
+    out = ds_world2.run(sc.prefix_cache_equal, backend, timeout=240)
     for r, res in enumerate(out):
         assert res["bad"] == [], f"rank {r}: {res['bad']}"
         assert (res["computed"], res["cached"]) == sc.PREFIX_CACHE_COUNTS[r], f"rank {r}"

@@ -116,7 +116,7 @@ def vlm_from_pretrained(backend: str, path: str) -> list:
     return [] if got == want else [(got, want)]
 
 
-def llava_equal(backend: str, bucket_mb: float | None = None) -> list:
+def llava_equal(backend: str, bucket_mb: float | None = None, gather: str = "per-layer") -> list:
     """LLaVA: rank 0 one and two images per prompt beside a text-only request, rank 1 text only,
     any rank past 1 none; against HF ``generate()`` per request. The mismatches."""
     from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
@@ -134,7 +134,7 @@ def llava_equal(backend: str, bucket_mb: float | None = None) -> list:
         xs, ps = [], []
     opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
     bad = []
-    with shardgen.Engine(model, backend=backend, gather="per-layer", **opts) as eng:
+    with shardgen.Engine(model, backend=backend, gather=gather, **opts) as eng:
         if ps:
             got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
             for p, x, c in zip(ps, xs, got, strict=True):
