@@ -34,13 +34,18 @@ def _requests(r: int) -> list[list[tuple[list[int], Any]]]:
 
 
 def vlm_equal(
-    backend: str, gather: str, max_batch_size: int | None = None, bucket_mb: float | None = None
+    backend: str,
+    gather: str,
+    max_batch_size: int | None = None,
+    bucket_mb: float | None = None,
+    max_prefill_tokens: int | None = None,
 ) -> dict:
     """Every rank's requests (``_REQUESTS``) on one engine; each completion against single-process
     HF ``generate()`` on an unsharded copy. Returns the mismatches and what the engine counted.
     ``bucket_mb`` (DeepSpeed): small, each unit is a bucket of its own (the tiny model's units
     otherwise fit one bucket, gathered whole at the first unit either rank calls); 0: module by
-    module, DeepSpeed's own hooks."""
+    module, DeepSpeed's own hooks. ``max_prefill_tokens``: prefills in chunks, an image's tokens
+    in one of them (a later chunk's images run the vision tower: the tick carries it)."""
     import shardgen
 
     r = dist.get_rank()
@@ -54,6 +59,8 @@ def vlm_equal(
         opts["max_batch_size"] = max_batch_size
     if bucket_mb is not None:
         opts["bucket_mb"] = bucket_mb
+    if max_prefill_tokens is not None:
+        opts["max_prefill_tokens"] = max_prefill_tokens
     with shardgen.Engine(model, backend=backend, **opts) as eng:
         for k, reqs in enumerate(calls):
             got = eng.generate(
@@ -66,6 +73,7 @@ def vlm_equal(
                     bad.append((k, j, c.token_ids, want))
     stats = eng.stats()  # after close: every rank's work done
     out = {"bad": bad, "shadows": stats["shadow_forwards"], "tower_runs": len(runs)}
+    out["prefills"], out["prefill_forwards"] = stats["prefills"], stats["prefill_forwards"]
     return {**out, "policy": eng.gather_policy}
 
 
@@ -230,7 +238,9 @@ def prefix_cache_turns(r: int) -> list[tuple[list[int], Any]]:
 PREFIX_CACHE_COUNTS = {0: ([31, 3, 11, 3], [0, 29, 21, 20]), 1: ([22, 2], [0, 21]), 2: ([], [])}
 
 
-def prefix_cache_equal(backend: str, gather: str = "per-layer", rank: int | None = None) -> dict:
+def prefix_cache_equal(
+    backend: str, gather: str = "per-layer", rank: int | None = None, max_prefill_tokens: int | None = None
+) -> dict:
     """``prefix_cache_turns`` on one engine, a call per request: each completion against
     single-process HF ``generate()``, and per request the prompt tokens its prefill computed and
     those the prefix cache gave. Returns the mismatches and those counts. ``rank``: the rank's
@@ -240,7 +250,10 @@ def prefix_cache_equal(backend: str, gather: str = "per-layer", rank: int | None
     r = dist.get_rank() if rank is None else rank
     model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
     bad, computed, cached = [], [], []
-    with shardgen.Engine(model, backend=backend, gather=gather, prefix_cache_tokens=4096) as eng:
+    opts: dict[str, Any] = {"gather": gather, "prefix_cache_tokens": 4096}
+    if max_prefill_tokens is not None:
+        opts["max_prefill_tokens"] = max_prefill_tokens
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
         for p, x in prefix_cache_turns(r):
             before = eng.stats()
             c = eng.generate([p], inputs=[x], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)[0]
@@ -250,4 +263,5 @@ def prefix_cache_equal(backend: str, gather: str = "per-layer", rank: int | None
             want = hf_tokens(ref, p, x, 6)
             if c.token_ids != want:
                 bad.append((p, c.token_ids, want))
-    return {"bad": bad, "computed": computed, "cached": cached}
+        forwards = eng.stats()["prefill_forwards"]
+    return {"bad": bad, "computed": computed, "cached": cached, "prefill_forwards": forwards}

@@ -7,7 +7,7 @@ prompt with each image's placeholder tokens salted by that image's digest (a has
 ``pixel_values`` rows and its ``image_grid_thw`` row): two rows share a cached prefix only where
 their ids AND the images up to there are the same. The vision tower's features of an image come
 in whole, so a shared prefix may not end inside an image's placeholder tokens (``cut``); the
-images after it go with the suffix's forward (``inputs_from``).
+images after it go with the forward of their tokens (``inputs_of``).
 
 Layouts known: Qwen2-VL (``image_grid_thw``: image k takes ``prod(grid[k])`` rows of
 ``pixel_values`` and ``prod(grid[k]) / merge**2`` tokens) and LLaVA (``pixel_values[k]`` is image
@@ -67,16 +67,18 @@ class ImageLayout:
         """How many images lie wholly within the first ``n`` prompt columns."""
         return sum(1 for _, e in self.spans if e <= n)
 
-    def inputs_from(self, inputs: dict[str, Any], k: int) -> dict[str, Any] | None:
-        """``inputs`` for images ``k`` on (the others' rows cut out); None when there are none."""
-        if k >= len(self.spans):
+    def inputs_of(self, inputs: dict[str, Any], k0: int, k1: int) -> dict[str, Any] | None:
+        """``inputs`` for images ``k0`` to ``k1`` (excluded; the others' rows cut out); None when
+        there are none."""
+        k1 = min(k1, len(self.spans))
+        if k0 >= k1:
             return None
-        if k == 0:
+        if k0 == 0 and k1 == len(self.spans):
             return inputs
         out = {}
         for name, v in inputs.items():
             at = self.rows.get(name)
-            out[name] = v if v is None or at is None else v[at[k] :]
+            out[name] = v if v is None or at is None else v[at[k0] : at[k1]]
         return out
 
 

@@ -8,6 +8,7 @@ the tick (``scheduler.ForwardPlan``); the batch then runs exactly that plan.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,23 +65,33 @@ class PrefillPlan:
         # every computed row end at the smallest width - len(p_i) + cached_i (= width minus the
         # longest uncached suffix).
         start, reuse = 0, ()
+        pads = [width - len(prompts[i]) for i in rows]
+        row_spans = [spans[i] for i in rows] if spans is not None else []
         if matches is not None:
             start = max(0, min(width - len(prompts[i]) + matches[i][1] for i in rows))
             if spans is not None:
-                start = _outside_images(
-                    start, [width - len(prompts[i]) for i in rows], [spans[i] for i in rows]
-                )
+                start = _outside_images(start, pads, row_spans)
             if start:
                 reuse = tuple((matches[i][0], max(0, start - (width - len(prompts[i])))) for i in rows)
         span = width - start
         per_row = span if max_tokens is None else max(1, max_tokens // len(rows))
         k = -(-span // per_row)  # chunks, of near-equal widths (balanced ticks)
-        chunks = [(start + span * j // k, start + span * (j + 1) // k) for j in range(k)]
+        bounds = [start + span * j // k for j in range(k)] + [width]
+        if spans is not None:  # no chunk cuts an image: its features come in whole, with its tokens
+            bounds = sorted({start, *(_outside_images(b, pads, row_spans) for b in bounds)})
+        chunks = list(itertools.pairwise(bounds))
         return PrefillPlan(len(prompts), rows, fork, chunks, start, reuse)
 
-    def cached(self, u: int) -> int:
-        """How many of computed row ``u``'s first prompt tokens come from the prefix cache."""
-        return self.reuse[u][1] if self.reuse else 0
+    def inputs(self, seqs: list[Any], chunk: int) -> list[dict[str, Any] | None]:
+        """Per computed row (``seqs``: the batch's rows, ``SeqState``), the inputs of the images
+        whose tokens forward ``chunk`` computes (``SeqState.inputs_within`` its columns)."""
+        c0, c1 = self.chunks[chunk]
+        width = max(len(s.prompt_ids) for s in seqs)
+        out = []
+        for i in self.rows:
+            pad = width - len(seqs[i].prompt_ids)
+            out.append(seqs[i].inputs_within(c0 - pad, c1 - pad))
+        return out
 
     def shape(self, chunk: int) -> tuple[int, int]:
         """``(tokens, head_rows)`` of forward ``chunk``: every layer computes the computed rows'

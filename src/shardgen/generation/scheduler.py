@@ -164,7 +164,8 @@ class LocalWork:
         rows count as live meanwhile). Local, no side effect: the tick carries its shape."""
         batch, mini = self.batch, self.prefilling
         if mini is not None:
-            return ForwardPlan(Work.CHUNK, 0, None, *mini.next_prefill_shape())
+            towers = self.backend.tower_mask(mini.next_prefill_inputs())  # a later chunk's images
+            return ForwardPlan(Work.CHUNK, 0, None, *mini.next_prefill_shape(), towers=towers)
         if self.scorer is not None:
             return ForwardPlan(Work.SCORE, 0, None, *self.scorer.next_shape())
         kind, n = Work.IDLE, 0
@@ -189,16 +190,16 @@ class LocalWork:
                 hit = matches[0][1] > 0
                 n = next((i for i, (_, c) in enumerate(matches) if (c > 0) != hit), n)
                 seqs, prompts, matches = seqs[:n], prompts[:n], matches[:n]
-            # Image rows in one forward (the images go with their tokens).
-            budget = None if images else cfg.max_prefill_tokens
+            # Image rows' chunks never cut an image; rows with inputs of no known layout prefill
+            # in one forward (where their images lie is not known).
+            whole = any(s.inputs is not None and s.images is None for s in seqs)
+            budget = None if whole else cfg.max_prefill_tokens
             keys = [s.inputs_key for s in seqs] if images else None
             spans = [s.images.spans if s.images is not None else () for s in seqs] if images else None
             pre = PrefillPlan.of(prompts, cfg.share_prefill, budget, matches, keys, spans)
             towers = 0
-            for u, i in enumerate(pre.rows):  # the towers of the images the forward carries
-                s = seqs[i]
-                if s.inputs is not None:
-                    towers |= self.backend.tower_mask(s.uncached_inputs(pre.cached(u)))
+            for x in pre.inputs(seqs, 0):  # the towers of the images the first forward carries
+                towers |= self.backend.tower_mask(x)
             if self.encdec:  # the prompt ids run the encoder, a tower
                 towers |= self.backend.tower_mask({"input_ids": prompts[0]})
             return ForwardPlan(kind, n, pre, *pre.shape(0), towers=towers)

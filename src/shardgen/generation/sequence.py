@@ -77,13 +77,15 @@ class SeqState:
             return self.prompt_ids
         return None if self.images is None else self.images.keys
 
-    def uncached_inputs(self, cached: int) -> dict[str, Any] | None:
-        """``inputs`` for the images after the first ``cached`` prompt tokens (those a prefix-cache
-        hit leaves to compute; a hit never ends inside an image); None: no image left."""
-        if self.inputs is None or not cached:
-            return self.inputs
-        assert self.images is not None, "a cached prefix for inputs of no known layout"
-        return self.images.inputs_from(self.inputs, self.images.whole_before(cached))
+    def inputs_within(self, a: int, b: int) -> dict[str, Any] | None:
+        """``inputs`` for the images whose tokens lie in prompt columns ``[a, b)`` (a prefill's
+        forward of those columns; its columns never cut an image); None: no image there. Inputs
+        of no known layout go whole with the first columns (such a row prefills whole, uncached)."""
+        if self.inputs is None:
+            return None
+        if self.images is None:
+            return self.inputs if a <= 0 else None
+        return self.images.inputs_of(self.inputs, self.images.whole_before(a), self.images.whole_before(b))
 
     @property
     def finished(self) -> bool:
