@@ -6,6 +6,7 @@ tick's agreement on the towers shown needed (off: the ranks' gathers part), and 
 from __future__ import annotations
 
 import pytest
+import torch
 import tower_scenarios as sc
 from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
 
@@ -21,15 +22,18 @@ def _local_requests():
     ]
 
 
-@pytest.mark.parametrize("max_batch_size", [None, 2])
-def test_qwen2_vl_local_matches_hf_per_request(max_batch_size):
+@pytest.mark.parametrize("max_batch_size, max_prefill_tokens", [(None, None), (2, None), (None, 8)])
+def test_qwen2_vl_local_matches_hf_per_request(max_batch_size, max_prefill_tokens):
     """Images of different sizes, two images in one prompt and a text-only request in one batch
-    (and, at 2 rows, refills into a running batch): M-RoPE offsets carried into decode per row."""
+    (and, at 2 rows, refills into a running batch): M-RoPE offsets carried into decode per row.
+    Under a prefill budget the prompts go in chunks, each image whole in one of them."""
     model = tiny_qwen2_vl(0)
     reqs = _local_requests()
     lengths = [3, 10, 5, 10]  # rows ending early: refills take their slots
     want = [hf_tokens(model, p, x, n) for (p, x), n in zip(reqs, lengths, strict=True)]
     opts = {} if max_batch_size is None else {"max_batch_size": max_batch_size}
+    if max_prefill_tokens is not None:
+        opts["max_prefill_tokens"] = max_prefill_tokens
     with shardgen.Engine(model, backend="local", **opts) as eng:
         futs = [
             eng.submit(p, inputs=x, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
@@ -38,6 +42,8 @@ def test_qwen2_vl_local_matches_hf_per_request(max_batch_size):
         got = [f.result(timeout=60) for f in futs]
         if max_batch_size:
             assert eng.stats()["refills"] > 0
+        if max_prefill_tokens:
+            assert eng.stats()["prefill_forwards"] > eng.stats()["prefills"]  # in chunks
     assert [c.token_ids for c in got] == want
 
 
@@ -71,7 +77,7 @@ def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
     "backend, gather",
     [
         ("fsdp2", "per-layer"), ("deepspeed", "per-layer"), ("fsdp2", "once"), ("fsdp2", "auto"),
-        ("fsdp2", "stationary"), ("deepspeed", "stationary"),
+        ("deepspeed", "once"), ("fsdp2", "stationary"), ("deepspeed", "stationary"),
     ],
 )  # fmt: skip
 def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
@@ -84,6 +90,8 @@ def test_vlm_two_ranks_one_with_text_only(ds_world2, backend, gather):
             assert_stationary(res, r)
     if gather in ("per-layer", "stationary"):
         assert out[1]["tower_runs"] > 0  # rank 1 (no image) ran the vision tower on shadow inputs
+    if gather == "once":
+        assert [res["policy"] for res in out] == ["once", "once"]  # the gathered replica, not per layer
 
 
 def assert_stationary(res: dict, rank: int) -> None:
@@ -224,17 +232,19 @@ def test_from_pretrained_vlm_two_ranks(ds_world2, vlm_checkpoint, backend):
     assert out == [[], []]
 
 
-def test_llava_local_matches_hf_per_request():
+@pytest.mark.parametrize("max_prefill_tokens", [None, 40])
+def test_llava_local_matches_hf_per_request(max_prefill_tokens):
     """A second family: LLaVA's vision tower and projector (one tower), one and two images per
-    prompt beside text-only requests in one batch."""
+    prompt beside text-only requests in one batch (and in chunks, each image whole in one)."""
     from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
 
     model = tiny_llava(0)
     xs = [llava_images(1, 1), None, llava_images(2, 3), llava_images(1, 5)]
     ps = [llava_prompt([5, 6], xs[0]), llava_prompt([9], None, [10, 11, 12]), llava_prompt([5], xs[2])]
     ps.append(llava_prompt([3, 4, 5], xs[3]))
-    with shardgen.Engine(model, backend="local") as eng:
+    with shardgen.Engine(model, backend="local", max_prefill_tokens=max_prefill_tokens) as eng:
         got = eng.generate(ps, inputs=xs, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
+        assert eng.stats()["prefill_forwards"] == (1 if max_prefill_tokens is None else 3)
     assert [c.token_ids for c in got] == [
         hf_llava_tokens(model, p, x, 10) for p, x in zip(ps, xs, strict=True)
     ]
@@ -243,9 +253,105 @@ def test_llava_local_matches_hf_per_request():
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "backend, bucket_mb, gather",
-    [("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("deepspeed", None, "stationary")],
-)
+    [
+        ("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("deepspeed", None, "once"),
+        ("deepspeed", None, "stationary"),
+    ],
+)  # fmt: skip
 def test_llava_two_ranks_one_with_text_only(ds_world2, backend, bucket_mb, gather):
     """``stationary``: the scenario also checks every forward ran stationary (the vision tower's
     exchanges sized at the call, its patch convolution alone gathered per call)."""
     assert ds_world2.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240) == [[], []]
+
+
+# ----------------------------------------------------------------------------- the prefix cache
+@pytest.mark.parametrize("rank, max_prefill_tokens", [(0, None), (1, None), (0, 4)])
+def test_image_rows_share_a_cached_prefix_only_with_the_same_images(rank, max_prefill_tokens):
+    """The same system text and image with another question: the second prefill computes only
+    the new question (the cached KV runs through the image); the same ids with another image
+    take only the text before it; text rows unaffected. Greedy tokens equal HF per request.
+    Under a budget of 4 tokens: the uncached columns in chunks, the image's 6 tokens in one."""
+    res = sc.prefix_cache_equal("local", rank=rank, max_prefill_tokens=max_prefill_tokens)
+    assert res["bad"] == []
+    assert (res["computed"], res["cached"]) == sc.PREFIX_CACHE_COUNTS[rank]
+    if max_prefill_tokens:  # 31 tokens: 8 chunks (a bound at 23 moved to the image's start, 21);
+        assert res["prefill_forwards"] == 8 + 1 + 2 + 1  # then 3, 11 (21-28 and 28-32), 3
+
+
+def test_a_batch_of_image_rows_takes_cached_columns_outside_every_rows_images():
+    """Rows of different lengths in one prefill: the cached columns end where none cuts a row's
+    image (they are lowered to an image's start), and the rows' images after them go with the
+    forward (two images in one prompt, one of them cached)."""
+    model = tiny_qwen2_vl(0)
+    a, b = images((4, 6), seed=1), images((2, 2), (4, 4), seed=2)
+    first = [prompt(sc.SYSTEM, a, [7, 8, 9]), prompt(sc.SYSTEM, b, [3, 3])]
+    then = [prompt(sc.SYSTEM, a, [7, 5, 6, 11]), prompt(sc.SYSTEM, a, [7, 5, 6, 11, 12, 13, 14, 15])]
+    then.append(prompt(sc.SYSTEM, b, [3, 3, 4, 5]))
+    with shardgen.Engine(model, backend="local", prefix_cache_tokens=4096) as eng:
+        got = eng.generate(first, inputs=[a, b], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
+        got += eng.generate(then, inputs=[a, a, b], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
+        stats = eng.stats()
+    xs = [a, b, a, a, b]
+    assert [c.token_ids for c in got] == [
+        hf_tokens(model, p, x, 6) for p, x in zip(first + then, xs, strict=True)
+    ]
+    # 36 columns: the rows' matches (29, 29 and 30 tokens) end at columns 33, 29 and 33, inside the
+    # first two rows' image (prompt columns 21-27): lowered to column 21 (the longest row's image)
+    assert stats["cached_prompt_tokens"] == (21 - 4) + 21 + (21 - 3)
+
+
+def test_llava_rows_share_a_cached_prefix_up_to_the_first_other_image():
+    from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
+
+    model = tiny_llava(0)
+    a = llava_images(2, 1)
+    b = {"pixel_values": torch.cat([a["pixel_values"][:1], llava_images(1, 2)["pixel_values"]])}
+    ps = [llava_prompt(sc.SYSTEM, a, [7, 8]), llava_prompt(sc.SYSTEM, a, [7, 9, 10])]
+    ps.append(llava_prompt(sc.SYSTEM, b, [7, 9, 10]))  # the first image the same, the second not
+    cached = []
+    with shardgen.Engine(model, backend="local", prefix_cache_tokens=4096) as eng:
+        for p, x in zip(ps, [a, a, b], strict=True):
+            n = eng.stats()["cached_prompt_tokens"]
+            c = eng.generate([p], inputs=[x], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)[0]
+            cached.append(eng.stats()["cached_prompt_tokens"] - n)
+            assert c.token_ids == hf_llava_tokens(model, p, x, 6)
+    assert cached == [0, len(ps[1]) - 2, 20 + 16 + 1]  # up to the second image's tokens
+
+
+def test_image_layout_salts_each_images_tokens_and_never_cuts_one():
+    from shardgen.generation.images import image_layout
+
+    model = tiny_qwen2_vl(0)
+    x = images((2, 2), (4, 4), seed=1)
+    ids = prompt([5, 6], x)  # 5 6 START img END START img*4 END 7 8
+    lay = image_layout(ids, x, model.config)
+    assert lay.spans == ((3, 4), (6, 10))
+    assert [lay.cut(n) for n in (3, 4, 5, 7, 10)] == [3, 4, 5, 6, 10]
+    assert lay.inputs_of(x, 1, 2)["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert lay.inputs_of(x, 0, 1)["pixel_values"].shape[0] == 4 and lay.inputs_of(x, 2, 2) is None
+    same = image_layout(ids, {k: v.clone() for k, v in x.items()}, model.config)
+    other = image_layout(ids, images((2, 2), (4, 4), seed=2), model.config)
+    assert same.keys == lay.keys and other.keys[:3] == lay.keys[:3] and other.keys[3] != lay.keys[3]
+    assert image_layout(ids, {**x, "video_grid_thw": x["image_grid_thw"]}, model.config).spans == ((3, 10),)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_vlm_chunked_prefill_two_ranks(ds_world2, backend):
+    """Prefills in chunks of at most 8 tokens, rank 1 text only: a chunk past the first with an
+    image runs the vision tower, and the tick carries it (rank 1 runs it on a shadow image)."""
+    out = ds_world2.run(sc.vlm_equal, backend, "per-layer", None, None, 8, timeout=240)
+    for r, res in enumerate(out):
+        assert res["bad"] == [], f"rank {r}: {res['bad']}"
+        assert res["prefill_forwards"] > res["prefills"], f"rank {r}: {res}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_image_prefix_cache_two_ranks(ds_world2, backend):
+    """Per layer: rank 0's image rows hit the cache (a forward with no image left while rank 1
+    runs text; then one with an image again), rank 1 text only."""
+    out = ds_world2.run(sc.prefix_cache_equal, backend, timeout=240)
+    for r, res in enumerate(out):
+        assert res["bad"] == [], f"rank {r}: {res['bad']}"
+        assert (res["computed"], res["cached"]) == sc.PREFIX_CACHE_COUNTS[r], f"rank {r}"

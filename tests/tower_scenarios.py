@@ -35,13 +35,18 @@ def _requests(r: int) -> list[list[tuple[list[int], Any]]]:
 
 
 def vlm_equal(
-    backend: str, gather: str, max_batch_size: int | None = None, bucket_mb: float | None = None
+    backend: str,
+    gather: str,
+    max_batch_size: int | None = None,
+    bucket_mb: float | None = None,
+    max_prefill_tokens: int | None = None,
 ) -> dict:
     """Every rank's requests (``_REQUESTS``) on one engine; each completion against single-process
     HF ``generate()`` on an unsharded copy. Returns the mismatches and what the engine counted.
     ``bucket_mb`` (DeepSpeed): small, each unit is a bucket of its own (the tiny model's units
     otherwise fit one bucket, gathered whole at the first unit either rank calls); 0: module by
-    module, DeepSpeed's own hooks."""
+    module, DeepSpeed's own hooks. ``max_prefill_tokens``: prefills in chunks, an image's tokens
+    in one of them (a later chunk's images run the vision tower: the tick carries it)."""
     import shardgen
 
     r = dist.get_rank()
@@ -55,6 +60,8 @@ def vlm_equal(
         opts["max_batch_size"] = max_batch_size
     if bucket_mb is not None:
         opts["bucket_mb"] = bucket_mb
+    if max_prefill_tokens is not None:
+        opts["max_prefill_tokens"] = max_prefill_tokens
     with shardgen.Engine(model, backend=backend, **opts) as eng:
         for k, reqs in enumerate(calls):
             got = eng.generate(
@@ -68,6 +75,7 @@ def vlm_equal(
     stats = eng.stats()  # after close: every rank's work done
     out = {"bad": bad, "shadows": stats["shadow_forwards"], "tower_runs": len(runs)}
     out["forwards"] = stats["forwards"] + stats["shadow_forwards"]
+    out["prefills"], out["prefill_forwards"] = stats["prefills"], stats["prefill_forwards"]
     return {**out, "policy": eng.gather_policy, "stationary": stationary_stats(eng.backend.stationary)}
 
 
@@ -216,3 +224,58 @@ def score_without_agreement(backend: str, bucket_mb: float | None = None) -> dic
         return score_equal(backend, "per-layer", bucket_mb)
     finally:
         protocol._AGREE_TOWERS = True
+
+
+SYSTEM = list(range(20, 40))  # a system prompt before every image: 20 tokens, more than a block
+
+
+def prefix_cache_turns(r: int) -> list[tuple[list[int], Any]]:
+    """Per rank, requests made one call after another: rank 0 an image prompt, the same system text
+    and image with another question (a cached prefix through the image), the same ids with another
+    image (cached only up to the image's start), a text-only row with the same system text; rank 1
+    text only (a cached system prompt); any other rank none. (prompt, images or None)."""
+    if r == 0:
+        a, b = images((4, 6), seed=1), images((4, 6), seed=2)
+        return [
+            (prompt(SYSTEM, a, [7, 8, 9]), a),
+            (prompt(SYSTEM, a, [7, 5, 6, 11]), a),
+            (prompt(SYSTEM, b, [7, 5, 6, 11]), b),
+            (SYSTEM + [7, 5, 6], None),
+        ]
+    if r == 1:
+        return [(SYSTEM + [9, 10], None), (SYSTEM + [9, 11, 12], None)]
+    return []
+
+
+#: Per rank: the prompt tokens each request of ``prefix_cache_turns`` computes, and those it takes
+#: from the prefix cache (the image prompt 31 tokens: 20 of system text, the image's 8, 3).
+PREFIX_CACHE_COUNTS = {0: ([31, 3, 11, 3], [0, 29, 21, 20]), 1: ([22, 2], [0, 21]), 2: ([], [])}
+
+
+def prefix_cache_equal(
+    backend: str, gather: str = "per-layer", rank: int | None = None, max_prefill_tokens: int | None = None
+) -> dict:
+    """``prefix_cache_turns`` on one engine, a call per request: each completion against
+    single-process HF ``generate()``, and per request the prompt tokens its prefill computed and
+    those the prefix cache gave. Returns the mismatches and those counts. ``rank``: the rank's
+    requests to make (the local backend's); None: this gloo rank's."""
+    import shardgen
+
+    r = dist.get_rank() if rank is None else rank
+    model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
+    bad, computed, cached = [], [], []
+    opts: dict[str, Any] = {"gather": gather, "prefix_cache_tokens": 4096}
+    if max_prefill_tokens is not None:
+        opts["max_prefill_tokens"] = max_prefill_tokens
+    with shardgen.Engine(model, backend=backend, **opts) as eng:
+        for p, x in prefix_cache_turns(r):
+            before = eng.stats()
+            c = eng.generate([p], inputs=[x], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)[0]
+            after = eng.stats()
+            computed.append(after["prefill_tokens"] - before["prefill_tokens"])
+            cached.append(after["cached_prompt_tokens"] - before["cached_prompt_tokens"])
+            want = hf_tokens(ref, p, x, 6)
+            if c.token_ids != want:
+                bad.append((p, c.token_ids, want))
+        forwards = eng.stats()["prefill_forwards"]
+    return {"bad": bad, "computed": computed, "cached": cached, "prefill_forwards": forwards}

@@ -53,6 +53,8 @@ class Batch:
     row's numerics never depend on when its neighbours finish.
     """
 
+    _chunk_inputs: tuple[dict[str, Any], ...] = ()  # per prefill forward, its images (none: {})
+
     def __init__(self, hf_model: Any, seqs: list[SeqState], device: torch.device, plan: PrefillPlan) -> None:
         """``plan``: the prefill's rows and chunks (``PrefillPlan.of`` the rows' prompts), as the
         scheduler computed it for the tick."""
@@ -116,34 +118,41 @@ class Batch:
         self._pre_mask = None if self.attention_mask is None else self.attention_mask.index_select(0, idx)
         self._chunks = plan.chunks
         self._chunk = 0
-        self._pre_inputs, self._pre_vision = self._own_inputs(plan.rows)
+        self._chunk_inputs, self._pre_vision = self._own_inputs(plan)
 
-    def _own_inputs(self, rows: list[int]) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """The prefill's own inputs beside the ids, for the computed ``rows``: the rows' inputs
-        (``SeqState.inputs``: a VLM's images, concatenated in row order, with the token types
-        marking their tokens), and for an M-RoPE model (Qwen2-VL) the 3 vision position rows of
-        every column, ``[3, U, T]``; each row's offset (``rope_deltas``) is kept for its decode
-        steps, as HF ``generate()`` keeps it."""
-        seqs = [self.seqs[r] for r in rows]
-        with_inputs = [s.inputs for s in seqs if s.inputs is not None]
-        cfg = self.hf_model.config
-        own = joined_inputs(with_inputs, self._pre[0], cfg, self._takes_mm_types, self.device)
+    def _own_inputs(self, plan: PrefillPlan) -> tuple[tuple[dict[str, Any], ...], torch.Tensor | None]:
+        """The prefill's own inputs beside the ids, per forward of ``plan``: the computed rows'
+        inputs (``SeqState.inputs``: a VLM's images, concatenated in row order, with the token
+        types marking their tokens) for the images whose tokens the forward computes (none of
+        the columns the prefix cache gives), and for an M-RoPE model (Qwen2-VL) the 3 vision
+        position rows of every column, ``[3, U, T]``, from every image of the rows (a cached
+        prefix's and a later chunk's included: the positions after an image hang on its grid);
+        each row's offset (``rope_deltas``) is kept for its decode steps, as HF ``generate()``
+        keeps it."""
+        cfg, ids = self.hf_model.config, self._pre[0]
+        per_chunk = []
+        for j in range(len(plan.chunks)):
+            carried = [x for x in plan.inputs(self.seqs, j) if x is not None]
+            per_chunk.append(joined_inputs(carried, ids, cfg, self._takes_mm_types, self.device))
         if not self._mrope:
-            return own, None
+            return tuple(per_chunk), None
         pos = self._pre[1]
-        if "image_grid_thw" not in own:
+        every = [s.inputs for s in (self.seqs[r] for r in plan.rows) if s.inputs is not None]
+        grids = [{"image_grid_thw": x.get("image_grid_thw")} for x in every]  # the pixels not needed
+        whole = joined_inputs(grids, ids, cfg, True, self.device)
+        if "image_grid_thw" not in whole:
             vision = pos[None].expand(3, -1, -1)
             deltas = torch.zeros((len(self.seqs), 1), dtype=torch.long, device=self.device)
         else:
             vision, d = self.hf_model.model.get_rope_index(
-                self._pre[0], mm_token_type_ids=own["mm_token_type_ids"],
-                image_grid_thw=own["image_grid_thw"], attention_mask=self._pre_mask,
+                ids, mm_token_type_ids=whole["mm_token_type_ids"],
+                image_grid_thw=whole["image_grid_thw"], attention_mask=self._pre_mask,
             )  # fmt: skip
             d = d.to(self.device)
             deltas = d if self.fork is None else d.index_select(0, self.fork)
             vision = vision.to(self.device)
         self.rope_deltas = deltas
-        return own, vision
+        return tuple(per_chunk), vision
 
     def _positions(self, pos: torch.Tensor, vision: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids`` as the model takes them: ``pos`` ``[B, T]``, or for an M-RoPE model
@@ -195,6 +204,11 @@ class Batch:
             assert length <= t, f"row {i}: {length} tokens kept of {t} columns"
             out.append((layer.keys[i, :, t - length :].clone(), layer.values[i, :, t - length :].clone()))
         return out
+
+    def next_prefill_inputs(self) -> dict[str, Any]:
+        """The own inputs (images) of the next ``prefill_step()``: the tick carries their towers."""
+        assert self.prefilling
+        return self._chunk_inputs[self._chunk] if self._chunk < len(self._chunk_inputs) else {}
 
     def next_prefill_shape(self) -> tuple[int, int]:
         """``PrefillPlan.shape`` of the next ``prefill_step()``."""
@@ -344,11 +358,12 @@ class Batch:
             kw["position_ids"] = self._positions(pos[:, :c1], vision)
         if self._takes_logits_to_keep:
             kw["logits_to_keep"] = 1
-        if c0 == 0:  # the rows' own inputs (their images) go with their tokens: one forward
-            kw.update(self._pre_inputs)
+        own = self._chunk_inputs[self._chunk - 1]  # the images of its columns go with their tokens
+        kw.update(own)
         inputs = self.hf_model.prepare_inputs_for_generation(
-            ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None, is_first_iteration=c0 == 0, **kw
-        )
+            ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None,
+            is_first_iteration=c0 == 0 or bool(own), **kw,
+        )  # fmt: skip
         tokens = (c1 - c0) * ids.shape[0] if mask is None else int(mask[:, c0:c1].sum())
         last = self._chunk == len(self._chunks)
         with self._head_on_every_row(last):
@@ -360,7 +375,7 @@ class Batch:
             return tokens
         self._consume(outputs, fork=self.fork)
         self._pre = self._pre_mask = None  # type: ignore[assignment]
-        self._pre_inputs, self._pre_vision = {}, None
+        self._chunk_inputs, self._pre_vision = (), None
         return tokens
 
     @contextlib.contextmanager

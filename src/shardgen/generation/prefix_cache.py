@@ -14,6 +14,10 @@ extends the deepest match token by token. The KV of a token depends only on the 
 it and its position, and a row's positions count from its first real token, so an entry's
 columns serve any row whose prompt starts with the same tokens, at any column of any batch.
 
+An image row's tokens are its cache keys (``SeqState.cache_keys``): its image tokens salted by
+their image's digest (``images.py``), since their KV and every later token's depend on the
+pixels; the scheduler lowers a match that would end inside an image to the image's start.
+
 The weights may change while the engine is paused (a training step), or whenever the model's
 ``train()``/``eval()`` mode changes: the scheduler then drops every entry (``clear``), so no KV
 computed by other weights is ever served.
@@ -22,6 +26,7 @@ computed by other weights is ever served.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +41,10 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(eq=False)  # identity: entries are keys of the block index
 class Entry:
-    """One kept sequence: its tokens and their KV (column j holds token j's keys and values)."""
+    """One kept sequence: its tokens (their cache keys) and their KV (column j holds token j's keys
+    and values)."""
 
-    tokens: tuple[int, ...]
+    tokens: tuple[Hashable, ...]
     kv: KV
     hashes: list[int] = field(default_factory=list)  # its blocks' chain hashes, for the index
 
@@ -46,7 +52,7 @@ class Entry:
         return len(self.tokens)
 
 
-def _chain(tokens: tuple[int, ...] | list[int], blocks: int) -> list[int]:
+def _chain(tokens: Sequence[Hashable], blocks: int) -> list[int]:
     """The chain hashes of the first ``blocks`` whole blocks of ``tokens``."""
     out, h = [], 0
     for b in range(blocks):
@@ -63,7 +69,7 @@ class PrefixCache:
         self.capacity = capacity
         self.tokens = 0  # tokens held now
         self.evictions = 0
-        self._lru: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # least recent first
+        self._lru: OrderedDict[tuple[Hashable, ...], Entry] = OrderedDict()  # least recent first
         self._index: dict[int, Entry] = {}  # block chain hash -> the latest entry holding it
 
     def __len__(self) -> int:
@@ -74,7 +80,7 @@ class PrefixCache:
         """Bytes of the KV held (keys and values, every layer)."""
         return sum(k.numel() * k.element_size() * 2 for e in self._lru.values() for k, _ in e.kv)
 
-    def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+    def match(self, prompt: Sequence[Hashable]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with ``prompt`` and that prefix's length, at most
         ``len(prompt) - 1`` (the last prompt token is always computed: its logits give the first
         token). ``(None, 0)`` for no match. Pure: the order of use changes in ``touch``."""
@@ -105,7 +111,7 @@ class PrefixCache:
         bound (asked before the KV is copied out)."""
         return BLOCK < length <= self.capacity
 
-    def add(self, tokens: list[int], kv: KV) -> None:
+    def add(self, tokens: Sequence[Hashable], kv: KV) -> None:
         """Keep ``tokens``' KV (``kv[l]``: ``[kv_heads, len(tokens), head_dim]`` each), evicting the
         least recently used entries to stay within ``capacity``. An entry that is a prefix of the
         new one goes (the new one serves every prompt it served)."""

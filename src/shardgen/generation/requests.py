@@ -18,6 +18,7 @@ import torch
 
 from shardgen.backends.towers import feature_encoder
 from shardgen.config import SamplingParams, context_length
+from shardgen.generation.images import image_layout
 from shardgen.generation.sampling import make_generator
 from shardgen.generation.sequence import SeqState, StopCheck, resolve_special_ids
 
@@ -85,6 +86,7 @@ def build_request(
     seq = SeqState(
         prompt_ids=ids, params=params, eos_ids=eos, pad_id=pad, generator=gen, stop_check=stop_check,
         inputs=inputs or None,  # as given: rows given one dict share their prefill
+        images=image_layout(ids, inputs, model_config),
         forced_bos=bos_f if isinstance(bos_f, int) else None,
         forced_eos=eos_f if isinstance(eos_f, int) else None,
         start_length=1 if getattr(model_config, "is_encoder_decoder", False) else len(ids),

@@ -164,7 +164,9 @@ class LocalWork:
         rows count as live meanwhile). Local, no side effect: the tick carries its shape."""
         batch, mini = self.batch, self.prefilling
         if mini is not None:
-            return ForwardPlan(Work.CHUNK, 0, None, *mini.next_prefill_shape())
+            x = mini.next_prefill_inputs()  # a later chunk's images
+            towers = self.backend.tower_mask(x) if x else 0
+            return ForwardPlan(Work.CHUNK, 0, None, *mini.next_prefill_shape(), towers=towers)
         if self.scorer is not None:
             return ForwardPlan(Work.SCORE, 0, None, *self.scorer.next_shape())
         kind, n = Work.IDLE, 0
@@ -176,31 +178,35 @@ class LocalWork:
         if kind is not Work.IDLE:
             seqs = [self.pending[i].seq for i in range(n)]
             prompts = [s.prompt_ids for s in seqs]
-            inputs = [s.inputs for s in seqs]
-            towers = 0
-            for x in inputs:
-                if x is not None:
-                    towers |= self.backend.tower_mask(x)
-            if self.encdec:  # the prompt ids run the encoder, a tower
-                towers |= self.backend.tower_mask({"input_ids": prompts[0]})
-            # Rows with inputs of their own: no prefix cache (the ids do not say the images), and
-            # one forward (the images go with their tokens). Encoder-decoder rows likewise (the
-            # decoder's columns hang on the encoder's input; the encoder runs whole).
-            plain = all(x is None for x in inputs) and not self.encdec
-            matches = [self.prefixes.match(p) for p in prompts] if len(self.prefixes) and plain else None
-            if matches is not None:
+            images = any(s.inputs is not None for s in seqs)
+            # Encoder-decoder rows: no prefix cache (the decoder's columns hang on the encoder's
+            # input; the encoder runs whole). Image rows match on their ids salted by their images
+            # (``images.py``), never inside an image.
+            matches = None
+            if len(self.prefixes) and not self.encdec:
+                matches = [self._match(s) for s in seqs]
                 # A prefill computes every row from the first column no row has cached: rows with
                 # a cached prefix and rows without go in separate prefills (the first run of
                 # either kind now, the rest next tick), so that a miss does not undo the hits.
                 hit = matches[0][1] > 0
                 n = next((i for i, (_, c) in enumerate(matches) if (c > 0) != hit), n)
-                prompts, matches = prompts[:n], matches[:n]
-            budget = cfg.max_prefill_tokens if plain else None
-            keys = None if plain else [s.inputs_key for s in seqs[:n]]
-            pre = PrefillPlan.of(prompts, cfg.share_prefill, budget, matches, keys)
+                seqs, prompts, matches = seqs[:n], prompts[:n], matches[:n]
+            # Image rows' chunks never cut an image; rows with inputs of no known layout prefill
+            # in one forward (where their images lie is not known), and so do encoder-decoder
+            # rows (the encoder runs whole).
+            whole = self.encdec or any(s.inputs is not None and s.images is None for s in seqs)
+            budget = None if whole else cfg.max_prefill_tokens
+            keys = [s.inputs_key for s in seqs] if images else None
+            spans = [s.images.spans if s.images is not None else () for s in seqs] if images else None
+            pre = PrefillPlan.of(prompts, cfg.share_prefill, budget, matches, keys, spans)
+            towers = 0
+            for x in pre.inputs(seqs, 0) if images else ():  # the images the first forward carries
+                if x is not None:
+                    towers |= self.backend.tower_mask(x)
             shape = pre.shape(0)
-            if self.encdec:  # the decoder (the layers' agreed shape) takes one start token per row
-                shape = (len(pre.rows), len(pre.rows))
+            if self.encdec:  # the prompt ids run the encoder, a tower
+                towers |= self.backend.tower_mask({"input_ids": prompts[0]})
+                shape = (len(pre.rows), len(pre.rows))  # the decoder takes one start token per row
             return ForwardPlan(kind, n, pre, *shape, towers=towers)
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
             n = self._score_take()
@@ -318,6 +324,17 @@ class LocalWork:
         else:
             self.batch.merge(mini, max_rows=self.config.max_batch_size)
 
+    def _match(self, s: SeqState) -> tuple[Any, int]:
+        """The prefix-cache entry sharing the longest prefix with ``s``'s prompt and its length,
+        lowered to the start of an image it would cut; ``(None, 0)``: none. Pure."""
+        keys = s.cache_keys
+        if keys is None:
+            return None, 0
+        entry, n = self.prefixes.match(keys)
+        if s.images is not None:
+            n = s.images.cut(n)
+        return (entry, n) if n else (None, 0)
+
     def _group_take(self, room: int) -> int:
         """How many requests ``_take`` takes for ``room`` rows, first come first served, a group at
         a time: consecutive requests with the same prompt (the ``n`` samples of a rollout) join a
@@ -347,11 +364,12 @@ class LocalWork:
         last (never fed: the next turn's prompt computes it)."""
         cache = self.prefixes
         length = len(s.prompt_ids) + len(s.tokens) - 1
-        if not cache.keeps(length) or not batch.cacheable() or s.inputs is not None:
-            return  # a row with inputs of its own: its ids do not say its images
+        keys = s.cache_keys  # an image row's: its ids salted by its images
+        if keys is None or not cache.keeps(length) or not batch.cacheable():
+            return
         assert batch.cache.layers[0].keys.shape[-2] == batch.input_ids.shape[1] - 1, "cache and ids apart"
         evicted = cache.evictions
-        cache.add(s.prompt_ids + s.tokens[:-1], batch.row_kv(i, length))
+        cache.add([*keys, *s.tokens[:-1]], batch.row_kv(i, length))
         self.stats.prefix_cache_evictions += cache.evictions - evicted
 
     def _take(self, n: int) -> list[Request]:

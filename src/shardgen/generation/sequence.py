@@ -40,6 +40,9 @@ class SeqState:
     #: The model's own forward inputs for the prompt beside its ids (a VLM's ``pixel_values`` and
     #: ``image_grid_thw``), fed to the prefill only; None: the ids alone.
     inputs: dict[str, Any] | None = None
+    #: Where ``inputs``' images sit in the prompt and what they are (``images.ImageLayout``): the
+    #: prefix cache's key for the row; None: no images, or a layout the cache does not take.
+    images: Any = None
     #: The model's forced tokens (``generation_config.forced_bos_token_id`` / ``forced_eos_token_id``,
     #: BART's), and the decoder's input length before the first new token (the prompt's; an
     #: encoder-decoder's: its start token), which says where HF's processors force them.
@@ -59,8 +62,30 @@ class SeqState:
 
     @property
     def inputs_key(self) -> int | None:
-        """What rows must share besides their prompt to share its prefill (their inputs' identity)."""
-        return None if self.inputs is None else id(self.inputs)
+        """What rows must share besides their prompt to share its prefill: their images' digests
+        (equal images in other dicts share), else their inputs' identity."""
+        if self.inputs is None:
+            return None
+        return self.images.key if self.images is not None else id(self.inputs)
+
+    @property
+    def cache_keys(self) -> tuple[Any, ...] | list[int] | None:
+        """The prompt as the prefix cache keys it: the ids, an image row's image tokens salted by
+        their image (``images.py``); None: a row the cache does not take (inputs of no known
+        layout)."""
+        if self.inputs is None:
+            return self.prompt_ids
+        return None if self.images is None else self.images.keys
+
+    def inputs_within(self, a: int, b: int) -> dict[str, Any] | None:
+        """``inputs`` for the images whose tokens lie in prompt columns ``[a, b)`` (a prefill's
+        forward of those columns; its columns never cut an image); None: no image there. Inputs
+        of no known layout go whole with the first columns (such a row prefills whole, uncached)."""
+        if self.inputs is None:
+            return None
+        if self.images is None:
+            return self.inputs if a <= 0 else None
+        return self.images.inputs_of(self.inputs, self.images.whole_before(a), self.images.whole_before(b))
 
     @property
     def finished(self) -> bool:
