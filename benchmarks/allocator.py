@@ -160,6 +160,33 @@ def build_medium(train: bool = False):
     return m.train() if train else m.eval()
 
 
+def floor_buffers(plain, world: int) -> list:
+    """Per gather unit of ``plain`` (the embedding, each layer, the rest), a rank's shard and the
+    gathered buffer of the same bytes (fp32)."""
+    import torch
+
+    def nbytes(mod) -> int:
+        return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+    chunks = [nbytes(plain.model.embed_tokens)] + [nbytes(layer) for layer in plain.model.layers]
+    chunks.append(nbytes(plain) - sum(chunks))
+    return [(torch.empty(c // 4 // world), torch.empty(c // 4 // world * world)) for c in chunks]
+
+
+def floor_broadcasts(bufs: list, n: int, group) -> None:
+    """``n`` steps of the floor's gathers: per unit, the shard copied into its slice, then one
+    broadcast per rank into its slice. Collective on ``group``: every rank, same ``n``."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for _ in range(n):
+        for src, dst in bufs:
+            parts = dst.chunk(world)
+            parts[rank].copy_(src)
+            for r in range(world):
+                dist.broadcast(parts[r], group_src=r, group=group)
+
+
 def measure_decode(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -176,15 +203,8 @@ def measure_decode(args: argparse.Namespace) -> dict:
     }
     plain = build_medium()
 
-    def nbytes(mod) -> int:
-        return sum(p.numel() * p.element_size() for p in mod.parameters())
-
-    chunks = [nbytes(plain.model.embed_tokens)] + [nbytes(layer) for layer in plain.model.layers]
-    chunks.append(nbytes(plain) - sum(chunks))
-    bufs = [(torch.empty(c // 4 // world), torch.empty(c // 4 // world * world)) for c in chunks]
+    bufs = floor_buffers(plain, world)
     group = dist.new_group(backend="gloo")
-
-    rank = dist.get_rank()
 
     def compute(n: int) -> None:
         with torch.no_grad():
@@ -196,12 +216,7 @@ def measure_decode(args: argparse.Namespace) -> dict:
                 dist.all_gather_into_tensor(dst, src, group=group)
 
     def broadcasts(n: int) -> None:  # the same bytes as one broadcast per rank into its slice
-        for _ in range(n):
-            for src, dst in bufs:
-                parts = dst.chunk(world)
-                parts[rank].copy_(src)
-                for r in range(world):
-                    dist.broadcast(parts[r], group_src=r, group=group)
+        floor_broadcasts(bufs, n, group)
 
     methods = {f"shardgen {b}": (lambda n, e=e: e.generate_ids(ids, mask, max_new_tokens=n, eos_token_id=[]))
                for b, e in engines.items()}  # fmt: skip

@@ -46,7 +46,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(__file__))
-from allocator import build_medium  # noqa: E402
+from allocator import build_medium, floor_broadcasts, floor_buffers  # noqa: E402
 from common import run_as_ranks, script_args, write_json  # noqa: E402
 
 _local = threading.local()
@@ -119,12 +119,7 @@ def rank_main(args: argparse.Namespace) -> None:
         fully_shard(layer, reshard_after_forward=False)
     fully_shard(kept, reshard_after_forward=False)
 
-    def nbytes(mod) -> int:
-        return sum(p.numel() * p.element_size() for p in mod.parameters())
-
-    chunks = [nbytes(plain.model.embed_tokens)] + [nbytes(layer) for layer in plain.model.layers]
-    chunks.append(nbytes(plain) - sum(chunks))
-    bufs = [(torch.empty(c // 4 // world), torch.empty(c // 4 // world * world)) for c in chunks]
+    bufs = floor_buffers(plain, world)
     group = dist.new_group(backend="gloo")
 
     def shardgen_run(n: int) -> None:
@@ -139,12 +134,7 @@ def rank_main(args: argparse.Namespace) -> None:
             kept.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, synced_gpus=False)
 
     def broadcasts(n: int) -> None:
-        for _ in range(n):
-            for src, dst in bufs:
-                parts = dst.chunk(world)
-                parts[rank].copy_(src)
-                for r in range(world):
-                    dist.broadcast(parts[r], group_src=r, group=group)
+        floor_broadcasts(bufs, n, group)
 
     def snapshot() -> dict[str, float]:
         s = engine.stats()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from score_scenarios import reference_row
 
 VOCAB = 48
 T5_EOS, T5_PAD = 1, 0  # T5 starts its decoder at the pad id
@@ -84,13 +85,7 @@ def hf_teacher(
             logits = model(
                 input_ids=torch.tensor([p]), decoder_input_ids=torch.tensor([[start, *r[:-1]]])
             ).logits[0]
-        lp = torch.log_softmax(logits.float() / temperature, -1)
-        row = {"logprobs": lp.gather(-1, torch.tensor(r, dtype=torch.long)[:, None]).squeeze(-1)}
-        row["entropy"] = -(lp.exp() * lp).sum(-1)
-        row["logits"], row["all"] = logits, lp
-        if top_k:
-            row["top_logprobs"] = lp.topk(top_k, -1).values
-        out.append(row)
+        out.append(reference_row(logits, r, temperature, top_k))
     return out
 
 

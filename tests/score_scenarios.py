@@ -13,6 +13,20 @@ from models import tiny_model
 HINT = [11, 12, 13]  # a teacher's privileged context, before the student's prompt
 
 
+def reference_row(
+    logits: torch.Tensor, response: list[int], temperature: float, top_k: int
+) -> dict[str, Any]:
+    """One row's reference from HF's ``logits`` at its response positions: the response's logprobs,
+    the entropy, the log softmax (``all``), the top-k logprobs when asked."""
+    lp = torch.log_softmax(logits.float() / temperature, -1)
+    row = {"logprobs": lp.gather(-1, torch.tensor(response, dtype=torch.long)[:, None]).squeeze(-1)}
+    row["entropy"] = -(lp.exp() * lp).sum(-1)
+    row["logits"], row["all"] = logits, lp
+    if top_k:
+        row["top_logprobs"] = lp.topk(top_k, -1).values
+    return row
+
+
 def reference(model, prompts, responses, temperature: float = 1.0, top_k: int = 0) -> list[dict[str, Any]]:
     """Per row: HF ``model(input_ids).logits`` on prompt + response, log softmax at the response."""
     out = []
@@ -20,13 +34,7 @@ def reference(model, prompts, responses, temperature: float = 1.0, top_k: int = 
         ids = torch.tensor([list(p) + list(r)])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(p) - 1 : len(p) - 1 + len(r)]
-        lp = torch.log_softmax(logits.float() / temperature, -1)
-        row = {"logprobs": lp.gather(-1, torch.tensor(r, dtype=torch.long)[:, None]).squeeze(-1)}
-        row["entropy"] = -(lp.exp() * lp).sum(-1)
-        row["logits"], row["all"] = logits, lp
-        if top_k:
-            row["top_logprobs"] = lp.topk(top_k, -1).values
-        out.append(row)
+        out.append(reference_row(logits, r, temperature, top_k))
     return out
 
 
