@@ -18,7 +18,7 @@ class _Replica:
 
 
 class _Stationary:
-    def forward(self, shapes: Any, run: Any) -> str:
+    def forward(self, shapes: Any, run: Any, towers: int = 0) -> str:
         return f"stationary {shapes}"
 
 
