@@ -25,6 +25,8 @@ from shardgen import toy
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
+# In `make fuzz`, not `make test`: make fuzz runs the same job ten times (tests/two_agents.py).
+@pytest.mark.long
 def test_two_agent_job_exits_zero_with_no_thread_left(tmp_path: Path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in toy.make_prompts(12, seed=2)))

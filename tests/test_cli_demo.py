@@ -105,6 +105,8 @@ def test_bad_input_launched(bad_runs, case: str) -> None:
 # ---------------------------------------------------------------- the DeepSpeed job's output
 
 
+# In `make fuzz`, not `make test`: a DeepSpeed launch of `shardgen run` (about 15 CPU-s).
+@pytest.mark.long
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_deepspeed_job_prints_the_bar_and_the_summary_only(tmp_path: Path) -> None:
     """DeepSpeed's gathers call torch's deprecated all_gather_into_tensor, and its comm layer
@@ -148,6 +150,8 @@ def test_demo_checks_its_answers_and_does_not_hang(tmp_path: Path) -> None:
     assert summary["ranks"][3]["prompts"] == 0 and summary["ranks"][3]["shadow_forwards"] > 0
 
 
+# In `make fuzz`, not `make test`: a second 4-rank demo; --quiet is checked on a job in tests/test_cli.py.
+@pytest.mark.long
 def test_demo_quiet_prints_nothing(tmp_path: Path) -> None:
     job = run(["demo", "--quiet", "--nproc", "2", "--prompts", "16", "--away-s", "0"], tmp_path, timeout=300)
     assert job.stdout == "" and job.stderr == "", job.output()

@@ -39,6 +39,9 @@ def reference(workdir: Path) -> list[dict]:
     return reference_results(workdir)
 
 
+# In `make fuzz`, not `make test`: two 2-rank launches; a killed rank's one line and the
+# resume run at 3 ranks below.
+@pytest.mark.long
 def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list[dict]) -> None:
     out = workdir / "restarted.jsonl"
     args = ["run", "--prompts", "prompts.jsonl", "--out", str(out), "--nproc", "2", "--max-restarts", "1"]
@@ -87,6 +90,9 @@ def test_a_killed_rank_is_one_line_with_the_resume_command(workdir: Path, refere
     assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
 
 
+# In `make fuzz`, not `make test`: a 4-rank launch (about 25 CPU-s); the per-replica summary
+# is checked in tests/test_jobs.py.
+@pytest.mark.long
 def test_replicas_claim_from_one_prompts_file(workdir: Path, reference: list[dict]) -> None:
     """``--nproc 4 --shard-size 2``: two replicas sharded 2 ways, one prompts file, the same results."""
     args = ["run", "--prompts", "prompts.jsonl", "--out", "replicas.jsonl", "--nproc", "4"]

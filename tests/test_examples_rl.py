@@ -31,6 +31,9 @@ def test_rl_rollout_fsdp2_torchrun():
     _check_rl_rollout(*run(torchrun("rl_rollout.py", "--backend", "fsdp2", *RL_ARGS))[:2], steps=2)
 
 
+# In `make fuzz`, not `make test`: the DeepSpeed launcher runs opsd.py below; rl_rollout.py
+# runs on FSDP2 above.
+@pytest.mark.long
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_rl_rollout_deepspeed_launcher():
     # DeepSpeed's CPU start-up alone takes a minute on a busy 2-core machine

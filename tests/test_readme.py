@@ -58,6 +58,8 @@ def test_readme_quickstart(tmp_path):
     assert "[shardgen rank" not in out, out  # nothing logged at the default level
 
 
+# In `make fuzz`, not `make test`: a DeepSpeed launch; the README's other scripts run here.
+@pytest.mark.long
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_readme_zero3_hf_deepspeed_config(tmp_path):
     out = _run_readme_script("zero3.py", tmp_path, timeout=2 * RUN_TIMEOUT_S)

@@ -85,6 +85,8 @@ def test_job_memory_is_flat_short(tmp_path):
     _job(SHORT_PROMPTS, tmp_path)
 
 
+# In `make fuzz`, not `make test`: its long form runs there too; the short job soak stays here.
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_engine_open_across_calls_leaves_nothing(world2):
     out = world2.run(S.engine_calls, SHORT_CALLS, timeout=SHORT_TIMEOUT)
