@@ -77,6 +77,9 @@ def test_two_rank_job_answers_the_toy_task(workdir: Path, reference: list[dict])
     assert not list(workdir.glob("ref.jsonl.*"))  # journals merged away, no temp file left
 
 
+# In `make fuzz`, not `make test` (two 2-rank launches): a killed job's resume runs at 3 ranks in
+# tests/test_cli_launcher.py.
+@pytest.mark.long
 def test_sigkill_mid_run_then_resume(workdir: Path, reference: list[dict]) -> None:
     out = workdir / "killed.jsonl"
     args = ["run", "--prompts", "prompts.jsonl", "--out", str(out), "--nproc", "2", "--quiet"]
