@@ -8,6 +8,7 @@ A tiny Gemma (``models.tiny_config("gemma")``): its input embedding is a scaled 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -89,12 +90,19 @@ def generate(
             def unit(m: nn.Module) -> object:
                 return m._get_fsdp_state() if isinstance(m, FSDPModule) else root
 
+            def sharded() -> list[bool]:  # between forwards (FSDP2 registers the sharded DTensor again)
+                return [isinstance(m.weight, DTensor) for m in (emb, head)]
+
+            # The barrier can pass while a driver still ends a tick it agreed before its generate
+            # returned (a shadow forward, its units gathered): give it a moment to leave it.
+            deadline = time.monotonic() + 5.0
+            while not all(sharded()) and time.monotonic() < deadline:
+                time.sleep(0.01)
             info.update(
                 # the embedding / head: a unit of its own (not the root, which stays gathered)
                 own_units=[unit(m) is not root for m in (emb, head)],
                 same_unit=unit(emb) is unit(head),
-                # between forwards: sharded (FSDP2 registers the sharded DTensor again)
-                sharded=[isinstance(m.weight, DTensor) for m in (emb, head)],
+                sharded=sharded(),
             )
     finally:
         engine.close()
