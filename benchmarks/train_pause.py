@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
 import threading
@@ -51,7 +50,6 @@ from stats import median_ci, quartiles  # noqa: E402
 BACKEND_TRIMS = (
     "shardgen.backends.fsdp2.pool",
     "shardgen.backends.deepspeed",
-    "shardgen.backends.whole",
     "shardgen.backends.stationary.mode",
 )
 
@@ -146,8 +144,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
             with contextlib.ExitStack() as stack:
                 for where in BACKEND_TRIMS:
-                    if hasattr(importlib.import_module(where), "trim_heap"):
-                        stack.enter_context(mock.patch(f"{where}.trim_heap", lambda: False))
+                    stack.enter_context(mock.patch(f"{where}.trim_heap", lambda: False))
                 return block("paused", model, opt, ds, seed, spare)
         with shardgen.Engine(model, backend=backend) as eng:
             if arm == "hooks off":  # (close() still hands the model back)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import mmap
 from typing import Any
 
@@ -223,13 +224,10 @@ def off_heap_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     it (the last reference gone) unmaps it, so a large scratch buffer freed between tensors that
     stay leaves no hole in the heap to grow around, and needs no ``trim_heap`` (which would also
     hand back the free heap that the next training step reuses: PERFORMANCE section 13). Local."""
-    numel = 1
-    for d in shape:
-        numel *= int(d)
+    numel = math.prod(shape)
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, numel * itemsize)  # the tensor keeps it alive; unmapped with the tensor
+    buf = mmap.mmap(-1, numel * dtype.itemsize)  # the tensor keeps it alive; unmapped with the tensor
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
