@@ -106,13 +106,13 @@ def score_uneven(
         elif rank == 1:
             empty = eng.score([], [])
             assert len(empty) == 0 and tuple(empty.logprobs.shape) == (0, 0)
-            res["gen"] = len(eng.generate([[5, 6, 7, 8]], max_new_tokens=12, eos_token_id=None)[0].token_ids)
+            res["gen"] = len(eng.generate([[5, 6, 7, 8]], max_new_tokens=12, eos_token_id=[])[0].token_ids)
         else:
             p, r = rows_for(rank, 2, 3)
             box: dict[str, Any] = {}
             t = threading.Thread(target=lambda: box.update(sb=eng.score(p, r)))
             t.start()
-            res["gen"] = len(eng.generate([[9, 10, 11]], max_new_tokens=6, eos_token_id=None)[0].token_ids)
+            res["gen"] = len(eng.generate([[9, 10, 11]], max_new_tokens=6, eos_token_id=[])[0].token_ids)
             t.join(60)
             res["diff"] = worst(box["sb"], reference(ref, p, r))
     return res

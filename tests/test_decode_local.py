@@ -62,6 +62,22 @@ def test_finish_reason_logprobs_and_eos_list():
     assert abs(ref - out[0].logprobs[0]) < 1e-5
 
 
+def test_eos_none_takes_the_models_and_an_empty_list_turns_eos_off():
+    """As in HF, ``eos_token_id=None`` means the model's EOS, not none; ``[]`` means none at all
+    (every row runs to ``max_new_tokens``), in ``generate`` and in a multi-turn ``rollout``."""
+    model = tiny_model("llama", seed=4)
+    ids, mask = batch([6], seed=5)
+    model.generation_config.eos_token_id = eos_after(model, ids, mask, row=0, step=1)
+    prompt = [ids[0][mask[0].bool()].tolist()]
+    with shardgen.Engine(model, backend="local") as eng:
+        model_eos = eng.generate(prompt, max_new_tokens=6, eos_token_id=None)[0]
+        off = eng.generate(prompt, max_new_tokens=6, eos_token_id=[])[0]
+        turns = eng.rollout(prompt, env=lambda r, c: [5] * 2, max_turns=2, max_new_tokens=6, eos_token_id=[])
+    assert model_eos.finish_reason == "eos" and len(model_eos.token_ids) == 2
+    assert off.finish_reason == "length" and len(off.token_ids) == 6
+    assert turns.turns == [2] and int(turns.response_lengths[0]) == 6 + 2 + 6
+
+
 def test_sampling_seed_is_per_request_not_per_batch():
     model = tiny_model("llama", seed=5)
     ids, mask = batch([4, 7, 5], seed=6)

@@ -174,7 +174,7 @@ def test_from_threads_beside_generate(engine):
     ]
     for t in threads:
         t.start()
-    gen = engine.generate([[4, 5, 6]], max_new_tokens=10, eos_token_id=None)
+    gen = engine.generate([[4, 5, 6]], max_new_tokens=10, eos_token_id=[])
     for t in threads:
         t.join(60)
     assert len(gen[0].token_ids) == 10

@@ -181,8 +181,8 @@ def test_a_shared_system_prompt_is_prefilled_once():
     model = tiny_model("llama", seed=7)
     header = ts.prompts_of(2, 1, length=40)[0]
     with shardgen.Engine(model, backend="local") as eng:
-        eng.generate([header + [5, 6, 7]], max_new_tokens=4, eos_token_id=None)
-        eng.generate([header + [8, 9]], max_new_tokens=4, eos_token_id=None)
+        eng.generate([header + [5, 6, 7]], max_new_tokens=4, eos_token_id=[])
+        eng.generate([header + [8, 9]], max_new_tokens=4, eos_token_id=[])
         stats = eng.stats()
     assert stats["cached_prompt_tokens"] == 40, stats  # the header, from the first request's KV
 
@@ -198,7 +198,7 @@ def test_multi_turn_batch_layout_token_in_token_out():
         return None if sum(1 for r, *_ in seen if r == row) >= 1 + row else [7] * (3 + row)
 
     with shardgen.Engine(model, backend="local") as eng:
-        b = eng.rollout(prompts, n=2, env=env, max_new_tokens=4, eos_token_id=None, seed=1)
+        b = eng.rollout(prompts, n=2, env=env, max_new_tokens=4, eos_token_id=[], seed=1)
         again = eng.score(b)
     assert b.turns == [1, 2, 3, 4]
     for i in range(len(b)):
@@ -226,9 +226,9 @@ def test_multi_turn_ends_at_max_turns_and_at_the_context():
     model = tiny_model("llama", seed=9)  # context 256
     prompt = ts.prompts_of(4, 1, length=20)
     with shardgen.Engine(model, backend="local") as eng:
-        b = eng.rollout(prompt, env=lambda r, c: [5] * 4, max_turns=3, max_new_tokens=3, eos_token_id=None)
+        b = eng.rollout(prompt, env=lambda r, c: [5] * 4, max_turns=3, max_new_tokens=3, eos_token_id=[])
         assert b.turns == [3] and int(b.response_lengths[0]) == 3 * 3 + 2 * 4
-        long = eng.rollout(prompt, env=lambda r, c: [5] * 100, max_new_tokens=3, eos_token_id=None)
+        long = eng.rollout(prompt, env=lambda r, c: [5] * 100, max_new_tokens=3, eos_token_id=[])
         assert long.turns == [3] and long.finish_reasons == ["length"]  # 20 + 3 * 103 >= 256
         assert int(long.prompt_lengths[0] + long.response_lengths[0]) < 256 + 100
         groups = dict(

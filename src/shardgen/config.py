@@ -65,7 +65,8 @@ class SamplingParams:
     seed: int | None = None
     """Per-request sampling seed: the same seed gives the same tokens on any rank, in any batch."""
     eos_token_id: int | list[int] | None = None
-    """EOS id or ids; None takes the model's ``generation_config``."""
+    """EOS id or ids; None takes the model's ``generation_config`` (as HF's ``generate`` does);
+    ``[]`` none at all: every row runs to ``max_new_tokens``."""
     pad_token_id: int | None = None
     """Pad id written after EOS; None takes the model's, else the first EOS id (as HF does)."""
     stop: list[str] | None = None
