@@ -106,7 +106,7 @@ class _FakeEngine:
         from shardgen.generation.requests import Completion
 
         self.calls.append((len(prompts), list(seed)))
-        futures = []
+        futures, timers = [], []
         for p in prompts:
             f: Future = Future()
             with self.lock:
@@ -118,8 +118,12 @@ class _FakeEngine:
                     self.live -= 1
                 f.set_result(Completion([7], "length", p))
 
-            threading.Timer(0.01 * (1 + len(futures) % 3), done).start()
+            timers.append(threading.Timer(0.01 * (1 + len(futures) % 3), done))
             futures.append(f)
+        # The call's rows are all in flight before any finishes (a timer started in the loop could
+        # fire, under load, before the last row was counted).
+        for t in timers:
+            t.start()
         return futures
 
 
