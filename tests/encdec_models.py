@@ -50,8 +50,53 @@ def tiny_bart(seed: int = 1) -> Any:
     return model
 
 
+def tiny_mt5(seed: int = 2, init: float = 5.0) -> Any:
+    """:func:`tiny_t5`'s shape as an mT5 (its own classes; untied LM head)."""
+    from transformers import MT5Config, MT5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = MT5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, decoder_start_token_id=T5_PAD, pad_token_id=T5_PAD,
+        eos_token_id=T5_EOS, initializer_factor=init,
+    )  # fmt: skip
+    return MT5ForConditionalGeneration(cfg).eval()
+
+
+def tiny_bart_kin(kind: str, seed: int = 2) -> Any:
+    """A 2+2-layer mBART (pre-norm, learned positions), Marian or Pegasus (sinusoidal positions,
+    the decoder started at the pad id), weights and positions drawn wide (tokens that vary
+    along a row), eval mode."""
+    import transformers as tf
+
+    config, model = {
+        "mbart": (tf.MBartConfig, tf.MBartForConditionalGeneration),
+        "marian": (tf.MarianConfig, tf.MarianMTModel),
+        "pegasus": (tf.PegasusConfig, tf.PegasusForConditionalGeneration),
+    }[kind]
+    start = BART_EOS if kind == "mbart" else BART_PAD
+    torch.manual_seed(seed)
+    cfg = config(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=BART_PAD, bos_token_id=0, eos_token_id=BART_EOS, decoder_start_token_id=start,
+        forced_eos_token_id=BART_EOS, init_std=0.5,
+    )  # fmt: skip
+    m = model(cfg).eval()
+    with torch.no_grad():  # positions drawn wide (sinusoids too): tokens that depend on them
+        m.model.decoder.embed_positions.weight.normal_(0, 3.0)
+        m.model.encoder.embed_positions.weight.normal_(0, 3.0)
+    return m
+
+
+#: BART's kin and mT5: encoder-decoders of the same layouts as BART and T5.
+KIN = ("mbart", "marian", "pegasus", "mt5")
+
+
 def tiny(kind: str, seed: int | None = None, **over: Any) -> Any:
-    make = {"t5": tiny_t5, "bart": tiny_bart}[kind]
+    if kind in ("mbart", "marian", "pegasus"):
+        return tiny_bart_kin(kind) if seed is None else tiny_bart_kin(kind, seed)
+    make = {"t5": tiny_t5, "bart": tiny_bart, "mt5": tiny_mt5}[kind]
     return make(**over) if seed is None else make(seed, **over)
 
 

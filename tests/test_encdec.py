@@ -9,7 +9,7 @@ from __future__ import annotations
 import encdec_scenarios as sc
 import pytest
 import torch
-from encdec_models import features, hf_teacher, hf_tokens, hf_whisper, tiny, tiny_scored, tiny_whisper
+from encdec_models import KIN, features, hf_teacher, hf_tokens, hf_whisper, tiny, tiny_scored, tiny_whisper
 from score_scenarios import worst
 
 import shardgen
@@ -18,11 +18,12 @@ _PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(3, 13)), [20], [30, 31, 32], [
 _LENGTHS = [4, 10, 6, 12, 3, 9]  # rows ending at different steps: refills take their slots
 
 
-@pytest.mark.parametrize("kind", ["t5", "bart"])
+@pytest.mark.parametrize("kind", ["t5", "bart", *KIN])
 @pytest.mark.parametrize("max_batch_size", [None, 2])
 def test_local_matches_hf_per_request(kind, max_batch_size):
     """Encoder inputs of 1 to 10 tokens in one batch; at 2 rows, refills start new encoders while
-    the other rows decode (BART's learned decoder positions per row)."""
+    the other rows decode (BART's learned decoder positions per row, its kin's learned or
+    sinusoidal ones: without each row's own positions mBART, Marian and Pegasus fail here)."""
     model = tiny(kind)
     want = [hf_tokens(model, p, n) for p, n in zip(_PROMPTS, _LENGTHS, strict=True)]
     opts = {} if max_batch_size is None else {"max_batch_size": max_batch_size}
@@ -160,7 +161,7 @@ def test_whisper_mistakes_are_value_errors():
 
 def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
     import torch
-    from transformers import PegasusConfig, PegasusForConditionalGeneration
+    from transformers import BlenderbotConfig, BlenderbotForConditionalGeneration
 
     model = tiny("bart")
     with shardgen.Engine(model, backend="local") as eng:
@@ -182,12 +183,12 @@ def test_what_an_encoder_decoder_does_not_take_is_a_value_error():
             eng.score([[5, 6]], [[7]], inputs=[{"pixel_values": torch.zeros(1)}])
         with pytest.raises(ValueError, match="multi-turn"):
             eng.rollout([[5, 6]], n=1, env=lambda row, c: None, max_turns=2)
-    tiny_pegasus = PegasusForConditionalGeneration(
-        PegasusConfig(vocab_size=48, d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=16,
-                      decoder_ffn_dim=16, encoder_attention_heads=2, decoder_attention_heads=2)
+    tiny_blenderbot = BlenderbotForConditionalGeneration(
+        BlenderbotConfig(vocab_size=48, d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=16,
+                         decoder_ffn_dim=16, encoder_attention_heads=2, decoder_attention_heads=2)
     )  # fmt: skip
-    with pytest.raises(ValueError, match="'pegasus' is not supported"):
-        shardgen.Engine(tiny_pegasus, backend="local")
+    with pytest.raises(ValueError, match="'blenderbot' is not supported"):
+        shardgen.Engine(tiny_blenderbot, backend="local")
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
@@ -263,6 +264,20 @@ def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, 
         assert out[0]["refills"] > 0
         if gather != "once":
             assert out[1]["shadows"] > 0  # rank 1 waited on rank 0's forwards, encoder included
+
+
+@pytest.mark.multirank
+def test_two_ranks_bart_kin_and_mt5(ds_world2):
+    """mBART, Marian, Pegasus and mT5 as above: FSDP2 stationary (the encoder's exchanges sized at
+    the call) and DeepSpeed with a bucket per unit."""
+    for kind in KIN:
+        for backend, gather, bucket_mb in [("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001)]:
+            out = ds_world2.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
+            for r, res in enumerate(out):
+                assert res["bad"] == [], f"{kind} {backend}, rank {r}: {res['bad']}"
+                if gather == "stationary":
+                    assert_stationary(res, kind)
+            assert out[0]["refills"] > 0 and out[1]["shadows"] > 0, kind
 
 
 def assert_stationary(res: dict, kind: str) -> None:
@@ -350,7 +365,7 @@ def test_without_the_tower_agreement_the_ranks_part(backend, bucket_mb):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     out = {}
-    for kind in ("t5", "bart", "whisper"):
+    for kind in ("t5", "bart", "whisper", *KIN):
         path = tmp_path_factory.mktemp(kind)
         (tiny_whisper() if kind == "whisper" else tiny(kind)).save_pretrained(path)
         out[kind] = str(path)
@@ -367,9 +382,11 @@ def test_whisper_from_pretrained_scores_as_hf(checkpoints):
     assert worst(sb, hf_whisper(ref, ps, rs, xs)) < TOL
 
 
-@pytest.mark.parametrize("kind", ["t5", "bart"])
+@pytest.mark.parametrize("kind", ["t5", "bart", *KIN])
 def test_from_pretrained_picks_the_seq2seq_class(checkpoints, kind):
-    ref = tiny(kind)
+    """Against HF's own ``from_pretrained`` of the checkpoint: Marian's sinusoidal positions are
+    not saved (``_keys_to_ignore_on_save``), both make them at load."""
+    ref = type(tiny(kind)).from_pretrained(checkpoints[kind]).eval()
     with shardgen.Engine.from_pretrained(checkpoints[kind], backend="local") as eng:
         assert type(eng.model) is type(ref)
         got = eng.generate([[5, 6, 7], [9, 10, 11, 12]], max_new_tokens=8)
@@ -380,8 +397,8 @@ def test_from_pretrained_picks_the_seq2seq_class(checkpoints, kind):
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
 def test_from_pretrained_two_ranks(ds_world2, checkpoints, backend):
     """Loaded straight into each rank's shards (tied embeddings and head included); a Whisper
-    (the speech seq2seq class) scores as HF."""
-    for kind in ("t5", "bart"):
+    (the speech seq2seq class) scores as HF; Marian's unsaved positions made into the shards."""
+    for kind in ("t5", "bart", "marian"):
         out = ds_world2.run(sc.encdec_from_pretrained, kind, backend, checkpoints[kind], timeout=240)
         assert out == [[], []], kind
     diffs = ds_world2.run(sc.whisper_from_pretrained, backend, checkpoints["whisper"], timeout=240)

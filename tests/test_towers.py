@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import tower_scenarios as sc
-from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
+from vlm import EOS, PAD, QWEN_VL, hf_tokens, images, prompt, tiny_qwen2_vl
 
 import shardgen
 
@@ -22,12 +22,14 @@ def _local_requests():
     ]
 
 
+@pytest.mark.parametrize("family", sorted(QWEN_VL))
 @pytest.mark.parametrize("max_batch_size, max_prefill_tokens", [(None, None), (2, None), (None, 8)])
-def test_qwen2_vl_local_matches_hf_per_request(max_batch_size, max_prefill_tokens):
+def test_qwen2_vl_local_matches_hf_per_request(max_batch_size, max_prefill_tokens, family):
     """Images of different sizes, two images in one prompt and a text-only request in one batch
     (and, at 2 rows, refills into a running batch): M-RoPE offsets carried into decode per row.
-    Under a prefill budget the prompts go in chunks, each image whole in one of them."""
-    model = tiny_qwen2_vl(0)
+    Under a prefill budget the prompts go in chunks, each image whole in one of them. Qwen2-VL
+    and Qwen2.5-VL (windowed vision blocks)."""
+    model = QWEN_VL[family](0)
     reqs = _local_requests()
     lengths = [3, 10, 5, 10]  # rows ending early: refills take their slots
     want = [hf_tokens(model, p, x, n) for (p, x), n in zip(reqs, lengths, strict=True)]
@@ -70,6 +72,36 @@ def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
             eng.generate([[5, 6, 7]], inputs=[x], max_new_tokens=2)
         with pytest.raises(ValueError, match="one dict"):
             eng.generate([[5, 6, 7]], inputs=[x, x], max_new_tokens=2)
+
+
+def test_inputs_for_a_model_kind_without_named_towers_are_value_errors():
+    """A request's ``inputs`` would run a part of the model (an unnamed vision tower) on the
+    ranks that have them only, where the tick cannot agree on it: refused before any forward,
+    naming the kinds that take them; the engine still serves."""
+    from models import tiny_model
+
+    with shardgen.Engine(tiny_model("llama", seed=1), backend="local") as eng:
+        with pytest.raises(ValueError, match=r"inputs \['pixel_values'\] for model type 'llama'.*qwen2_vl"):
+            eng.generate([[5, 6, 7]], inputs=[{"pixel_values": torch.zeros(4, 8)}], max_new_tokens=2)
+        with pytest.raises(ValueError, match="model type 'llama', which has no towers"):
+            eng.score([[5, 6]], [[7]], inputs=[{"pixel_values": torch.zeros(4, 8)}])
+        got = eng.generate([[5, 6, 7]], inputs=[{"pixel_values": None}], max_new_tokens=2)
+        assert len(got[0].token_ids) >= 1
+
+
+@pytest.mark.multirank
+def test_qwen2_5_vl_two_ranks_one_with_text_only(ds_world2):
+    """Qwen2.5-VL (windowed vision blocks, a gate/up/down MLP) on FSDP2 per layer and stationary
+    and DeepSpeed per layer, rank 1 text only: it runs the vision tower on its shadow image."""
+    for backend, gather, bucket_mb in [
+        ("fsdp2", "per-layer", None), ("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001),
+    ]:  # fmt: skip
+        out = ds_world2.run(sc.vlm_equal, backend, gather, None, bucket_mb, None, "qwen2_5_vl", timeout=240)
+        for r, res in enumerate(out):
+            assert res["bad"] == [], f"{backend} {gather}, rank {r}: {res['bad']}"
+            if gather == "stationary":
+                assert_stationary(res, r)
+        assert out[1]["tower_runs"] > 0, (backend, gather)
 
 
 @pytest.mark.multirank
@@ -186,13 +218,17 @@ def vlm_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def test_from_pretrained_on_an_image_text_to_text_checkpoint(vlm_checkpoint):
+@pytest.mark.parametrize("family", sorted(QWEN_VL))
+def test_from_pretrained_on_an_image_text_to_text_checkpoint(vlm_checkpoint, tmp_path, family):
     """Built by the image-text-to-text auto class, its weights read from the layout
     ``save_pretrained`` writes (``model.layers``: the model's ``model.language_model.layers``)."""
-    ref = tiny_qwen2_vl(3)
+    ref = QWEN_VL[family](3)
+    if family != "qwen2_vl":
+        ref.save_pretrained(tmp_path)
     a = images((4, 6), seed=1)
     p = prompt([5, 6], a)
-    with shardgen.Engine.from_pretrained(vlm_checkpoint, backend="local") as eng:
+    path = vlm_checkpoint if family == "qwen2_vl" else str(tmp_path)
+    with shardgen.Engine.from_pretrained(path, backend="local") as eng:
         got = eng.generate(
             [p, [9, 10]], inputs=[a, None], max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD
         )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 from encdec_scenarios import stationary_stats
-from vlm import EOS, PAD, hf_tokens, images, prompt, tiny_qwen2_vl
+from vlm import EOS, PAD, QWEN_VL, hf_tokens, images, prompt, tiny_qwen2_vl
 
 # Per rank: the calls it makes, each a list of (text, images or None). Rank 0 mixes images of
 # different sizes, several images in one prompt and a text-only request in one batch; rank 1
@@ -40,17 +40,19 @@ def vlm_equal(
     max_batch_size: int | None = None,
     bucket_mb: float | None = None,
     max_prefill_tokens: int | None = None,
+    family: str = "qwen2_vl",
 ) -> dict:
     """Every rank's requests (``_REQUESTS``) on one engine; each completion against single-process
     HF ``generate()`` on an unsharded copy. Returns the mismatches and what the engine counted.
     ``bucket_mb`` (DeepSpeed): small, each unit is a bucket of its own (the tiny model's units
     otherwise fit one bucket, gathered whole at the first unit either rank calls); 0: module by
     module, DeepSpeed's own hooks. ``max_prefill_tokens``: prefills in chunks, an image's tokens
-    in one of them (a later chunk's images run the vision tower: the tick carries it)."""
+    in one of them (a later chunk's images run the vision tower: the tick carries it).
+    ``family``: the model type (``vlm.QWEN_VL``)."""
     import shardgen
 
     r = dist.get_rank()
-    model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
+    model, ref = QWEN_VL[family](3), QWEN_VL[family](3)
     runs: list[int] = []  # the vision tower's forwards on this rank (a replica's not counted)
     model.model.visual.register_forward_hook(lambda *_: runs.append(1))
     calls = _requests(r)

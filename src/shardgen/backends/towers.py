@@ -104,7 +104,13 @@ def _encoder(path: str, before: str) -> tuple[Tower, ...]:
 #: Encoder-decoder model types whose decoding shardgen supports, -> their towers (the encoder).
 ENCODER_DECODERS: dict[str, tuple[Tower, ...]] = {
     "t5": _encoder("encoder", "decoder"),
+    "mt5": _encoder("encoder", "decoder"),
     "bart": _encoder("model.encoder", "model.decoder"),
+    # BART's kin: the same layout, learned (mBART) or sinusoidal (Marian, Pegasus) positions that
+    # take position_ids as BART's do (backends/encdec.decoder_positions).
+    "mbart": _encoder("model.encoder", "model.decoder"),
+    "marian": _encoder("model.encoder", "model.decoder"),
+    "pegasus": _encoder("model.encoder", "model.decoder"),
     # Whisper: the encoder runs on the request's own input_features; the prompt ids are the
     # decoder's prefix (its start and task tokens).
     "whisper": (Tower("encoder", "model.encoder", ("input_features",), "model.decoder", _features_shadow),),
@@ -125,10 +131,29 @@ TOWERS: dict[str, tuple[Tower, ...]] = {
     "qwen2_vl": (
         Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
     ),
+    # Qwen2.5-VL: Qwen2-VL's layout (its vision blocks windowed, an MLP of gate/up/down).
+    "qwen2_5_vl": (
+        Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
+    ),
     # LLaVA: the vision tower and the projector, run by get_image_features of the inner model.
     "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
     **ENCODER_DECODERS,
 }
+
+
+def undeclared_inputs_problem(config: object, inputs: dict[str, Any]) -> str | None:
+    """Why a request's own forward ``inputs`` cannot go to a model of ``config``'s kind: a kind
+    with no towers named here, whose inputs would run a part of the model (an unnamed vision
+    tower) on the ranks that have them only, where the tick cannot agree on it. Local."""
+    kind = getattr(config, "model_type", None)
+    given = sorted(k for k, v in inputs.items() if v is not None)
+    if not given or str(kind) in TOWERS:
+        return None
+    vlms = sorted(k for k, t in TOWERS.items() if k not in ENCODER_DECODERS)
+    return (
+        f"inputs {given} for model type {kind!r}, which has no towers shardgen knows: a part of the "
+        f"model that runs on some ranks only cannot be agreed (inputs= is taken by {', '.join(vlms)})"
+    )
 
 
 def encoder_decoder_problem(model: nn.Module) -> str | None:

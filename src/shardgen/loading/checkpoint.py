@@ -88,10 +88,13 @@ def is_safetensors_checkpoint(path: str) -> bool:
 
 
 class Checkpoint:
-    """The tensors of a safetensors checkpoint folder (single file or index-sharded)."""
+    """The tensors of a safetensors checkpoint folder (single file or index-sharded), and
+    ``computed``: tensors the model makes itself that transformers never saves (Marian's
+    sinusoidal positions, ``_keys_to_ignore_on_save``), read as if they were in the files."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, computed: dict[str, torch.Tensor] | None = None) -> None:
         self.path = path
+        self.computed = dict(computed or {})
         index = os.path.join(path, INDEX)
         if os.path.isfile(index):
             with open(index) as f:
@@ -106,6 +109,8 @@ class Checkpoint:
         self.entries: dict[str, Entry] = {}
         for name in files:
             self.entries.update(read_header(os.path.join(path, name)))
+        for name, t in self.computed.items():
+            self.entries.setdefault(name, Entry("", t.dtype, tuple(t.shape), 0))
         self._files: dict[str, Any] = {}
         self._scratch: torch.Tensor | None = None  # the conversion temporary, kept until close
 
@@ -171,6 +176,10 @@ class Checkpoint:
         if start < 0 or start + count > entry.numel:
             raise ValueError(f"{name}: elements [{start}, {start + count}) outside its {entry.numel}")
         if count == 0:
+            return
+        if not entry.file:  # computed, in memory (small: a positional table)
+            with torch.no_grad():
+                dst.copy_(self.computed[name].reshape(-1)[start : start + count].view(dst.shape))
             return
         if dst.is_contiguous() and dst.device.type == "cpu" and dst.dtype == entry.dtype:
             self._read(entry, start * entry.itemsize, dst)

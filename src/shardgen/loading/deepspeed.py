@@ -88,7 +88,7 @@ def load_deepspeed(
     built.generation_config = model.generation_config
     built._shardgen_sharded = True  # partitioned by shardgen: its embeddings / head may be chunked
     rank = dist.get_rank(param_group)
-    with Checkpoint(src.path) as ckpt, torch.no_grad():
+    with Checkpoint(src.path, src.computed) as ckpt, torch.no_grad():
         for key, tensor in checkpoint_names(built, ckpt).values():
             if hasattr(tensor, "ds_id"):
                 ckpt.check_shape(key, tensor.ds_shape)

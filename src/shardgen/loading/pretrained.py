@@ -54,7 +54,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,6 +77,8 @@ class Source:
 
     path: str
     dtype: torch.dtype
+    #: Parameters the model computes itself, which transformers never saves: ``computed``.
+    computed: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: Any) -> torch.dtype:
@@ -126,8 +128,33 @@ def skeleton(path: str, dtype: torch.dtype | str | None = None) -> nn.Module:
     model.tie_weights()  # part of init_weights in transformers 5, which no_init_weights skips
     model.eval()
     _load_generation_config(model, path)
-    model.shardgen_source = Source(path, target)
+    model.shardgen_source = Source(path, target, computed(model))
     return model
+
+
+def computed(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``name -> value`` of the parameters transformers never saves (``_keys_to_ignore_on_save``:
+    Marian's sinusoidal positions) but makes at load by the model's own ``_init_weights``: each
+    owning module copied to real CPU tensors and initialised there, as ``from_pretrained`` does.
+    Small (positional tables); the loaders read them as checkpoint entries. Not collective."""
+    import copy
+    import re
+
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_save", None) or []]
+    init = getattr(model, "_init_weights", None)
+    out: dict[str, torch.Tensor] = {}
+    if not patterns or not callable(init):
+        return out
+    modules = dict(model.named_modules())
+    for name, _ in model.named_parameters():
+        if not any(p.search(name) for p in patterns):
+            continue
+        owner, _, attr = name.rpartition(".")
+        module = copy.deepcopy(modules[owner]).to_empty(device="cpu")
+        with torch.no_grad():
+            init(module)
+        out[name] = getattr(module, attr).detach()
+    return out
 
 
 def _load_generation_config(model: nn.Module, path: str) -> None:
@@ -192,7 +219,7 @@ def load_fsdp2(model: nn.Module, src: Source, *, param_group: Any, device: torch
     # Allocate only what is still on meta (the shards); real buffers just move to the device.
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     rank, world = dist.get_rank(param_group), dist.get_world_size(param_group)
-    with Checkpoint(src.path) as ckpt, torch.no_grad():
+    with Checkpoint(src.path, src.computed) as ckpt, torch.no_grad():
         for key, tensor in checkpoint_names(model, ckpt).values():
             if isinstance(tensor, DTensor):
                 assert tensor.placements == (Shard(0),), tensor.placements
@@ -213,7 +240,7 @@ def load_full(model: nn.Module, src: Source, *, device: torch.device) -> nn.Modu
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # _apply gave each module its own new tensor: tie lm_head to the embedding again
-    with Checkpoint(src.path) as ckpt, torch.no_grad():
+    with Checkpoint(src.path, src.computed) as ckpt, torch.no_grad():
         for key, tensor in checkpoint_names(model, ckpt).values():
             ckpt.check_shape(key, tensor.shape)
             ckpt.read_flat(key, 0, tensor)
