@@ -74,19 +74,29 @@ def test_inputs_that_do_not_fit_the_prompt_are_value_errors():
             eng.generate([[5, 6, 7]], inputs=[x, x], max_new_tokens=2)
 
 
-def test_inputs_for_a_model_kind_without_named_towers_are_value_errors():
-    """A request's ``inputs`` would run a part of the model (an unnamed vision tower) on the
-    ranks that have them only, where the tick cannot agree on it: refused before any forward,
-    naming the kinds that take them; the engine still serves."""
-    from models import tiny_model
+def test_a_replica_takes_inputs_for_a_model_kind_without_named_towers(monkeypatch):
+    """``backend="local"`` (a replica, no peer to part from) runs whatever a request's inputs run:
+    Qwen2.5-VL with its towers unnamed still equals HF there."""
+    from shardgen.backends import towers
 
-    with shardgen.Engine(tiny_model("llama", seed=1), backend="local") as eng:
-        with pytest.raises(ValueError, match=r"inputs \['pixel_values'\] for model type 'llama'.*qwen2_vl"):
-            eng.generate([[5, 6, 7]], inputs=[{"pixel_values": torch.zeros(4, 8)}], max_new_tokens=2)
-        with pytest.raises(ValueError, match="model type 'llama', which has no towers"):
-            eng.score([[5, 6]], [[7]], inputs=[{"pixel_values": torch.zeros(4, 8)}])
-        got = eng.generate([[5, 6, 7]], inputs=[{"pixel_values": None}], max_new_tokens=2)
-        assert len(got[0].token_ids) >= 1
+    monkeypatch.delitem(towers.TOWERS, "qwen2_5_vl")
+    model = QWEN_VL["qwen2_5_vl"](0)
+    (p, x), (q, _) = _local_requests()[:2]
+    with shardgen.Engine(model, backend="local") as eng:
+        got = eng.generate([p, q], inputs=[x, None], max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
+    assert [c.token_ids for c in got] == [hf_tokens(model, p, x, 6), hf_tokens(model, q, None, 6)]
+
+
+@pytest.mark.multirank
+def test_inputs_for_a_model_kind_without_named_towers_are_value_errors(ds_world2):
+    """Sharded, a request's ``inputs`` would run a part of the model (an unnamed vision tower) on
+    the ranks that have them only, where the tick cannot agree on it: refused before any forward,
+    on the rank that gave them, naming the kinds that take them; the engine still serves."""
+    out = ds_world2.run(sc.undeclared_inputs, timeout=120)
+    assert "inputs ['pixel_values'] for model type 'llama'" in out[0]["generate"], out
+    assert "qwen2_vl" in out[0]["generate"] and "rank 0, request 0" in out[0]["generate"], out
+    assert "which has no towers shardgen knows" in out[0]["score"], out
+    assert [r["served"] for r in out] == [3, 3], out
 
 
 @pytest.mark.multirank

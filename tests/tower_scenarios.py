@@ -281,3 +281,29 @@ def prefix_cache_equal(
                 bad.append((p, c.token_ids, want))
         forwards = eng.stats()["prefill_forwards"]
     return {"bad": bad, "computed": computed, "cached": cached, "prefill_forwards": forwards}
+
+
+def undeclared_inputs() -> dict:
+    """FSDP2, a tiny Llama: rank 0's ``generate`` and ``score`` with ``inputs=`` (a kind with no
+    named towers) raise; both ranks then generate. -> the messages (rank 0), the tokens served."""
+    import torch
+    from models import tiny_model
+
+    import shardgen
+
+    out: dict[str, Any] = {}
+    with shardgen.Engine(tiny_model("llama", seed=1), backend="fsdp2") as eng:
+        if dist.get_rank() == 0:
+            x = {"pixel_values": torch.zeros(4, 8)}
+            for what, call in (
+                ("generate", lambda: eng.generate([[5, 6, 7]], inputs=[x], max_new_tokens=2)),
+                ("score", lambda: eng.score([[5, 6]], [[7]], inputs=[x])),
+            ):
+                try:
+                    call()
+                    out[what] = "no error"
+                except ValueError as e:
+                    out[what] = str(e)
+        got = eng.generate([[5, 6, 7]], max_new_tokens=3, eos_token_id=[])
+        out["served"] = len(got[0].token_ids)
+    return out

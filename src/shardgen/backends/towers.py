@@ -141,18 +141,22 @@ TOWERS: dict[str, tuple[Tower, ...]] = {
 }
 
 
-def undeclared_inputs_problem(config: object, inputs: dict[str, Any]) -> str | None:
-    """Why a request's own forward ``inputs`` cannot go to a model of ``config``'s kind: a kind
-    with no towers named here, whose inputs would run a part of the model (an unnamed vision
-    tower) on the ranks that have them only, where the tick cannot agree on it. Local."""
+def undeclared_inputs_problem(config: object, inputs: Any) -> str | None:
+    """Why a request's own forward ``inputs`` cannot go to a sharded model of ``config``'s kind: a
+    kind with no towers named here, whose inputs would run a part of the model (an unnamed vision
+    tower) on the ranks that have them only, where the tick cannot agree on it. (A replica, the
+    ``local`` backend, runs whatever its inputs run: no peer to part from.) Local."""
     kind = getattr(config, "model_type", None)
-    given = sorted(k for k, v in inputs.items() if v is not None)
-    if not given or str(kind) in TOWERS:
+    if not isinstance(inputs, dict) or str(kind) in TOWERS:
         return None
-    vlms = sorted(k for k, t in TOWERS.items() if k not in ENCODER_DECODERS)
+    given = sorted(k for k, v in inputs.items() if v is not None)
+    if not given:
+        return None
+    vlms = sorted(k for k in TOWERS if k not in ENCODER_DECODERS)
     return (
-        f"inputs {given} for model type {kind!r}, which has no towers shardgen knows: a part of the "
-        f"model that runs on some ranks only cannot be agreed (inputs= is taken by {', '.join(vlms)})"
+        f"inputs {given} for model type {kind!r}, which has no towers shardgen knows: on sharded "
+        f"weights a part of the model run on some ranks only would part them (inputs= is taken by "
+        f"{', '.join(vlms)}; backend='local' runs any)"
     )
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.base import describe_model
 from shardgen.backends.kinds import backend_for
-from shardgen.backends.towers import encoder_decoder_problem, feature_encoder
+from shardgen.backends.towers import encoder_decoder_problem, feature_encoder, undeclared_inputs_problem
 from shardgen.config import EngineConfig, SamplingParams, context_length
 from shardgen.core import comm, groups, process
 from shardgen.core.driver import Driver, DriverSetup
@@ -297,6 +297,7 @@ class Engine:
         p, r = score_api.rows_of(source, responses, prompts, response_mask, self.tokenizer)
         score_api.check_rows(p, r, vocab, context, encdec)
         each = score_api.check_inputs(p, inputs, self._hf_config)
+        self._check_towers(each)
         dtype = getattr(self.model, "dtype", torch.float32)
         if all(len(x) == 0 for x in r):  # nothing to score (zero rows included): no engine work
             empty = [score_api.RowScore(torch.zeros(0, dtype=torch.float32)) for _ in r]
@@ -394,6 +395,7 @@ class Engine:
         inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[Any]:
         self._check_usable()
+        self._check_towers(inputs)
         reqs = build_requests(
             [encode_prompt(p, self.tokenizer) for p in prompts],
             params,
@@ -406,6 +408,17 @@ class Engine:
         if not self._shared.enqueue(reqs):
             raise EngineClosedError(f"rank {self.rank}: engine is closed")
         return reqs if as_requests else [r.future for r in reqs]
+
+    def _check_towers(self, inputs: Sequence[Any] | None) -> None:
+        """``ValueError`` for ``inputs=`` that a sharded model of a kind with no named towers
+        would run on this rank only (``towers.undeclared_inputs_problem``). Local, before the
+        requests reach the driver."""
+        if not inputs or self.config.backend == "local" or self.world == 1:
+            return
+        for i, x in enumerate(inputs):
+            why = undeclared_inputs_problem(self._hf_config, x)
+            if why:
+                raise ValueError(f"rank {self.rank}, request {i}: {why}")
 
     def _on_peer_failure(self, err: BaseException) -> None:
         """Called by the liveness thread: a peer stalled or raised."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shardgen.backends.towers import feature_encoder, undeclared_inputs_problem
+from shardgen.backends.towers import feature_encoder
 from shardgen.config import SamplingParams, context_length
 from shardgen.generation.images import image_layout
 from shardgen.generation.sampling import make_generator
@@ -130,9 +130,6 @@ def input_problems(ids: list[int], inputs: Any, model_config: Any) -> list[str]:
     bad = [k for k, v in inputs.items() if v is not None and not isinstance(v, torch.Tensor)]
     if bad:
         return [f"inputs {bad} must be tensors"]
-    undeclared = undeclared_inputs_problem(model_config, inputs)
-    if undeclared:
-        return [undeclared]
     grid = inputs.get("image_grid_thw")
     token = getattr(model_config, "image_token_id", None)
     if grid is not None and inputs.get("pixel_values") is None:
