@@ -99,6 +99,48 @@ def test_inputs_for_a_model_kind_without_named_towers_are_value_errors(ds_world2
     assert [r["served"] for r in out] == [3, 3], out
 
 
+@pytest.mark.parametrize("max_batch_size", [None, 2])
+def test_llava_next_local_matches_hf_per_request(max_batch_size):
+    """LLaVA-NeXT: images of 2, 3 and 5 tiles in one batch (their tiles zero-padded to one
+    tensor, as its processor batches them) beside a text request; at 2 rows, refills. Again
+    with the prefix cache: the second pass reuses the first's image rows."""
+    from tower_scenarios import llava_next_requests
+    from vlm import hf_llava_tokens, tiny_llava_next
+
+    model = tiny_llava_next(4)
+    ps, xs = llava_next_requests(model, 0)
+    lengths = [3, 8, 5, 8]  # rows ending early: refills take their slots
+    want = [hf_llava_tokens(model, p, x, n) for p, x, n in zip(ps, xs, lengths, strict=True)]
+    opts: dict = {"prefix_cache_tokens": 4096}
+    if max_batch_size:
+        opts["max_batch_size"] = max_batch_size
+    with shardgen.Engine(model, backend="local", **opts) as eng:
+        for _ in range(2):
+            futs = [
+                eng.submit(p, inputs=x, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
+                for p, x, n in zip(ps, xs, lengths, strict=True)
+            ]
+            assert [f.result(timeout=60).token_ids for f in futs] == want
+        stats = eng.stats()
+    assert stats["cached_prompt_tokens"] > 0, stats
+    if max_batch_size:
+        assert stats["refills"] > 0, stats
+
+
+@pytest.mark.multirank
+def test_llava_next_two_ranks_one_with_text_only(ds_world2):
+    """LLaVA-NeXT on FSDP2 per layer and stationary and DeepSpeed per layer, rank 1 text only: it
+    runs the vision tower (and the packing's newline) on its shadow image."""
+    for backend, gather, bucket_mb in [
+        ("fsdp2", "per-layer", None), ("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001),
+    ]:  # fmt: skip
+        out = ds_world2.run(sc.llava_next_equal, backend, gather, bucket_mb, timeout=240)
+        for r, res in enumerate(out):
+            assert res["bad"] == [], f"{backend} {gather}, rank {r}: {res['bad']}"
+            assert res["policy"] == gather
+        assert out[1]["tower_runs"] > 0, (backend, gather)
+
+
 @pytest.mark.multirank
 def test_qwen2_5_vl_two_ranks_one_with_text_only(ds_world2):
     """Qwen2.5-VL (windowed vision blocks, a gate/up/down MLP) on FSDP2 per layer and stationary

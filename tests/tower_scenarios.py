@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 from encdec_scenarios import stationary_stats
-from vlm import EOS, PAD, QWEN_VL, hf_tokens, images, prompt, tiny_qwen2_vl
+from vlm import EOS, IMAGE, PAD, QWEN_VL, hf_tokens, images, prompt, tiny_qwen2_vl
 
 # Per rank: the calls it makes, each a list of (text, images or None). Rank 0 mixes images of
 # different sizes, several images in one prompt and a text-only request in one batch; rank 1
@@ -161,6 +161,45 @@ def llava_equal(backend: str, bucket_mb: float | None = None, gather: str = "per
         if st is None or st["forwards"] != forwards or not st["free_exchanges"] or st["fallbacks"] != _CONVS:
             bad.append(("not stationary", forwards, st))
     return bad
+
+
+def llava_next_requests(model: Any, r: int) -> tuple[list[list[int]], list[Any]]:
+    """Rank 0: images of three sizes (2, 3 and 5 tiles: one batch pads their tiles) beside a text
+    request; rank 1 text only; any rank past 1 none."""
+    from vlm import llava_next_image
+
+    if r == 0:
+        ps, xs = [], []
+        for hw, seed in (((16, 16), 1), ((32, 16), 2), (None, 0), ((32, 32), 3)):
+            x, k = (None, 0) if hw is None else llava_next_image(model, *hw, seed)
+            ps.append([5] + [IMAGE] * k + [7, 8] if x is not None else [5, 6, 7])
+            xs.append(x)
+        return ps, xs
+    return ([[9, 10, 11], [4, 4]], [None, None]) if r == 1 else ([], [])
+
+
+def llava_next_equal(backend: str, gather: str, bucket_mb: float | None = None) -> dict:
+    """LLaVA-NeXT (``llava_next_requests``) against HF ``generate()`` per request: the mismatches
+    and the vision tower's runs on this rank."""
+    from vlm import hf_llava_tokens, tiny_llava_next
+
+    import shardgen
+
+    model, ref = tiny_llava_next(4), tiny_llava_next(4)
+    runs: list[int] = []
+    model.model.vision_tower.register_forward_hook(lambda *_: runs.append(1))
+    ps, xs = llava_next_requests(ref, dist.get_rank())
+    opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+    bad = []
+    with shardgen.Engine(model, backend=backend, gather=gather, **opts) as eng:
+        if ps:
+            got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+            for p, x, c in zip(ps, xs, got, strict=True):
+                want = hf_llava_tokens(ref, p, x, 8)
+                if c.token_ids != want:
+                    bad.append((c.token_ids, want))
+    return {"bad": bad, "tower_runs": len(runs), "policy": eng.gather_policy,
+            "stationary": stationary_stats(eng.backend.stationary)}  # fmt: skip
 
 
 #: The one module of the tiny LLaVA that falls back (gathered per call): the vision tower's

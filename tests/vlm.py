@@ -168,6 +168,55 @@ def hf_llava_tokens(
     return out[: out.index(EOS) + 1] if EOS in out else out
 
 
+def tiny_llava_next(seed: int = 0) -> Any:
+    """A 2-layer LLaVA-NeXT: :func:`tiny_llava`'s towers, images cut in 16 x 16 tiles up to 32 x 32
+    (``image_grid_pinpoints``), a base view first; random weights."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=LLAVA_SIDE, patch_size=LLAVA_PATCH, projection_dim=32, initializer_range=0.2,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1,
+    )  # fmt: skip
+    side = LLAVA_SIDE
+    cfg = LlavaNextConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        image_grid_pinpoints=[[side, side], [side, 2 * side], [2 * side, side], [2 * side, 2 * side]],
+    )  # fmt: skip
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def llava_next_image(model: Any, h: int, w: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
+    """One ``h`` x ``w`` image for :func:`tiny_llava_next` as its processor lays it out
+    (``[1, tiles, 3, 16, 16]`` and ``image_sizes``), and its number of image tokens (what the
+    model's own ``get_image_features`` makes of it)."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    cfg = model.config
+    n = image_size_to_num_patches((h, w), cfg.image_grid_pinpoints, LLAVA_SIDE)
+    g = torch.Generator().manual_seed(seed)
+    x = {
+        "pixel_values": torch.randn((1, n, 3, LLAVA_SIDE, LLAVA_SIDE), generator=g),
+        "image_sizes": torch.tensor([[h, w]]),
+    }
+    with torch.no_grad():
+        feats = model.model.get_image_features(
+            x["pixel_values"],
+            x["image_sizes"],
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default",
+        ).pooler_output
+    return x, int(feats[0].shape[0])
+
+
 def tiny_llava_processor() -> Any:
     """A processor for :func:`tiny_llava`, as a LLaVA checkpoint ships one: a word-level tokenizer
     (``t<i>`` is id i, ``<image>`` the image token) and a PIL CLIP image processor to 16 x 16."""

@@ -81,6 +81,26 @@ def _llava_shadow(model: nn.Module, device: torch.device) -> None:
     )
 
 
+def _llava_next_shadow(model: nn.Module, device: torch.device) -> None:
+    """One image of the vision tower's size, as LLaVA-NeXT's processor cuts it (its base view and
+    its tiles: ``image_size_to_num_patches``), through ``get_image_features`` (the tower, the
+    projector, the packing with the learned newline)."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    cfg = model.config
+    vision = cfg.vision_config
+    side = int(vision.image_size)
+    n = int(image_size_to_num_patches((side, side), cfg.image_grid_pinpoints, side))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    shape = (1, n, int(getattr(vision, "num_channels", 3)), side, side)
+    model.get_image_features(
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.tensor([[side, side]], device=device),
+        vision_feature_layer=cfg.vision_feature_layer,
+        vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+    )
+
+
 def _encoder_shadow(encoder: nn.Module, device: torch.device) -> None:
     """The encoder on one token (id 0), unmasked."""
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -137,6 +157,8 @@ TOWERS: dict[str, tuple[Tower, ...]] = {
     ),
     # LLaVA: the vision tower and the projector, run by get_image_features of the inner model.
     "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
+    # LLaVA-NeXT: LLaVA's layout, each image cut in tiles (``image_sizes``), packed with a newline.
+    "llava_next": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_next_shadow),),
     **ENCODER_DECODERS,
 }
 

@@ -106,13 +106,29 @@ def joined_inputs(
     if not inputs:
         return own
     for key in inputs[0]:
-        parts = [x[key] for x in inputs if x.get(key) is not None]
+        parts = [torch.as_tensor(x[key]) for x in inputs if x.get(key) is not None]
         if parts:
-            own[key] = torch.cat([torch.as_tensor(p) for p in parts], dim=0).to(device)
+            own[key] = torch.cat(_padded(parts), dim=0).to(device)
     token = getattr(config, "image_token_id", None)
     if token is not None and token_types:
         own["mm_token_type_ids"] = (ids == token).int()
     return own
+
+
+def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` zero-padded at the end of every dim but the first to the largest, as a processor
+    batches images of different patch counts (LLaVA-NeXT's ``[images, patches, C, H, W]``: the
+    model reads each image's own patches, ``image_sizes`` says how many); unchanged when they fit."""
+    if len({tuple(p.shape[1:]) for p in parts}) <= 1 or len({p.dim() for p in parts}) != 1:
+        return parts
+    top = [max(int(p.shape[d]) for p in parts) for d in range(1, parts[0].dim())]
+    out = []
+    for p in parts:
+        pad: list[int] = []
+        for d in reversed(range(1, p.dim())):
+            pad += [0, top[d - 1] - int(p.shape[d])]
+        out.append(torch.nn.functional.pad(p, pad))
+    return out
 
 
 def input_problems(ids: list[int], inputs: Any, model_config: Any) -> list[str]:
