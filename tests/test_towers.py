@@ -127,18 +127,36 @@ def test_llava_next_local_matches_hf_per_request(max_batch_size):
         assert stats["refills"] > 0, stats
 
 
+@pytest.mark.parametrize("kind", ["idefics3", "smolvlm"])
+def test_idefics3_local_matches_hf_per_request(kind):
+    """Idefics3 and SmolVLM: one and two images per prompt beside a text request in one batch
+    (the one-image prompt's images padded with a zero image, which the model drops)."""
+    from tower_scenarios import idefics3_requests
+    from vlm import hf_llava_tokens, tiny_idefics3
+
+    model = tiny_idefics3(kind, 4)
+    ps, xs = idefics3_requests(0)
+    with shardgen.Engine(model, backend="local", prefix_cache_tokens=4096) as eng:
+        for _ in range(2):
+            got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+            want = [hf_llava_tokens(model, p, x, 8) for p, x in zip(ps, xs, strict=True)]
+            assert [c.token_ids for c in got] == want
+
+
 @pytest.mark.multirank
-def test_llava_next_two_ranks_one_with_text_only(ds_world2):
-    """LLaVA-NeXT on FSDP2 per layer and stationary and DeepSpeed per layer, rank 1 text only: it
-    runs the vision tower (and the packing's newline) on its shadow image."""
-    for backend, gather, bucket_mb in [
-        ("fsdp2", "per-layer", None), ("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001),
-    ]:  # fmt: skip
-        out = ds_world2.run(sc.llava_next_equal, backend, gather, bucket_mb, timeout=240)
-        for r, res in enumerate(out):
-            assert res["bad"] == [], f"{backend} {gather}, rank {r}: {res['bad']}"
-            assert res["policy"] == gather
-        assert out[1]["tower_runs"] > 0, (backend, gather)
+def test_llava_next_and_idefics3_two_ranks_one_with_text_only(ds_world2):
+    """LLaVA-NeXT, Idefics3 and SmolVLM on FSDP2 per layer and stationary and DeepSpeed per
+    layer, rank 1 text only: it runs the vision tower (LLaVA-NeXT: and the packing's newline) on
+    its shadow image."""
+    for family in ("llava_next", "idefics3", "smolvlm"):
+        for backend, gather, bucket_mb in [
+            ("fsdp2", "per-layer", None), ("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001),
+        ]:  # fmt: skip
+            out = ds_world2.run(sc.family_equal, family, backend, gather, bucket_mb, timeout=240)
+            for r, res in enumerate(out):
+                assert res["bad"] == [], f"{family} {backend} {gather}, rank {r}: {res['bad']}"
+                assert res["policy"] == gather
+            assert out[1]["tower_runs"] > 0, (family, backend, gather)
 
 
 @pytest.mark.multirank

@@ -178,17 +178,37 @@ def llava_next_requests(model: Any, r: int) -> tuple[list[list[int]], list[Any]]
     return ([[9, 10, 11], [4, 4]], [None, None]) if r == 1 else ([], [])
 
 
-def llava_next_equal(backend: str, gather: str, bucket_mb: float | None = None) -> dict:
-    """LLaVA-NeXT (``llava_next_requests``) against HF ``generate()`` per request: the mismatches
-    and the vision tower's runs on this rank."""
-    from vlm import hf_llava_tokens, tiny_llava_next
+def idefics3_requests(r: int) -> tuple[list[list[int]], list[Any]]:
+    """Rank 0: one and two images per prompt (one batch pads the first to two, a zero image the
+    model drops) beside a text request; rank 1 text only; any rank past 1 none."""
+    from vlm import IDEFICS_TOKENS, idefics3_images
+
+    if r == 0:
+        one, two = idefics3_images(1, 1), idefics3_images(2, 2)
+        image = [IMAGE] * IDEFICS_TOKENS
+        return [[5, *image, 7, 8], [5, 6, 7], [5, *image, 9, *image, 7]], [one, None, two]
+    return ([[9, 10, 11], [4, 4]], [None, None]) if r == 1 else ([], [])
+
+
+def family_equal(family: str, backend: str, gather: str, bucket_mb: float | None = None) -> dict:
+    """A VLM ``family`` (``llava_next``: ``llava_next_requests``; ``idefics3`` / ``smolvlm``:
+    ``idefics3_requests``) against HF ``generate()`` per request: the mismatches and the vision
+    tower's runs on this rank."""
+    from vlm import hf_llava_tokens, tiny_idefics3, tiny_llava_next
 
     import shardgen
 
-    model, ref = tiny_llava_next(4), tiny_llava_next(4)
+    r = dist.get_rank()
+    if family == "llava_next":
+        model, ref = tiny_llava_next(4), tiny_llava_next(4)
+        tower = model.model.vision_tower
+        ps, xs = llava_next_requests(ref, r)
+    else:
+        model, ref = tiny_idefics3(family, 4), tiny_idefics3(family, 4)
+        tower = model.model.vision_model
+        ps, xs = idefics3_requests(r)
     runs: list[int] = []
-    model.model.vision_tower.register_forward_hook(lambda *_: runs.append(1))
-    ps, xs = llava_next_requests(ref, dist.get_rank())
+    tower.register_forward_hook(lambda *_: runs.append(1))
     opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
     bad = []
     with shardgen.Engine(model, backend=backend, gather=gather, **opts) as eng:

@@ -217,6 +217,42 @@ def llava_next_image(model: Any, h: int, w: int, seed: int) -> tuple[dict[str, t
     return x, int(feats[0].shape[0])
 
 
+def tiny_idefics3(kind: str = "idefics3", seed: int = 0) -> Any:
+    """A 2-layer Idefics3 or SmolVLM (``kind``): a 2-layer SigLIP-style vision model on 16 x 16
+    images of 4 x 4 patches, the pixel-shuffle connector (scale 2: 4 image tokens per image),
+    a Llama text model; random weights."""
+    import transformers as tf
+
+    config, model_class = {
+        "idefics3": (tf.Idefics3Config, tf.Idefics3ForConditionalGeneration),
+        "smolvlm": (tf.SmolVLMConfig, tf.SmolVLMForConditionalGeneration),
+    }[kind]
+    torch.manual_seed(seed)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=LLAVA_SIDE, patch_size=LLAVA_PATCH, initializer_range=0.2,
+    )  # fmt: skip
+    text = dict(
+        model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, eos_token_id=EOS,
+        pad_token_id=PAD, bos_token_id=1,
+    )  # fmt: skip
+    cfg = config(vision_config=vision, text_config=text, scale_factor=2, image_token_id=IMAGE)
+    model = model_class(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+IDEFICS_TOKENS = (LLAVA_SIDE // LLAVA_PATCH) ** 2 // 4  # an image's tokens after the pixel shuffle
+
+
+def idefics3_images(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` images of one prompt in Idefics3's layout, ``[1, n, 3, 16, 16]``."""
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn((1, n, 3, LLAVA_SIDE, LLAVA_SIDE), generator=g)}
+
+
 def tiny_llava_processor() -> Any:
     """A processor for :func:`tiny_llava`, as a LLaVA checkpoint ships one: a word-level tokenizer
     (``t<i>`` is id i, ``<image>`` the image token) and a PIL CLIP image processor to 16 x 16."""

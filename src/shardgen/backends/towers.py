@@ -101,6 +101,17 @@ def _llava_next_shadow(model: nn.Module, device: torch.device) -> None:
     )
 
 
+def _idefics3_shadow(model: nn.Module, device: torch.device) -> None:
+    """One image of ones, of the vision tower's size, through ``get_image_features`` (the tower,
+    then the connector): not zeros, which Idefics3 drops as padding (SmolVLM keeps one when none
+    is left, Idefics3 runs its tower on none)."""
+    vision = model.config.vision_config
+    side = int(vision.image_size)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    shape = (1, 1, int(getattr(vision, "num_channels", 3)), side, side)
+    model.get_image_features(torch.ones(shape, dtype=dtype, device=device))
+
+
 def _encoder_shadow(encoder: nn.Module, device: torch.device) -> None:
     """The encoder on one token (id 0), unmasked."""
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -159,6 +170,10 @@ TOWERS: dict[str, tuple[Tower, ...]] = {
     "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
     # LLaVA-NeXT: LLaVA's layout, each image cut in tiles (``image_sizes``), packed with a newline.
     "llava_next": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_next_shadow),),
+    # Idefics3 and SmolVLM: the vision model and the connector, run by the inner model's
+    # get_image_features before its text model.
+    "idefics3": (Tower("vision", "model", ("pixel_values",), "model.text_model", _idefics3_shadow),),
+    "smolvlm": (Tower("vision", "model", ("pixel_values",), "model.text_model", _idefics3_shadow),),
     **ENCODER_DECODERS,
 }
 
