@@ -160,18 +160,20 @@ def test_llava_next_and_idefics3_two_ranks_one_with_text_only(ds_world2):
 
 
 @pytest.mark.multirank
-def test_qwen2_5_vl_two_ranks_one_with_text_only(ds_world2):
-    """Qwen2.5-VL (windowed vision blocks, a gate/up/down MLP) on FSDP2 per layer and stationary
-    and DeepSpeed per layer, rank 1 text only: it runs the vision tower on its shadow image."""
-    for backend, gather, bucket_mb in [
-        ("fsdp2", "per-layer", None), ("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001),
-    ]:  # fmt: skip
-        out = ds_world2.run(sc.vlm_equal, backend, gather, None, bucket_mb, None, "qwen2_5_vl", timeout=240)
-        for r, res in enumerate(out):
-            assert res["bad"] == [], f"{backend} {gather}, rank {r}: {res['bad']}"
-            if gather == "stationary":
-                assert_stationary(res, r)
-        assert out[1]["tower_runs"] > 0, (backend, gather)
+def test_qwen2_5_vl_and_qwen3_vl_two_ranks_one_with_text_only(ds_world2):
+    """Qwen2.5-VL (windowed vision blocks, a gate/up/down MLP) and Qwen3-VL (deepstack features)
+    on FSDP2 per layer and stationary and DeepSpeed per layer, rank 1 text only: it runs the
+    vision tower on its shadow image."""
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        for backend, gather, bucket_mb in [
+            ("fsdp2", "per-layer", None), ("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001),
+        ]:  # fmt: skip
+            out = ds_world2.run(sc.vlm_equal, backend, gather, None, bucket_mb, None, family, timeout=240)
+            for r, res in enumerate(out):
+                assert res["bad"] == [], f"{family} {backend} {gather}, rank {r}: {res['bad']}"
+                if gather == "stationary":
+                    assert_stationary(res, r)
+            assert out[1]["tower_runs"] > 0, (family, backend, gather)
 
 
 @pytest.mark.multirank

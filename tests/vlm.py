@@ -66,8 +66,38 @@ def tiny_qwen2_5_vl(seed: int = 0) -> Any:
     return model
 
 
+def tiny_qwen3_vl(seed: int = 0) -> Any:
+    """:func:`tiny_qwen2_vl`'s shape as a Qwen3-VL: interleaved M-RoPE, learned vision positions
+    (interpolated to each grid), deepstack features from the first vision block."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        head_dim=8, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+        rope_parameters={
+            "rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,
+            "mrope_interleaved": True,
+        },
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, initializer_range=0.2,
+        patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
+        num_position_embeddings=64, deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    cfg = Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=121,
+        vision_start_token_id=START, vision_end_token_id=END,
+    )  # fmt: skip
+    model = Qwen3VLForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
 #: The Qwen-VL families built here, by model type.
-QWEN_VL = {"qwen2_vl": tiny_qwen2_vl, "qwen2_5_vl": tiny_qwen2_5_vl}
+QWEN_VL = {"qwen2_vl": tiny_qwen2_vl, "qwen2_5_vl": tiny_qwen2_5_vl, "qwen3_vl": tiny_qwen3_vl}
 
 
 def image(h: int, w: int, seed: int) -> dict[str, torch.Tensor]:

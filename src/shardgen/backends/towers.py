@@ -166,6 +166,11 @@ TOWERS: dict[str, tuple[Tower, ...]] = {
     "qwen2_5_vl": (
         Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
     ),
+    # Qwen3-VL: the same, its tower's deepstack features added into the first decoder layers'
+    # image positions (local to the rank that has images: no traffic).
+    "qwen3_vl": (
+        Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
+    ),
     # LLaVA: the vision tower and the projector, run by get_image_features of the inner model.
     "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
     # LLaVA-NeXT: LLaVA's layout, each image cut in tiles (``image_sizes``), packed with a newline.
