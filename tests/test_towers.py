@@ -143,6 +143,27 @@ def test_idefics3_local_matches_hf_per_request(kind):
             assert [c.token_ids for c in got] == want
 
 
+def test_multi_turn_rollout_with_images_local():
+    """A conversation over an image prompt: every turn carries the prompt's images (the
+    conversation holds their tokens), M-RoPE positions over the whole row; greedy turns equal HF
+    ``generate()`` run turn by turn, and each next turn's KV comes from the prefix cache."""
+    out = sc.multi_turn_images("local")
+    assert out["bad"] == [] and out["turns"] == [3, 2, 1], out
+    assert out["cached"] > 0, out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_multi_turn_rollout_with_images_two_ranks(ds_world2, backend):
+    """Rank 0's conversations over image prompts, rank 1's text only and fewer: the ranks' turns
+    part in time, the vision tower agreed in each forward that runs it."""
+    out = ds_world2.run(sc.multi_turn_images, backend, timeout=240)
+    for r, res in enumerate(out):
+        assert res["bad"] == [], f"rank {r}: {res['bad']}"
+    assert out[0]["turns"] == [3, 2, 1] and out[1]["turns"] == [2]
+    assert out[0]["cached"] > 0
+
+
 @pytest.mark.multirank
 def test_llava_next_and_idefics3_two_ranks_one_with_text_only(ds_world2):
     """LLaVA-NeXT, Idefics3 and SmolVLM on FSDP2 per layer and stationary and DeepSpeed per

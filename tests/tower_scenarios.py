@@ -366,3 +366,55 @@ def undeclared_inputs() -> dict:
         got = eng.generate([[5, 6, 7]], max_new_tokens=3, eos_token_id=[])
         out["served"] = len(got[0].token_ids)
     return out
+
+
+def _turn_reply(conv: list[int]) -> list[int]:
+    """The environment's reply to a conversation: 3 ids from its last tokens (never an image id)."""
+    return [3 + (sum(conv[-3:]) * (j + 5) + len(conv)) % 100 for j in range(3)]
+
+
+def multi_turn_rows(r: int) -> tuple[list[list[int]], list[Any], list[int]]:
+    """Rank 0: two image prompts and a text one, taking 3, 2 and 1 model turns; rank 1: text only,
+    2 turns; any rank past 1 none. -> prompts, their inputs, each one's model turns."""
+    if r == 0:
+        a, b = images((4, 6), seed=1), images((2, 2), (4, 4), seed=2)
+        return [prompt([5, 6], a), prompt([5], b), prompt([9, 10], None)], [a, b, None], [3, 2, 1]
+    return ([[9, 10, 11, 12]], [None], [2]) if r == 1 else ([], [], [])
+
+
+def hf_conversation(ref: Any, ids: list[int], x: Any, turns: int, max_new: int) -> list[int]:
+    """Single-process HF ``generate()`` turn by turn: the response (model and environment tokens)."""
+    conv = list(ids)
+    for t in range(turns):
+        conv += hf_tokens(ref, conv, x, max_new)
+        if t + 1 < turns:
+            conv += _turn_reply(conv)
+    return conv[len(ids) :]
+
+
+def multi_turn_images(backend: str, gather: str = "per-layer") -> dict:
+    """``rollout(prompts, inputs=..., env=...)`` on Qwen2-VL (``multi_turn_rows``), greedy, against
+    :func:`hf_conversation` per row; the engine's cached prompt tokens (a next turn's KV comes
+    from the last one's)."""
+    import shardgen
+
+    model, ref = tiny_qwen2_vl(3), tiny_qwen2_vl(3)
+    ps, xs, turns = multi_turn_rows(dist.get_rank() if dist.is_initialized() else 0)
+
+    said: dict[int, int] = {}  # model turns per row so far
+
+    def env(row: int, c: Any) -> list[int] | None:
+        said[row] = said.get(row, 0) + 1
+        return None if said[row] >= turns[row] else _turn_reply(list(c.prompt_token_ids) + list(c.token_ids))
+
+    bad = []
+    with shardgen.Engine(model, backend=backend, gather=gather, prefix_cache_tokens=4096) as eng:
+        b = eng.rollout(ps, inputs=xs, env=env, max_new_tokens=4, do_sample=False, eos_token_id=EOS,
+                        pad_token_id=PAD)  # fmt: skip
+        stats = eng.stats()
+    for i, (p, x, t) in enumerate(zip(ps, xs, turns, strict=True)):
+        got = b.response_ids[i, : int(b.response_lengths[i])].tolist()
+        want = hf_conversation(ref, p, x, t, 4)
+        if got != want or b.turns[i] != t:
+            bad.append((i, b.turns[i], got, want))
+    return {"bad": bad, "cached": stats["cached_prompt_tokens"], "turns": list(b.turns or [])}

@@ -196,15 +196,13 @@ def _multi_turn(
         if max_turns is not None:
             raise ValueError("max_turns goes with env= (a multi-turn rollout)")
         return _Plan(engine, prompts, params, n, overrides, inputs), None
-    if inputs is not None:
-        raise ValueError("inputs= (a prompt's images) goes with single-turn rollouts only, not with env=")
     if getattr(engine.model.config, "is_encoder_decoder", False):
         raise ValueError(
             "env= (a multi-turn rollout) needs a decoder-only model: an encoder-decoder's next turn "
             "would be a new encoder input, not the conversation's continuation"
         )
     most = turns.check_turn_args(env, max_turns)
-    plan = _Plan(engine, prompts, params, n, overrides)
+    plan = _Plan(engine, prompts, params, n, overrides, inputs)
     return plan, turns.conversations(engine, plan, env, most)
 
 
@@ -301,6 +299,7 @@ class _Plan:
                 f"inputs must be a list of one dict (or None) per prompt: got {got} for {len(prompts)}"
             )
         each = None if inputs is None else [x for x in inputs for _ in range(n)]  # one dict per prompt's rows
+        self.inputs = each  # a multi-turn row's next turns carry its prompt's images again
         if rows:
             self.futures = engine.submit_many(rows, None, inputs=each, seed=self.seeds, **options)
         self.n, self.prompts, self.device = n, len(prompts), engine.device

@@ -11,7 +11,9 @@ conversation would reach the model's context.
 Not collective, like ``rollout()``: rows take as many turns as they need, and ranks as many as
 theirs. Each turn is a request of its own; the rank's prefix cache holds the conversation's KV
 from the turn before (``prefix_cache.py``), so a turn prefills only the reply and the previous
-answer's last token. ``step_fn`` runs in the caller's thread, as turns finish.
+answer's last token. ``step_fn`` runs in the caller's thread, as turns finish. A prompt's own
+forward ``inputs`` (a VLM's images) go with every turn of its rows, since the conversation
+still holds their tokens; the cache keys image tokens by their pixels, so it still serves.
 
 The result is a ``RolloutBatch`` whose response is the whole conversation after the prompt:
 ``response_mask`` 1 on model tokens and 0 on environment tokens (TRL's tool mask, veRL's loss
@@ -106,7 +108,10 @@ def conversations(engine: Any, plan: Any, env: StepFn, most: int) -> Iterator[tu
             nxt = list(c.prompt_token_ids) + list(c.token_ids) + reply
             if ctx is None or len(nxt) < ctx:
                 seed = plan.seed_of(r, row.turns, nxt)
-                watch(r, engine.submit_many([nxt], None, seed=[seed], **plan.options)[0])
+                # The conversation still holds the prompt's image tokens: its images go again (the
+                # prefix cache keys them by their pixels, so the last turn's KV still serves).
+                x = None if plan.inputs is None else [plan.inputs[r]]
+                watch(r, engine.submit_many([nxt], None, seed=[seed], inputs=x, **plan.options)[0])
                 continue
             row.finish = "length"  # the reply is kept; no room for another model turn
         live -= 1
