@@ -28,7 +28,8 @@ def test_local_matches_hf_per_request(kind, max_batch_size):
     want = [hf_tokens(model, p, n) for p, n in zip(_PROMPTS, _LENGTHS, strict=True)]
     opts = {} if max_batch_size is None else {"max_batch_size": max_batch_size}
     with shardgen.Engine(model, backend="local", **opts) as eng:
-        futs = [eng.submit(p, max_new_tokens=n) for p, n in zip(_PROMPTS, _LENGTHS, strict=True)]
+        with eng.paused():  # every request queued before the first tick: the refills are the test's
+            futs = [eng.submit(p, max_new_tokens=n) for p, n in zip(_PROMPTS, _LENGTHS, strict=True)]
         got = [f.result(timeout=60).token_ids for f in futs]
         stats = eng.stats()
     assert got == want

@@ -5,6 +5,8 @@ tick's agreement on the towers shown needed (off: the ranks' gathers part), and 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import tower_scenarios as sc
@@ -37,10 +39,11 @@ def test_qwen2_vl_local_matches_hf_per_request(max_batch_size, max_prefill_token
     if max_prefill_tokens is not None:
         opts["max_prefill_tokens"] = max_prefill_tokens
     with shardgen.Engine(model, backend="local", **opts) as eng:
-        futs = [
-            eng.submit(p, inputs=x, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
-            for (p, x), n in zip(reqs, lengths, strict=True)
-        ]
+        with eng.paused():  # every request queued before the first tick: the refills are the test's
+            futs = [
+                eng.submit(p, inputs=x, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
+                for (p, x), n in zip(reqs, lengths, strict=True)
+            ]
         got = [f.result(timeout=60) for f in futs]
         if max_batch_size:
             assert eng.stats()["refills"] > 0
@@ -115,11 +118,14 @@ def test_llava_next_local_matches_hf_per_request(max_batch_size):
     if max_batch_size:
         opts["max_batch_size"] = max_batch_size
     with shardgen.Engine(model, backend="local", **opts) as eng:
-        for _ in range(2):
-            futs = [
-                eng.submit(p, inputs=x, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
-                for p, x, n in zip(ps, xs, lengths, strict=True)
-            ]
+        for k in range(2):
+            # The first pass's requests all queued before its first tick (the refills are the
+            # test's); not the second's: paused() drops the prefix cache, which it must hit.
+            with eng.paused() if k == 0 else contextlib.nullcontext():
+                futs = [
+                    eng.submit(p, inputs=x, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
+                    for p, x, n in zip(ps, xs, lengths, strict=True)
+                ]
             assert [f.result(timeout=60).token_ids for f in futs] == want
         stats = eng.stats()
     assert stats["cached_prompt_tokens"] > 0, stats
