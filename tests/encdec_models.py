@@ -14,6 +14,18 @@ T5_EOS, T5_PAD = 1, 0  # T5 starts its decoder at the pad id
 BART_EOS, BART_PAD = 2, 1  # BART starts its decoder at the EOS id
 
 
+#: The tiny T5 / mT5 and BART / kin shapes and special ids.
+_T5_SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+    relative_attention_num_buckets=8, decoder_start_token_id=T5_PAD, pad_token_id=T5_PAD, eos_token_id=T5_EOS,
+)  # fmt: skip
+_BART_SHAPE: dict[str, Any] = dict(
+    vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    pad_token_id=BART_PAD, bos_token_id=0, eos_token_id=BART_EOS, forced_eos_token_id=BART_EOS,
+)  # fmt: skip
+
+
 def tiny_t5(seed: int = 2, init: float = 5.0) -> Any:
     """A 2+2-layer T5 (gated GELU, relative attention bias), eval mode. ``init``: its
     ``initializer_factor`` (5: wide logits, so that tokens depend on every part; scores compared
@@ -21,11 +33,7 @@ def tiny_t5(seed: int = 2, init: float = 5.0) -> Any:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
-    cfg = T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=T5_PAD, pad_token_id=T5_PAD,
-        eos_token_id=T5_EOS, initializer_factor=init, feed_forward_proj="gated-gelu",
-    )  # fmt: skip
+    cfg = T5Config(**_T5_SHAPE, initializer_factor=init, feed_forward_proj="gated-gelu")
     return T5ForConditionalGeneration(cfg).eval()
 
 
@@ -36,12 +44,7 @@ def tiny_bart(seed: int = 1) -> Any:
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(seed)
-    cfg = BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        pad_token_id=BART_PAD, bos_token_id=0, eos_token_id=BART_EOS, decoder_start_token_id=BART_EOS,
-        forced_eos_token_id=BART_EOS, init_std=0.2,
-    )  # fmt: skip
+    cfg = BartConfig(**_BART_SHAPE, decoder_start_token_id=BART_EOS, init_std=0.2)
     model = BartForConditionalGeneration(cfg).eval()
     model.generation_config.forced_bos_token_id = 0
     with torch.no_grad():
@@ -55,11 +58,7 @@ def tiny_mt5(seed: int = 2, init: float = 5.0) -> Any:
     from transformers import MT5Config, MT5ForConditionalGeneration
 
     torch.manual_seed(seed)
-    cfg = MT5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=T5_PAD, pad_token_id=T5_PAD,
-        eos_token_id=T5_EOS, initializer_factor=init,
-    )  # fmt: skip
+    cfg = MT5Config(**_T5_SHAPE, initializer_factor=init)
     return MT5ForConditionalGeneration(cfg).eval()
 
 
@@ -76,12 +75,7 @@ def tiny_bart_kin(kind: str, seed: int = 2) -> Any:
     }[kind]
     start = BART_EOS if kind == "mbart" else BART_PAD
     torch.manual_seed(seed)
-    cfg = config(
-        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        pad_token_id=BART_PAD, bos_token_id=0, eos_token_id=BART_EOS, decoder_start_token_id=start,
-        forced_eos_token_id=BART_EOS, init_std=0.5,
-    )  # fmt: skip
+    cfg = config(**_BART_SHAPE, decoder_start_token_id=start, init_std=0.5)
     m = model(cfg).eval()
     with torch.no_grad():  # positions drawn wide (sinusoids too): tokens that depend on them
         m.model.decoder.embed_positions.weight.normal_(0, 3.0)

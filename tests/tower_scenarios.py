@@ -128,12 +128,24 @@ def vlm_from_pretrained(backend: str, path: str) -> list:
     return [] if got == want else [(got, want)]
 
 
+def _against_hf(eng: Any, ref: Any, ps: list[list[int]], xs: list[Any]) -> list:
+    """``ps`` (with their ``xs``) generated greedily on ``eng`` against HF ``generate()`` on ``ref``
+    per request (the LLaVA layout of inputs: passed to ``generate`` as they are): the mismatches."""
+    from vlm import hf_llava_tokens
+
+    if not ps:
+        return []
+    got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+    want = [hf_llava_tokens(ref, p, x, 8) for p, x in zip(ps, xs, strict=True)]
+    return [(c.token_ids, w) for c, w in zip(got, want, strict=True) if c.token_ids != w]
+
+
 def llava_equal(backend: str, bucket_mb: float | None = None, gather: str = "per-layer") -> list:
     """LLaVA: rank 0 one and two images per prompt beside a text-only request, rank 1 text only,
     any rank past 1 none; against HF ``generate()`` per request. The mismatches; ``stationary``:
     also a line if a forward was not stationary, no exchange was sized at the call (the tower's),
     or a module fell back to gathers."""
-    from vlm import hf_llava_tokens, llava_images, llava_prompt, tiny_llava
+    from vlm import llava_images, llava_prompt, tiny_llava
 
     import shardgen
 
@@ -147,14 +159,8 @@ def llava_equal(backend: str, bucket_mb: float | None = None, gather: str = "per
     else:
         xs, ps = [], []
     opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
-    bad = []
     with shardgen.Engine(model, backend=backend, gather=gather, **opts) as eng:
-        if ps:
-            got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
-            for p, x, c in zip(ps, xs, got, strict=True):
-                want = hf_llava_tokens(ref, p, x, 8)
-                if c.token_ids != want:
-                    bad.append((c.token_ids, want))
+        bad = _against_hf(eng, ref, ps, xs)
     if gather == "stationary":
         st, stats = stationary_stats(eng.backend.stationary), eng.stats()
         forwards = stats["forwards"] + stats["shadow_forwards"]
@@ -194,7 +200,7 @@ def family_equal(family: str, backend: str, gather: str, bucket_mb: float | None
     """A VLM ``family`` (``llava_next``: ``llava_next_requests``; ``idefics3`` / ``smolvlm``:
     ``idefics3_requests``) against HF ``generate()`` per request: the mismatches and the vision
     tower's runs on this rank."""
-    from vlm import hf_llava_tokens, tiny_idefics3, tiny_llava_next
+    from vlm import tiny_idefics3, tiny_llava_next
 
     import shardgen
 
@@ -210,14 +216,8 @@ def family_equal(family: str, backend: str, gather: str, bucket_mb: float | None
     runs: list[int] = []
     tower.register_forward_hook(lambda *_: runs.append(1))
     opts: dict[str, Any] = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
-    bad = []
     with shardgen.Engine(model, backend=backend, gather=gather, **opts) as eng:
-        if ps:
-            got = eng.generate(ps, inputs=xs, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
-            for p, x, c in zip(ps, xs, got, strict=True):
-                want = hf_llava_tokens(ref, p, x, 8)
-                if c.token_ids != want:
-                    bad.append((c.token_ids, want))
+        bad = _against_hf(eng, ref, ps, xs)
     return {"bad": bad, "tower_runs": len(runs), "policy": eng.gather_policy,
             "stationary": stationary_stats(eng.backend.stationary)}  # fmt: skip
 

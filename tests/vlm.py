@@ -14,29 +14,40 @@ EOS, PAD = 2, 0
 MERGE, PATCH, TEMPORAL, CHANNELS = 2, 4, 2, 3
 
 
+def _qwen_text(**over: Any) -> dict[str, Any]:
+    """The 2-layer text config of the tiny Qwen-VL models (M-RoPE sections 2, 1, 1)."""
+    return dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
+        eos_token_id=EOS, pad_token_id=PAD,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+        **over,
+    )  # fmt: skip
+
+
+def _qwen_vl(config: Any, model_class: Any, text: dict, vision: dict) -> Any:
+    """A tiny Qwen-VL of ``model_class`` from its text and vision configs, in eval mode."""
+    cfg = config(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=121,
+        vision_start_token_id=START, vision_end_token_id=END,
+    )  # fmt: skip
+    model = model_class(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
 def tiny_qwen2_vl(seed: int = 0) -> Any:
     """A 2-layer Qwen2-VL with a 2-block vision tower, random weights of ``seed``, in eval mode."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
-        eos_token_id=EOS, pad_token_id=PAD,
-        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-    )  # fmt: skip
+    text = _qwen_text()
     vision = dict(
         depth=2, embed_dim=32, initializer_range=0.2, hidden_size=32, num_heads=4, mlp_ratio=2,
         patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
     )  # fmt: skip
-    cfg = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=121,
-        vision_start_token_id=START, vision_end_token_id=END,
-    )  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
-    model.generation_config.eos_token_id = EOS
-    model.generation_config.pad_token_id = PAD
-    return model
+    return _qwen_vl(Qwen2VLConfig, Qwen2VLForConditionalGeneration, text, vision)
 
 
 def tiny_qwen2_5_vl(seed: int = 0) -> Any:
@@ -45,25 +56,13 @@ def tiny_qwen2_5_vl(seed: int = 0) -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=1,
-        eos_token_id=EOS, pad_token_id=PAD,
-        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-    )  # fmt: skip
+    text = _qwen_text()
     vision = dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, initializer_range=0.2,
         patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
         window_size=PATCH * MERGE * 2, fullatt_block_indexes=[1],
     )  # fmt: skip
-    cfg = Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=121,
-        vision_start_token_id=START, vision_end_token_id=END,
-    )  # fmt: skip
-    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    model.generation_config.eos_token_id = EOS
-    model.generation_config.pad_token_id = PAD
-    return model
+    return _qwen_vl(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, text, vision)
 
 
 def tiny_qwen3_vl(seed: int = 0) -> Any:
@@ -72,28 +71,14 @@ def tiny_qwen3_vl(seed: int = 0) -> Any:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        head_dim=8, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
-        rope_parameters={
-            "rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0,
-            "mrope_interleaved": True,
-        },
-    )  # fmt: skip
+    text = _qwen_text(head_dim=8)
+    text["rope_parameters"]["mrope_interleaved"] = True
     vision = dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, initializer_range=0.2,
         patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS,
         num_position_embeddings=64, deepstack_visual_indexes=[0],
     )  # fmt: skip
-    cfg = Qwen3VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=121,
-        vision_start_token_id=START, vision_end_token_id=END,
-    )  # fmt: skip
-    model = Qwen3VLForConditionalGeneration(cfg).eval()
-    model.generation_config.eos_token_id = EOS
-    model.generation_config.pad_token_id = PAD
-    return model
+    return _qwen_vl(Qwen3VLConfig, Qwen3VLForConditionalGeneration, text, vision)
 
 
 #: The Qwen-VL families built here, by model type.
@@ -146,11 +131,10 @@ def hf_tokens(
 LLAVA_SIDE, LLAVA_PATCH = 16, 4  # a 16 x 16 image of 4 x 4 patches: 16 image tokens (CLS dropped)
 
 
-def tiny_llava(seed: int = 0) -> Any:
-    """A 2-layer LLaVA (Llama text, a 2-layer CLIP vision tower, the projector), random weights."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+def _llava_towers() -> tuple[Any, Any]:
+    """The tiny LLaVA kinds' vision config (a 2-layer CLIP) and text config (a 2-layer Llama)."""
+    from transformers import CLIPVisionConfig, LlamaConfig
 
-    torch.manual_seed(seed)
     vision = CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         image_size=LLAVA_SIDE, patch_size=LLAVA_PATCH, projection_dim=32, initializer_range=0.2,
@@ -159,6 +143,15 @@ def tiny_llava(seed: int = 0) -> Any:
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, initializer_range=0.2, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1,
     )  # fmt: skip
+    return vision, text
+
+
+def tiny_llava(seed: int = 0) -> Any:
+    """A 2-layer LLaVA (Llama text, a 2-layer CLIP vision tower, the projector), random weights."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision, text = _llava_towers()
     cfg = LlavaConfig(
         vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1,
         vision_feature_select_strategy="default",
@@ -201,17 +194,10 @@ def hf_llava_tokens(
 def tiny_llava_next(seed: int = 0) -> Any:
     """A 2-layer LLaVA-NeXT: :func:`tiny_llava`'s towers, images cut in 16 x 16 tiles up to 32 x 32
     (``image_grid_pinpoints``), a base view first; random weights."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
 
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=LLAVA_SIDE, patch_size=LLAVA_PATCH, projection_dim=32, initializer_range=0.2,
-    )  # fmt: skip
-    text = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, initializer_range=0.2, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1,
-    )  # fmt: skip
+    vision, text = _llava_towers()
     side = LLAVA_SIDE
     cfg = LlavaNextConfig(
         vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1,
