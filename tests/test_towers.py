@@ -237,7 +237,8 @@ def assert_stationary(res: dict, rank: int) -> None:
 @pytest.mark.multirank
 def test_vlm_three_ranks_text_only_and_none():
     """Rank 0 images, rank 1 text only, rank 2 nothing; batches of 2 (refills); FSDP2, and
-    DeepSpeed with each unit a bucket and module by module (its own hooks), and stationary."""
+    DeepSpeed with each unit a bucket and module by module (its own hooks), and stationary; then
+    LLaVA-NeXT, Idefics3 and Qwen3-VL on FSDP2 per layer."""
     from rollout_scenarios import ds_world
 
     with ds_world(3) as world:
@@ -257,6 +258,12 @@ def test_vlm_three_ranks_text_only_and_none():
         ]:  # LLaVA: rank 2 none  # fmt: skip
             got = world.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240)
             assert got == [[], [], []], (backend, gather)
+        for family in ("llava_next", "idefics3"):  # rank 2 none: its shadows run the tower alone
+            out = world.run(sc.family_equal, family, "fsdp2", "per-layer", timeout=240)
+            assert [res["bad"] for res in out] == [[], [], []], family
+            assert out[2]["tower_runs"] > 0, family
+        out = world.run(sc.vlm_equal, "fsdp2", "per-layer", 2, None, None, "qwen3_vl", timeout=240)
+        assert [res["bad"] for res in out] == [[], [], []] and out[2]["tower_runs"] > 0
 
 
 @pytest.mark.multirank
