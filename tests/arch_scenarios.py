@@ -65,12 +65,11 @@ def arch_equal(arch: str, backend: str, gather: str) -> dict[str, Any]:
     prompts = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
     with shardgen.Engine(model, backend=backend, gather=gather) as eng:
         got = eng.generate(prompts, max_new_tokens=6, eos_token_id=[])
+    ref.generation_config.eos_token_id = None  # HF merges a None argument with the model's EOS
     bad = []
     for p, c in zip(prompts, got, strict=True):
         x = torch.tensor([p])
-        want = hf_generate(ref, x, torch.ones_like(x), max_new_tokens=6, eos_token_id=None)[
-            0, len(p) :
-        ].tolist()
+        want = hf_generate(ref, x, torch.ones_like(x), max_new_tokens=6)[0, len(p) :].tolist()
         if c.token_ids != want:
             bad.append((p, c.token_ids, want))
     return {"policy": eng.gather_policy, "bad": bad}
