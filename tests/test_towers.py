@@ -170,6 +170,26 @@ def test_multi_turn_rollout_with_images_two_ranks(ds_world2, backend):
     assert out[0]["cached"] > 0
 
 
+@pytest.mark.parametrize("family", ["llava_next", "idefics3", "smolvlm"])
+def test_score_llava_next_and_idefics3_rows_as_hf(family):
+    """``score(prompts, responses, inputs=...)``: one run of image rows of different tile or image
+    counts (padded to one tensor) beside a text row, within 2e-5 of HF's ``model(prompt +
+    response, images)``."""
+    from tower_scenarios import idefics3_requests, llava_next_requests
+    from vlm import tiny_idefics3, tiny_llava_next
+
+    model = tiny_llava_next(4) if family == "llava_next" else tiny_idefics3(family, 4)
+    ps, xs = llava_next_requests(model, 0) if family == "llava_next" else idefics3_requests(0)
+    rs = [[10, 11, 12], [13, 14], [15, 16, 17, 18], [19]][: len(ps)]
+    with shardgen.Engine(model, backend="local") as eng:
+        sb = eng.score(ps, rs, inputs=xs)
+    for i, (p, r, x) in enumerate(zip(ps, rs, xs, strict=True)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r]), **(x or {})).logits[0, len(p) - 1 : -1]
+        want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        assert torch.allclose(sb.logprobs[i, : len(r)], want, atol=2e-5), (i, sb.logprobs[i], want)
+
+
 @pytest.mark.multirank
 def test_llava_next_and_idefics3_two_ranks_one_with_text_only(ds_world2):
     """LLaVA-NeXT, Idefics3 and SmolVLM on FSDP2 per layer and stationary and DeepSpeed per
