@@ -57,6 +57,22 @@ def _two_ranks(script: str, argv) -> list[subprocess.Popen]:
     ]
 
 
+def test_import_shardgen_registers_the_exit_guard_without_torch():
+    """``import shardgen`` alone registers the exit guard (core/process.py), importing no torch:
+    the public names are lazy (PEP 562), and a script that only imports shardgen, as
+    tests/exit_gil_rank.py does, had lost the guard with them (its ranks aborted in CI)."""
+    code = (
+        "import atexit, sys; n = atexit._ncallbacks(); import shardgen; "
+        "print('shardgen.core.process' in sys.modules, 'torch' in sys.modules, atexit._ncallbacks() > n)"
+    )
+    src = str(Path(__file__).parent.parent / "src")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
+        timeout=60, check=True,
+    ).stdout.split()  # fmt: skip
+    assert out == ["True", "False", "True"], out
+
+
 def test_last_collectives_right_before_exit_do_not_abort():
     """The exit guard gives the GIL to gloo's workers before the interpreter finalizes
     (core/process.py): a rank whose last collectives finish just before it exits exits 0."""

@@ -15,6 +15,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The exit guard (an atexit hook, core/process.py) is registered by ``import shardgen`` itself, as
+# a program's own last collectives need it whether or not it ever opens an engine. Stdlib only:
+# no torch is imported for it.
+from shardgen.core import process as _process  # noqa: F401
+
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
