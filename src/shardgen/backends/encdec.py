@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardgen.backends.parts import float_dtype
+
 
 def shadow_inputs(model: Any, device: torch.device) -> dict[str, Any]:
     """A shadow forward's inputs: one token, no cache. An encoder-decoder's: one decoder token
@@ -32,7 +34,7 @@ def shadow_inputs(model: Any, device: torch.device) -> dict[str, Any]:
     if not getattr(cfg, "is_encoder_decoder", False):
         return {"input_ids": ids, "use_cache": False}
     width = int(getattr(cfg, "d_model", None) or cfg.hidden_size)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = float_dtype(model)
     hidden = torch.zeros((1, 1, width), dtype=dtype, device=device)
     mask = torch.ones_like(ids)
     return {"decoder_input_ids": ids, "encoder_outputs": (hidden,), "attention_mask": mask,

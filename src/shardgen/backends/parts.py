@@ -1,6 +1,7 @@
 """Finding a model's parts, for both backends and the stationary mode: its decoder layers, its
 input embeddings and LM head (and which of them can be chunked, with the lookups probe of an
-embedding subclass), its mixture-of-experts blocks, and a wrapped module's own class.
+embedding subclass), its mixture-of-experts blocks, a wrapped module's own class, and the
+dtype its inputs take.
 
 These decide the units a model is gathered in, so every rank must find the same parts: each
 function is a function of the model's structure (and, for the probe, of a local forward on a
@@ -12,9 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardgen.backends.lookups import lookup_only
+
+
+def float_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of ``module``'s first floating-point parameter (float32 without one): what a
+    shadow or probe input of the module must be in."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
 def plain_type(module: nn.Module) -> type:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardgen.backends.parts import float_dtype
+
 
 @dataclass(frozen=True)
 class Tower:
@@ -61,7 +63,7 @@ def _qwen2_vl_shadow(visual: nn.Module, device: torch.device) -> None:
     cfg = visual.config
     m = int(cfg.spatial_merge_size)
     dim = int(cfg.in_channels) * int(cfg.temporal_patch_size) * int(cfg.patch_size) ** 2
-    dtype = next((p.dtype for p in visual.parameters() if p.is_floating_point()), torch.float32)
+    dtype = float_dtype(visual)
     pixels = torch.zeros((m * m, dim), dtype=dtype, device=device)
     visual(pixels, grid_thw=torch.tensor([[1, m, m]], device=device))
 
@@ -72,7 +74,7 @@ def _llava_shadow(model: nn.Module, device: torch.device) -> None:
     cfg = model.config
     vision = cfg.vision_config
     side = int(vision.image_size)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = float_dtype(model)
     pixels = torch.zeros((1, int(getattr(vision, "num_channels", 3)), side, side), dtype=dtype, device=device)
     model.get_image_features(
         pixels,
@@ -91,7 +93,7 @@ def _llava_next_shadow(model: nn.Module, device: torch.device) -> None:
     vision = cfg.vision_config
     side = int(vision.image_size)
     n = int(image_size_to_num_patches((side, side), cfg.image_grid_pinpoints, side))
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = float_dtype(model)
     shape = (1, n, int(getattr(vision, "num_channels", 3)), side, side)
     model.get_image_features(
         torch.zeros(shape, dtype=dtype, device=device),
@@ -107,7 +109,7 @@ def _idefics3_shadow(model: nn.Module, device: torch.device) -> None:
     is left, Idefics3 runs its tower on none)."""
     vision = model.config.vision_config
     side = int(vision.image_size)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = float_dtype(model)
     shape = (1, 1, int(getattr(vision, "num_channels", 3)), side, side)
     model.get_image_features(torch.ones(shape, dtype=dtype, device=device))
 
@@ -122,7 +124,7 @@ def _features_shadow(encoder: nn.Module, device: torch.device) -> None:
     """Whisper's encoder on zero features of the one length it takes (two convolutions, the
     second of stride 2: twice its positions)."""
     cfg = encoder.config
-    dtype = next((p.dtype for p in encoder.parameters() if p.is_floating_point()), torch.float32)
+    dtype = float_dtype(encoder)
     frames = 2 * int(cfg.max_source_positions)
     encoder(torch.zeros((1, int(cfg.num_mel_bins), frames), dtype=dtype, device=device), return_dict=True)
 
@@ -157,28 +159,26 @@ def feature_encoder(config: object) -> bool:
     return getattr(config, "model_type", None) in FEATURE_ENCODERS
 
 
+#: Qwen2-VL's vision tower, run on its grid of patches before the language model.
+_QWEN_VL = (Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),)
+#: Idefics3's vision model and connector, run by the inner model's get_image_features before its
+#: text model.
+_IDEFICS3 = (Tower("vision", "model", ("pixel_values",), "model.text_model", _idefics3_shadow),)
+
 #: Model types (``config.model_type``) -> their towers.
 TOWERS: dict[str, tuple[Tower, ...]] = {
-    "qwen2_vl": (
-        Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
-    ),
+    "qwen2_vl": _QWEN_VL,
     # Qwen2.5-VL: Qwen2-VL's layout (its vision blocks windowed, an MLP of gate/up/down).
-    "qwen2_5_vl": (
-        Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
-    ),
+    "qwen2_5_vl": _QWEN_VL,
     # Qwen3-VL: the same, its tower's deepstack features added into the first decoder layers'
     # image positions (local to the rank that has images: no traffic).
-    "qwen3_vl": (
-        Tower("vision", "model.visual", ("pixel_values",), "model.language_model", _qwen2_vl_shadow),
-    ),
+    "qwen3_vl": _QWEN_VL,
     # LLaVA: the vision tower and the projector, run by get_image_features of the inner model.
     "llava": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_shadow),),
     # LLaVA-NeXT: LLaVA's layout, each image cut in tiles (``image_sizes``), packed with a newline.
     "llava_next": (Tower("vision", "model", ("pixel_values",), "model.language_model", _llava_next_shadow),),
-    # Idefics3 and SmolVLM: the vision model and the connector, run by the inner model's
-    # get_image_features before its text model.
-    "idefics3": (Tower("vision", "model", ("pixel_values",), "model.text_model", _idefics3_shadow),),
-    "smolvlm": (Tower("vision", "model", ("pixel_values",), "model.text_model", _idefics3_shadow),),
+    "idefics3": _IDEFICS3,
+    "smolvlm": _IDEFICS3,  # SmolVLM: Idefics3's layout
     **ENCODER_DECODERS,
 }
 

@@ -51,7 +51,9 @@ either (see ``loading/deepspeed.py``). ``materialize`` is called by every rank f
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -137,9 +139,6 @@ def computed(model: nn.Module) -> dict[str, torch.Tensor]:
     Marian's sinusoidal positions) but makes at load by the model's own ``_init_weights``: each
     owning module copied to real CPU tensors and initialised there, as ``from_pretrained`` does.
     Small (positional tables); the loaders read them as checkpoint entries. Not collective."""
-    import copy
-    import re
-
     patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_save", None) or []]
     init = getattr(model, "_init_weights", None)
     out: dict[str, torch.Tensor] = {}

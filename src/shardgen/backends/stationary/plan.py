@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from shardgen.backends.lookups import looking_up, own_forward, stand_in
-from shardgen.backends.parts import is_moe_block, outermost, plain_type
+from shardgen.backends.parts import float_dtype, is_moe_block, outermost, plain_type
 from shardgen.backends.stationary.shards import FlatShard
 from shardgen.backends.towers import Tower, module_at
 from shardgen.log import get_logger
@@ -346,7 +346,7 @@ def _probe_inputs(model: nn.Module, dev: torch.device, encdec: bool) -> dict[str
     if encdec:  # as the decode step passes them (generation/encdec.py), no cache
         cfg = model.config
         width = int(getattr(cfg, "d_model", None) or cfg.hidden_size)
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        dtype = float_dtype(model)
         hidden = torch.zeros((PROBE_ROWS, PROBE_ENCODER, width), dtype=dtype, device=dev)
         mask = torch.ones((PROBE_ROWS, PROBE_ENCODER), dtype=torch.long, device=dev)
         return {"decoder_input_ids": ids, "encoder_outputs": (hidden,), "attention_mask": mask,
