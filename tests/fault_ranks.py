@@ -51,9 +51,7 @@ def _run_script(script: str, arg: str, env: dict, log: str) -> None:
     except SystemExit as e:
         code = e.code
     except BaseException:
-        import traceback
-
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception
         code = 1
     # What the interpreter does at exit and a forked multiprocessing child skips: wait for the
     # non-daemon threads, then run the atexit hooks (shardgen's exit guard, rank 0's linger).

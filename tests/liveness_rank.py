@@ -101,6 +101,10 @@ def main(scenario: str) -> None:
             time.sleep(0.1)
         raise engine._shared.failed
 
+    if scenario == "user_raises":
+        user_raises(engine, rank, victim, os.environ["WHERE"])
+        return
+
     if scenario == "user_thread_stuck" and rank == victim:
         event("stuck")
         threading.Event().wait()  # the user thread never comes back; the driver serves peers
@@ -116,6 +120,39 @@ def main(scenario: str) -> None:
         event("call_done", i=i, same_as_hf=bool(torch.equal(out, expected)))
     event("closing")
     engine.close()
+    event("closed")
+
+
+def user_raises(engine, rank: int, victim: int, where: str) -> None:
+    """The victim's own code raises ``where`` (before ``paused()``, inside the training step
+    before its forward, or before ``close()``) inside ``with engine:``, or (``uncaught``) with no
+    ``with`` at all, ending its process; its peers wait in shardgen or in the step's own
+    collectives, and must raise naming it."""
+    from models import batch
+
+    ids, mask = batch([4, 6, 3][: rank + 1], seed=rank)
+    if where == "uncaught" and rank == victim:  # no `with`: the exception ends the process
+        engine.generate_ids(ids, attention_mask=mask, max_new_tokens=6)
+        event("raising")
+        raise ValueError(f"user code failed {where}")
+    with engine:
+        engine.generate_ids(ids, attention_mask=mask, max_new_tokens=6)
+        event("generated")
+        if where == "before_paused" and rank == victim:
+            event("raising")
+            raise ValueError(f"user code failed {where}")
+        with engine.paused():
+            if where == "in_step" and rank == victim:
+                event("raising")
+                raise ValueError(f"user code failed {where}")
+            step = batch([5], seed=9)[0]
+            out = engine.model(input_ids=step, labels=step)
+            out.loss.backward()
+            event("stepped")
+        if where == "before_close" and rank == victim:
+            event("raising")
+            raise ValueError(f"user code failed {where}")
+        event("closing")
     event("closed")
 
 

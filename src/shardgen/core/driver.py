@@ -402,6 +402,8 @@ class Driver:
                 self.store.delete_key(f"{prev}/who")
             left, told = time.monotonic(), False
             while int(self.store.add(key, 0)) < self.world:
+                if sh.failed is not None:  # a peer left or failed inside its block: none will come
+                    raise sh.failed
                 if not told and time.monotonic() - left > self.timeouts.stall:
                     told = True  # once: a peer may stay inside on purpose (a checkpoint save)
                     self._tell_still_inside(key, time.monotonic() - left)

@@ -44,6 +44,7 @@ from shardgen.core.protocol import OPEN, PAUSE
 from shardgen.core.shared import EngineStats, Shared
 from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
+from shardgen.faults import leaving
 from shardgen.generation import rollout as rollout_api
 from shardgen.generation import score as score_api
 from shardgen.generation.encdec import decoder_start
@@ -332,7 +333,8 @@ class Engine:
         The pause begins once every rank asked for it and every live sequence
         finished (requests still queued wait); it ends on each rank when its block exits.
         Ranks that never enter are named in a ``RendezvousTimeoutError`` once this rank
-        has waited ``stall_timeout`` with no forward anywhere.
+        has waited ``stall_timeout`` with no forward anywhere. An exception that leaves the
+        block fails the engine on every rank, naming this one (``faults/leaving.py``).
         """
         self._check_usable()
         sh = self._shared
@@ -345,7 +347,13 @@ class Engine:
                     called, self.timeouts.paused, PAUSE, "paused()", "entered paused()", verdict=False
                 )
             self._raise_if_failed()  # a failure also ends the wait: no pause then
-            yield
+            try:
+                yield
+            except BaseException as e:
+                err = leaving.leave(self._driver, e, "inside paused()")
+                if err is not e:
+                    raise err from e
+                raise
         finally:
             sh.want_pause(False)
 
@@ -368,12 +376,17 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
+    def __exit__(self, tp: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
             self.close()
-        else:  # the block raised: still join (peers may need our shadow forwards)
-            with contextlib.suppress(Exception):
-                self.close()
+            return
+        # The block raised: this rank will not do what its peers wait for, so they learn it now
+        # (faults/leaving.py); a broken collective of the user's is a peer's doing: name it.
+        err = leaving.leave(self._driver, exc, "in its `with engine:` block")
+        with contextlib.suppress(Exception):
+            self.close()
+        if err is not exc:
+            raise err from exc
 
     # ------------------------------------------------------------------ internals (user side)
     def _check_usable(self) -> None:

@@ -1,4 +1,5 @@
-"""Process-wide state of the open engines: the GIL switch interval and the exit guard.
+"""Process-wide state of the open engines: the GIL switch interval, the exit guard, and the
+report of an uncaught exception to the engines' peers.
 
 ``opened(driver, gil_switch_interval)`` when an engine starts, ``closed(driver)`` when it is
 torn down (user thread, not collective).
@@ -30,6 +31,7 @@ def opened(driver: Any, gil_switch_interval: float | None) -> None:
     time the driver wants it (after every op): benchmarks/spin.py measures it.
     """
     _DRIVERS.add(driver)
+    _hook_uncaught()
     if gil_switch_interval is None:
         return
     if not _SAVED_SWITCH:
@@ -106,3 +108,25 @@ def _exit_guard() -> None:
             os._exit(1)
     if "torch.distributed" in sys.modules:
         time.sleep(EXIT_GIL_HANDOFF_S)
+
+
+_HOOKED: list[Any] = []  # the excepthook found before ours, once hooked
+
+
+def _hook_uncaught() -> None:
+    """Chain ``sys.excepthook`` once: an uncaught exception ends this process, so every open
+    engine's peers are told at once which rank leaves and why (``faults/leaving.py``), rather
+    than finding its heartbeats gone (``stall_timeout`` on another host)."""
+    if _HOOKED:
+        return
+    _HOOKED.append(sys.excepthook)
+
+    def hook(tp: Any, exc: BaseException, tb: Any) -> None:
+        from shardgen.faults import leaving
+
+        for drv in list(_DRIVERS):
+            with contextlib.suppress(Exception):
+                leaving.leave(drv, exc, "uncaught: the process exits", wait=False)
+        _HOOKED[0](tp, exc, tb)
+
+    sys.excepthook = hook

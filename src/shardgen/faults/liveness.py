@@ -219,16 +219,14 @@ class Liveness:
         full = f"{message}; {describe(culprit, rec)}, {last_seen(rec)}"
         return Verdict(culprit, "absent", full, self.rank).error(self.rank)
 
-    def report_error(self, err: BaseException) -> None:
-        """This rank's driver raised: make it the verdict unless a peer's failure came first."""
+    def report_error(self, err: BaseException, what: str | None = None) -> None:
+        """This rank's driver raised (or, with ``what``, the user's code: ``Type: message where``):
+        make it the verdict unless a peer's failure came first."""
         if self.verdict is not None:
             return  # the driver raised the verdict's own error
         rec = self.record()
-        self.blame(
-            self.rank,
-            "raised",
-            f"{describe(self.rank, rec)} raised {type(err).__name__}: {err}; {last_seen(rec)}",
-        )
+        what = what if what is not None else f"{type(err).__name__}: {err}"
+        self.blame(self.rank, "raised", f"{describe(self.rank, rec)} raised {what}; {last_seen(rec)}")
         if self.verdict is not None and self.verdict.culprit == self.rank:
             with contextlib.suppress(Exception):
                 self.beat("failed")
