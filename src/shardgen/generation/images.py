@@ -16,12 +16,16 @@ token to the last, salted by a digest of every input, so a prefix is shared befo
 image or past the last one, never between.
 
 Pure, no model: the driver thread and the caller's (``requests.build_request``) only.
+
+And, for the user, a Qwen-VL image's inputs and prompt ids without a processor (a trainer with its
+own data pipeline, or no torchvision): ``qwen_vl_pixel_values`` lays images out as the Qwen2-VL
+image processor does, ``qwen_vl_image_ids`` gives an image's tokens from its ``image_grid_thw``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,3 +156,59 @@ def _starts(sizes: list[int]) -> tuple[int, ...]:
         n += s
         out.append(n)
     return tuple(out)
+
+
+# ----------------------------------------------------------------------- Qwen-VL inputs by hand
+def _qwen_vision(config: Any) -> Any:
+    vision = getattr(config, "vision_config", None)
+    if vision is None or getattr(config, "image_token_id", None) is None:
+        raise ValueError(
+            f"a Qwen-VL config (vision_config, image_token_id) is needed, got model_type "
+            f"{getattr(config, 'model_type', None)!r}"
+        )
+    return vision
+
+
+def qwen_vl_pixel_values(images: Sequence[torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """A Qwen-VL model's (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) ``pixel_values`` and ``image_grid_thw``
+    for ``images``, each ``[C, H, W]`` already resized (H and W multiples of ``patch_size *
+    spatial_merge_size``) and normalized, as its image processor lays them out: image after image,
+    each patch one row of ``C x temporal_patch_size x P x P`` values (a still image repeated
+    ``temporal_patch_size`` times), the rows in merge order (each ``merge x merge`` block of
+    patches together, blocks row by row). ``config``: the model's."""
+    vision = _qwen_vision(config)
+    p, t, m = int(vision.patch_size), int(vision.temporal_patch_size), int(vision.spatial_merge_size)
+    rows, grids = [], []
+    for k, img in enumerate(images):
+        if img.dim() != 3 or img.shape[1] % (p * m) or img.shape[2] % (p * m):
+            raise ValueError(
+                f"image {k}: [C, H, W] with H and W multiples of patch_size * spatial_merge_size = "
+                f"{p} * {m} = {p * m} expected, got shape {tuple(img.shape)}"
+            )
+        c, h, w = img.shape
+        gh, gw = h // p, w // p
+        x = img.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # gh/m gw/m m m C P P
+        x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)  # the frame repeated in time
+        rows.append(x.reshape(gh * gw, c * t * p * p))
+        grids.append([1, gh, gw])
+    if not rows:
+        raise ValueError("qwen_vl_pixel_values needs at least one image, got none")
+    return {"pixel_values": torch.cat(rows), "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
+
+
+def qwen_vl_image_ids(grid_thw: Sequence[int] | torch.Tensor, config: Any) -> list[int]:
+    """One image's prompt ids for a Qwen-VL model, from its ``image_grid_thw`` row ``(t, h, w)``:
+    ``vision_start_token_id``, then ``t * h * w // spatial_merge_size**2`` times
+    ``image_token_id``, then ``vision_end_token_id`` (what its processor puts in place of
+    ``<|vision_start|><|image_pad|><|vision_end|>``). ``config``: the model's."""
+    vision = _qwen_vision(config)
+    m = int(vision.spatial_merge_size)
+    t, h, w = (int(v) for v in (grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw))
+    if min(t, h, w) < 1 or h % m or w % m:
+        raise ValueError(
+            f"image_grid_thw (t, h, w) = ({t}, {h}, {w}): h and w must be positive multiples of "
+            f"spatial_merge_size = {m}"
+        )
+    ids = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
+    start, image, end = (int(i) for i in ids)
+    return [start] + [image] * (t * h * w // m**2) + [end]

@@ -14,6 +14,11 @@ extends the deepest match token by token. The KV of a token depends only on the 
 it and its position, and a row's positions count from its first real token, so an entry's
 columns serve any row whose prompt starts with the same tokens, at any column of any batch.
 
+A prefix shared with an entry is served from a whole block on (a shorter common prefix, a few
+template tokens two unrelated prompts open with, is not worth a lookup), but a prompt that
+extends a whole entry (the next turn of its conversation) is served whatever the entry's length:
+an entry shorter than a block (a short first turn) has no block hash, and is found by its tokens.
+
 An image row's tokens are its cache keys (``SeqState.cache_keys``): its image tokens salted by
 their image's digest (``images.py``), since their KV and every later token's depend on the
 pixels; the scheduler lowers a match that would end inside an image to the image's start.
@@ -25,14 +30,14 @@ computed by other weights is ever served.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 #: Tokens per hashed block: prompts share a prefix in whole blocks before the token-by-token
-#: extension (a shorter common prefix is not worth a lookup).
+#: extension (a shorter common prefix is not worth a lookup; a shorter whole entry is).
 BLOCK = 16
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -71,6 +76,7 @@ class PrefixCache:
         self.evictions = 0
         self._lru: OrderedDict[tuple[Hashable, ...], Entry] = OrderedDict()  # least recent first
         self._index: dict[int, Entry] = {}  # block chain hash -> the latest entry holding it
+        self._short: Counter[int] = Counter()  # lengths of the entries shorter than a block
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -83,8 +89,9 @@ class PrefixCache:
     def match(self, prompt: Sequence[Hashable]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with ``prompt`` and that prefix's length, at most
         ``len(prompt) - 1`` (the last prompt token is always computed: its logits give the first
-        token). ``(None, 0)`` for no match. Pure: the order of use changes in ``touch``."""
-        if not self._lru or len(prompt) <= BLOCK:
+        token): a whole block or more of any entry, or the whole of an entry shorter than a block.
+        ``(None, 0)`` for no match. Pure: the order of use changes in ``touch``."""
+        if not self._lru or len(prompt) < 2:
             return None, 0
         best, depth, h = None, 0, 0
         for b in range((len(prompt) - 1) // BLOCK):
@@ -93,7 +100,9 @@ class PrefixCache:
             if e is None:
                 break
             best, depth = e, (b + 1) * BLOCK
-        if best is None or tuple(prompt[:depth]) != best.tokens[:depth]:  # a hash collision
+        if best is None:
+            return self._short_match(prompt)
+        if tuple(prompt[:depth]) != best.tokens[:depth]:  # a hash collision
             return None, 0
         most = min(len(best), len(prompt) - 1)
         n = depth
@@ -101,20 +110,30 @@ class PrefixCache:
             n += 1
         return best, n
 
+    def _short_match(self, prompt: Sequence[Hashable]) -> tuple[Entry | None, int]:
+        """The longest entry shorter than a block that ``prompt`` extends, and its length."""
+        for n in sorted((n for n in self._short if n < len(prompt)), reverse=True):
+            e = self._lru.get(tuple(prompt[:n]))
+            if e is not None:
+                return e, n
+        return None, 0
+
     def touch(self, entry: Entry) -> None:
         """``entry`` was used: the last to be evicted."""
         if self._lru.get(entry.tokens) is entry:
             self._lru.move_to_end(entry.tokens)
 
     def keeps(self, length: int) -> bool:
-        """Whether ``add`` keeps a sequence of ``length`` tokens: longer than a block, within the
-        bound (asked before the KV is copied out)."""
-        return BLOCK < length <= self.capacity
+        """Whether ``add`` keeps a sequence of ``length`` tokens: within the bound (asked before the
+        KV is copied out). Short ones too: a short first turn's next turn extends it."""
+        return 0 < length <= self.capacity
 
     def add(self, tokens: Sequence[Hashable], kv: KV) -> None:
         """Keep ``tokens``' KV (``kv[l]``: ``[kv_heads, len(tokens), head_dim]`` each), evicting the
-        least recently used entries to stay within ``capacity``. An entry that is a prefix of the
-        new one goes (the new one serves every prompt it served)."""
+        least recently used entries to stay within ``capacity``. An entry of a block or more that is
+        a prefix of the new one goes (the new one serves every prompt it served); a shorter one
+        stays (a sibling turn, the same turn with another reply, shares under a block with the
+        new one), until the bound pushes it out."""
         key = tuple(tokens)
         if not self.keeps(len(key)):
             return
@@ -131,6 +150,8 @@ class PrefixCache:
             self.evictions += 1
         self._lru[key] = entry
         self.tokens += len(key)
+        if len(key) < BLOCK:
+            self._short[len(key)] += 1
         for h in entry.hashes:
             self._index[h] = entry
 
@@ -139,6 +160,7 @@ class PrefixCache:
         n = len(self._lru)
         self._lru.clear()
         self._index.clear()
+        self._short.clear()
         self.tokens = 0
         return n
 
@@ -146,6 +168,10 @@ class PrefixCache:
         if self._lru.pop(entry.tokens, None) is None:
             return
         self.tokens -= len(entry)
+        if len(entry) < BLOCK:
+            self._short[len(entry)] -= 1
+            if not self._short[len(entry)]:
+                del self._short[len(entry)]
         lost = set()
         for h in entry.hashes:
             if self._index.get(h) is entry:
