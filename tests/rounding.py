@@ -50,7 +50,9 @@ def _small_linear(input: Any, weight: Any, bias: Any = None) -> Any:
     """``F.linear`` with the reduction split in two halves when ``input`` has <= 3 rows."""
     linear = _original["linear"]
     k = input.shape[-1] if input.dim() else 0
-    if weight.dim() != 2 or k < 2 or _rows(input) > SMALL_ROWS:
+    # Under invariant numerics the linear runs as tiles of 16 rows (shardgen.numerics.ops), each
+    # a matmul call of 16 rows: the small-row kernels this switch stands for never run there.
+    if weight.dim() != 2 or k < 2 or _rows(input) > SMALL_ROWS or _invariant():
         return linear(input, weight, bias)
     h = k // 2
     out = linear(input[..., :h], weight[:, :h])
@@ -58,6 +60,13 @@ def _small_linear(input: Any, weight: Any, bias: Any = None) -> Any:
     if bias is not None:
         out += bias
     return out
+
+
+def _invariant() -> bool:
+    import sys
+
+    mode = sys.modules.get("shardgen.numerics.mode")
+    return mode is not None and mode.active()
 
 
 def _small_addmm(input: Any, mat1: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:

@@ -38,6 +38,7 @@ _EXPORTS = {
     "ScoreBatch": "shardgen.generation.score",
     "ShardgenError": "shardgen.errors",
     "init": "shardgen.core.comm",
+    "invariant_numerics": "shardgen.numerics.mode",
 }
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "ScoreBatch",
     "ShardgenError",
     "init",
+    "invariant_numerics",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     )
     from shardgen.generation.requests import Completion
     from shardgen.generation.score import ScoreBatch
+    from shardgen.numerics.mode import invariant_numerics
     from shardgen.rollout import RolloutBatch
 
 

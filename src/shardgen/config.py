@@ -35,6 +35,7 @@ def check_backend_name(name: str) -> None:
 
 
 GATHER_POLICIES = ("per-layer", "stationary", "once", "auto")
+NUMERICS = ("fast", "invariant")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 CLAIM_ORDERS = ("longest", "input")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -244,6 +245,14 @@ class EngineConfig:
     a larger prefill runs in chunks, one per tick, so that a long prompt does not hold every
     rank's tick for many decode steps (at least one column of every row per chunk). None: whole
     prompts (docs/PERFORMANCE.md: 1024-2048 evens ticks at the same throughput on CPU)."""
+    numerics: str = field(default="fast", metadata={"choices": NUMERICS})
+    """``fast``: the kernels torch picks for each shape (a row's logits may differ in the last
+    bits with the batch it is in). ``invariant``: every row's result depends on that row alone
+    (``shardgen.numerics``): the same request and seed give the same bits batched or alone,
+    chunked, shared or from the prefix cache, and a trainer forward inside
+    ``shardgen.invariant_numerics()`` gives the rollout's logprobs bit for bit. A model it cannot
+    serve (sliding-window attention, mixture of experts, attention other than sdpa) is a
+    ``ValueError`` at construction."""
     prefix_cache_tokens: int | None = None
     """The prefix cache (``generation/prefix_cache.py``): finished sequences' KV, kept per rank up to
     this many tokens, least recently used out, so that a prompt that extends one (the next turn
@@ -298,6 +307,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "share_prefill": boolean(),
     "max_prefill_tokens": integer(1).optional(),
     "prefix_cache_tokens": integer(0).optional(),
+    "numerics": one_of(NUMERICS),
 }
 """One rule per ``EngineConfig`` field, the same at every door (None: unset, where allowed)."""
 

@@ -59,6 +59,7 @@ from shardgen.generation.requests import Request, completion_of, resolve_future
 from shardgen.generation.scheduler import ForwardPlan, LocalWork
 from shardgen.loading.memory import batch_rows, kv_cache_bytes, memory_budget
 from shardgen.log import get_logger
+from shardgen.numerics import invariant_numerics
 from shardgen.timeouts import Timeouts
 
 log = get_logger()
@@ -232,7 +233,8 @@ class Driver:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         try:
-            self._loop()
+            with invariant_numerics(self.config.numerics == "invariant"):  # this thread's forwards
+                self._loop()
         except BaseException as e:  # every failure must reach the user threads
             err = self._attribute(e)
             if err is e and self.live is not None and not isinstance(e, PeerFailedError):

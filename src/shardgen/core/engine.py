@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardgen import numerics
 from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.base import describe_model
 from shardgen.backends.kinds import backend_for
@@ -99,6 +100,9 @@ class Engine:
         cfg.validate()
         check_backend_name(cfg.backend)  # before any collective
         problem = encoder_decoder_problem(getattr(model, "module", model))
+        if problem is None and cfg.numerics == "invariant":
+            why = numerics.unsupported(getattr(model, "module", model))
+            problem = None if why is None else f"numerics='invariant' cannot serve this model: {why}"
         if problem is not None:
             raise ValueError(problem)
         self.config, self.tokenizer = cfg, tokenizer
