@@ -329,7 +329,8 @@ def test_generate_ids_takes_lists_of_ids_or_says_what_it_expects(engine):
     out = engine.generate_ids([[0] + ids], attention_mask=[[0] + [1] * len(ids)])
     assert out[0, : len(ids) + 1].tolist() == [0] + ids
     expected = "input_ids must be a [batch, length] tensor or a list of token-id lists of one length"
-    for bad, said in [([], "an empty list"), (ids, "a list of int"), ([ids, ids[:-1]], "lengths"),
+    assert engine.generate_ids([]).shape == (0, 0)  # zero rows: an empty batch, as rollout([])
+    for bad, said in [(ids, "a list of int"), ([ids, ids[:-1]], "lengths"),
                       ([[1.5]], "float"), ("count", "str")]:  # fmt: skip
         with pytest.raises(ValueError) as e:
             engine.generate_ids(bad)

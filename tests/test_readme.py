@@ -1,4 +1,5 @@
-"""The README's three scripts, each run as its block says (``torchrun --nproc-per-node 2 NAME.py``).
+"""The README's scripts, each run as its block says (``torchrun --nproc-per-node 2 NAME.py``): all but
+the DeepSpeed one in one torchrun job (tests/readme_programs.py), each as its own ``__main__``.
 
 A file of its own beside tests/test_examples.py (both launch through tests/example_runs.py), so that the
 suite's workers share the example runs (``make test`` runs one file per worker at a time).
@@ -7,6 +8,7 @@ suite's workers share the example runs (``make test`` runs one file per worker a
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,21 +23,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 # ------------------------------------------------ the README's examples, as written
 
 README = ROOT / "README.md"
-README_SCRIPT = re.compile(r"```python\n(# torchrun --nproc-per-node 2 (\w+\.py)[^\n]*\n.*?)```", re.S)
+# A block that starts ``# torchrun --nproc-per-node 2 NAME.py``, at any indent (inside a list item).
+README_SCRIPT = re.compile(
+    r"^( *)```python\n\1(# torchrun --nproc-per-node 2 (\w+\.py)[^\n]*\n.*?)^\1```", re.S | re.M
+)
+# Run together in one torchrun job (tests/readme_programs.py); zero3.py needs DeepSpeed, alone.
+TOGETHER = ["quickstart.py", "rl.py", "opsd.py"]
 
 
 def readme_scripts() -> dict[str, str]:
     """``{name: code}`` of every README block that starts ``# torchrun --nproc-per-node 2 NAME.py``."""
-    return {m.group(2): m.group(1) for m in README_SCRIPT.finditer(README.read_text(encoding="utf-8"))}
+    text = README.read_text(encoding="utf-8")
+    return {m.group(3): textwrap.dedent(m.group(1) + m.group(2)) for m in README_SCRIPT.finditer(text)}
 
 
-def test_readme_has_its_three_scripts():
-    assert set(readme_scripts()) == {"quickstart.py", "zero3.py", "rl.py"}
+def test_readme_has_its_scripts():
+    assert set(readme_scripts()) == {"quickstart.py", "zero3.py", "rl.py", "opsd.py"}
+
+
+def _write(names: list[str], tmp_path: Path) -> list[Path]:
+    scripts = readme_scripts()
+    for name in names:
+        (tmp_path / name).write_text(scripts[name], encoding="utf-8")  # exactly the README's text
+    return [tmp_path / name for name in names]
 
 
 def _run_readme_script(name: str, tmp_path: Path, timeout: float = RUN_TIMEOUT_S) -> str:
-    script = tmp_path / name
-    script.write_text(readme_scripts()[name], encoding="utf-8")  # exactly the README's text
+    (script,) = _write([name], tmp_path)
     cmd = [*launcher("torchrun", "torch.distributed.run"), "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(script)]  # fmt: skip
     rc, out, _ = run(cmd, timeout=timeout)
@@ -44,8 +58,24 @@ def _run_readme_script(name: str, tmp_path: Path, timeout: float = RUN_TIMEOUT_S
     return out
 
 
-def test_readme_quickstart(tmp_path):
-    out = _run_readme_script("quickstart.py", tmp_path)
+@pytest.fixture(scope="module")
+def together(tmp_path_factory) -> dict[str, str]:
+    """``{name: its output}`` of the README programs run in one torchrun job."""
+    scripts = _write(TOGETHER, tmp_path_factory.mktemp("readme"))
+    cmd = [*launcher("torchrun", "torch.distributed.run"), "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(ROOT / "tests" / "readme_programs.py"),
+           *map(str, scripts)]  # fmt: skip
+    rc, out, _ = run(cmd, timeout=RUN_TIMEOUT_S)
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    assert "FutureWarning" not in out, out
+    parts = re.split(r"=== done (\w+\.py)\n", out)
+    got = {name: parts[2 * i] for i, name in enumerate(parts[1::2])}  # a program's lines precede its marker
+    assert list(got) == TOGETHER, out
+    return got
+
+
+def test_readme_quickstart(together):
+    out = together["quickstart.py"]
     answers = re.findall(RANK_LINE + r"(\d): '([^']*)' \((\w+)\)", out)
     assert sorted(r for r, _, _ in answers) == ["0", "1", "1"], out  # rank r asked r + 1 prompts
     prompts = ["count from 1 to 5 :", "count down from 9 to 7 :"]
@@ -68,9 +98,24 @@ def test_readme_zero3_hf_deepspeed_config(tmp_path):
     assert all(toy.check_answer("count from 4 to 8 :", t) for _, t in answers), out
 
 
-def test_readme_rl_loop(tmp_path):
-    out = _run_readme_script("rl.py", tmp_path)
-    steps = re.findall(RANK_LINE + r"(\d) step (\d): reward ([\d.]+)", out)
-    assert sorted((r, s) for r, s, _ in steps) == [(r, s) for r in "01" for s in "012"], out
+def test_readme_rl_loop(together):
+    out = together["rl.py"]
+    steps = re.findall(RANK_LINE + r"(\d) step (\d): (\d+) rows, reward ([\d.]+)", out)
+    assert sorted((r, s) for r, s, _, _ in steps) == [(r, s) for r in "01" for s in "012"], out
+    empty = sorted((r, s) for r, s, rows, _ in steps if rows == "0")
+    assert empty == [("0", "0"), ("1", "2")], out  # a rank with no prompts took the step too
     bars = [x for x in re.split(r"[\r\n]", out) if "Loading weights" in x and "100%" in x]
     assert len(bars) == 1, out  # transformers' bar, on rank 0 only
+
+
+def test_readme_opsd_loop(together):
+    out = together["opsd.py"]
+    steps = re.findall(RANK_LINE + r"(\d) step (\d): (\d+) rows, KL ([\d.]+)", out)
+    assert sorted((r, s, rows) for r, s, rows, _ in steps) == [
+        ("0", "0", "4"),
+        ("0", "1", "4"),
+        ("1", "0", "2"),
+        ("1", "1", "0"),
+    ], out  # rank 1: no prompts at step 1, one dummy forward and backward
+    kl = {(r, s): float(v) for r, s, _, v in steps}
+    assert kl[("1", "1")] == 0.0 and all(v > 0 for k, v in kl.items() if k != ("1", "1")), out

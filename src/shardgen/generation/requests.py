@@ -308,7 +308,9 @@ def id_batch(input_ids: Any, attention_mask: Any) -> tuple[torch.Tensor, torch.T
 
 def _id_rows(rows: Any, name: str) -> torch.Tensor:
     expected = f"{name} must be a [batch, length] tensor or a list of token-id lists of one length"
-    if not isinstance(rows, list | tuple) or not rows or not all(isinstance(r, list | tuple) for r in rows):
+    if isinstance(rows, list | tuple) and not rows:
+        return torch.zeros((0, 0), dtype=torch.long)  # zero rows: a rank with no prompts
+    if not isinstance(rows, list | tuple) or not all(isinstance(r, list | tuple) for r in rows):
         raise ValueError(f"{expected}, got {_shape_word(rows)}")
     bad = [t for r in rows for t in r if isinstance(t, bool) or not isinstance(t, int)]
     if bad:
@@ -324,7 +326,7 @@ def _id_rows(rows: Any, name: str) -> torch.Tensor:
 
 def _shape_word(value: Any) -> str:
     if isinstance(value, list | tuple):
-        return "an empty list" if not value else f"a list of {type(value[0]).__name__}"
+        return f"a list of {type(value[0]).__name__}"  # never empty: zero rows are taken
     return type(value).__name__
 
 
@@ -343,7 +345,7 @@ def unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
 
 def padded_output(input_ids: torch.Tensor, reqs: list[Request], done: list[Completion]) -> torch.Tensor:
     """HF ``generate()``'s output: the input columns, then each generation padded with its pad id."""
-    width = max(len(c.token_ids) for c in done)
+    width = max((len(c.token_ids) for c in done), default=0)  # zero rows: [0, T]
     out = torch.empty((input_ids.shape[0], input_ids.shape[1] + width), dtype=torch.long)
     out[:, : input_ids.shape[1]] = input_ids.cpu()
     for i, (r, c) in enumerate(zip(reqs, done, strict=True)):

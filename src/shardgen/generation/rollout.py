@@ -72,11 +72,12 @@ class RolloutBatch:
     n: int = 1
     """Samples per prompt."""
     texts: list[str] | None = None
-    """Per row: the generated text, when the engine has a tokenizer."""
+    """Per row: the generated text, when the engine has a tokenizer (``[]`` for zero rows either
+    way, so ``zip(prompts, batch.texts)`` holds on a rank with no prompts)."""
     pad_id: int = 0
     """The id in padded positions of ``input_ids``."""
-    turns: list[int] | None = None
-    """Multi-turn (``env=``): the model turns of each row; None for single-turn rollouts."""
+    turns: list[int] = dataclasses.field(default_factory=list)
+    """Per row: its model turns (multi-turn, ``env=``: 1 to ``max_turns``; single-turn: 1)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -220,7 +221,7 @@ def concat(groups: Sequence[RolloutBatch]) -> RolloutBatch:
     """One batch of ``groups``' rows, in order, re-padded to their common widths: ``concat`` of
     ``rollout_iter``'s groups in prompt order equals ``rollout()``'s batch, tensor for tensor."""
     done, seeds, masks, turns = [], [], [], []
-    for g in groups:
+    for g in groups:  # single-turn masks are all ones: passing them on changes nothing
         p_width = g.prompt_width
         for i in range(len(g)):
             p, r = int(g.prompt_lengths[i]), int(g.response_lengths[i])
@@ -235,15 +236,12 @@ def concat(groups: Sequence[RolloutBatch]) -> RolloutBatch:
                 )
             )
         seeds += g.seeds
-        turns += g.turns or []
+        turns += g.turns
     first = groups[0] if groups else None
     device = first.input_ids.device if first is not None else "cpu"
     pad = first.pad_id if first is not None else 0
-    multi = first is not None and first.turns is not None
-    return pack(
-        done, pad_id=pad, n=first.n if first is not None else 1, seeds=seeds, device=device,
-        masks=masks if multi else None, turns=turns if multi else None,
-    )  # fmt: skip
+    n = first.n if first is not None else 1
+    return pack(done, pad_id=pad, n=n, seeds=seeds, device=device, masks=masks, turns=turns)
 
 
 class _Plan:
@@ -327,7 +325,9 @@ def pack(
     turns: list[int] | None = None,
 ) -> RolloutBatch:
     """Completions -> padded tensors (prompt left-padded, response right-padded). ``masks``: per
-    row, the response mask of its tokens (multi-turn: 0 on the environment's); None: all 1."""
+    row, the response mask of its tokens (multi-turn: 0 on the environment's); None: all 1.
+    ``turns``: per row, its model turns; None: 1 each. Zero rows give ``[0, 0]`` tensors and
+    empty lists, never None: a rank with no prompts runs the same code as the others."""
     rows = len(done)
     p_width = max((len(c.prompt_token_ids) for c in done), default=0)
     g_width = max((len(c.token_ids) for c in done), default=0)
@@ -347,7 +347,7 @@ def pack(
             resp[i, :g] = 1 if masks is None else torch.tensor(masks[i], dtype=torch.long)
             assert c.logprobs is not None and len(c.logprobs) == g, "rollout rows carry logprobs"
             lps[i, :g] = torch.tensor(c.logprobs, dtype=torch.float32)
-    texts = [c.text for c in done] if done and all(c.text is not None for c in done) else None
+    texts = [c.text for c in done] if all(c.text is not None for c in done) else None
     batch = RolloutBatch(
         input_ids=ids,
         attention_mask=attn,
@@ -359,6 +359,6 @@ def pack(
         n=n,
         texts=texts,
         pad_id=pad_id,
-        turns=None if turns is None else list(turns),
+        turns=[1] * rows if turns is None else list(turns),
     )
     return batch.to(device)

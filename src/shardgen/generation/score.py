@@ -32,7 +32,10 @@ class ScoreParams:
 
 @dataclass
 class ScoreBatch:
-    """The scores of one ``score()`` call: R rows, G = the longest response, in the rows' order."""
+    """The scores of one ``score()`` call: R rows, G = the longest response, in the rows' order.
+
+    Zero rows: each field asked for is a tensor of zero rows (``[0, 0]``, ``[0, 0, k]``,
+    ``[0, 0, V]``) in its dtype; only the fields not asked for are None, as at any row count."""
 
     logprobs: torch.Tensor
     """[R, G] float32: log softmax(logits / temperature) at each given response token; 0 past a
