@@ -50,29 +50,53 @@ def test_trl_grpo_fsdp2_torchrun():
     assert re.search(r"^reward: first 1 steps [\d.]+ -> last 1 steps [\d.]+$", out, flags=re.M), out
 
 
-def _check_opsd(rc: int, out: str, steps: int, world: int) -> None:
-    """One line per step on rank 0, a finite non-negative divergence, the final summary; the last
-    rank has no rows on odd steps and the step still runs (its tokens leave the total)."""
+def _check_opsd(rc: int, out: str, steps: int, world: int, prompts: int, samples: int) -> list[tuple]:
+    """One line per step on rank 0, a finite non-negative divergence, the task score and the
+    tokens of all ranks, the final summary; the last rank has no rows on odd steps and the step
+    still runs (its tokens leave the total). -> per step: (loss, correct, tokens)."""
     assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
     lines = re.findall(
-        r"^step +(\d+)  loss ([\d.eE+-]+|nan|inf)  rows here (\d+)  tokens (\d+) ", out, flags=re.M
+        r"^step +(\d+)  loss ([\d.eE+-]+|nan|inf)  correct (\d+)/(\d+)  tokens (\d+)  rows here (\d+) ",
+        out,
+        flags=re.M,
     )
     assert [int(s) for s, *_ in lines] == list(range(steps)), f"rank 0 prints one line per step\n{out}"
     assert all(0.0 <= float(loss) < 10.0 for _, loss, *_ in lines), out  # finite: nan/inf fail here
-    assert all(int(t) > 0 for *_, t in lines), out
-    for step, _, here, _ in lines:  # rank 0's share: 2 parts of 1 + world; the last rank none on odd steps
+    assert all(0 <= int(c) <= int(r) == prompts * samples for _, _, c, r, *_ in lines), out
+    assert all(int(t) > 0 for *_, t, _ in lines), out
+    for step, *_, here in lines:  # rank 0's share: 2 parts of 1 + world; the last rank none on odd steps
         weights = [2] + [1] * (world - 1)
         weights[-1] = 0 if int(step) % 2 else weights[-1]
-        assert int(here) == 2 * round(5 * 2 / sum(weights)), (step, here, out)
-    assert re.search(r"^loss: first \d+ steps [\d.]+ -> last \d+ steps [\d.]+$", out, flags=re.M), out
-
-
-OPSD_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2"]
+        assert int(here) == samples * round(prompts * 2 / sum(weights)), (step, here, out)
+    for what in ("loss", "correct", "tokens"):
+        assert re.search(
+            rf"^{what}: first \d+ steps [\d.]+(/\d+)? -> last \d+ steps [\d.]+", out, flags=re.M
+        ), out
+    assert re.search(r"^(NOT )?both improved: ", out, flags=re.M), out
+    return [(float(loss), int(c), int(t)) for _, loss, c, _, t, _ in lines]
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_opsd_torchrun_full_logits():
-    _check_opsd(*run(torchrun("opsd.py", *OPSD_ARGS), timeout=2 * RUN_TIMEOUT_S)[:2], steps=2, world=2)
+def test_opsd_torchrun_full_logits_learns():
+    """The example's own settings, fewer steps: the student learns where its answers end. Over
+    the run the task score rises (exact answers, out of 24 samples a step) and the divergence
+    from the frozen teacher falls. With the teacher on the student's own moving weights (the
+    example's old recipe) the score collapses to 0-2/24 by step 12 while the loss still falls."""
+    steps, k = 12, 4
+    rc, out = run(torchrun("opsd.py", "--steps", str(steps)), timeout=2 * RUN_TIMEOUT_S)[:2]
+    history = _check_opsd(rc, out, steps=steps, world=2, prompts=12, samples=2)
+    first, last = history[:k], history[-k:]
+
+    def mean(col: int, part: list[tuple]) -> float:
+        return sum(h[col] for h in part) / len(part)
+
+    assert mean(1, last) >= mean(1, first) + 4, f"the task score rises by 4 of 24 or more\n{out}"
+    assert mean(0, last) < 0.7 * mean(0, first), f"the loss falls by 30% or more\n{out}"
+    assert mean(2, last) < mean(2, first), f"answers stop instead of running on\n{out}"
+    assert re.search(r"^both improved: the loss fell, the task score rose$", out, flags=re.M), out
+
+
+OPSD_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2"]
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
@@ -84,4 +108,5 @@ def test_opsd_deepspeed_launcher_3_ranks_top_k_separate_teacher():
 
     teacher = ["--teacher", str(toy.toy_model_path())]
     cmd = deepspeed_launcher("opsd.py", *OPSD_ARGS, "--top-k", "4", *teacher, nproc=3)
-    _check_opsd(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2, world=3)
+    rc, out = run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2]
+    _check_opsd(rc, out, steps=2, world=3, prompts=5, samples=2)
