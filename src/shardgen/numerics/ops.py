@@ -32,29 +32,56 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-#: Rows per matmul call of a linear (a decode step's rows fit one tile).
+#: Rows per matmul call of a linear, the smallest tile (a decode step's rows fit one or two).
 TILE_ROWS = 16
+#: The tile sizes a linear's rows are cut into, largest first: each used only where the kernel
+#: gives every row of it the bits a ``TILE_ROWS``-row tile gives (measured: ``check_tiles``), so
+#: that a batch of 32 decode rows is one call and a long forward few.
+TILE_SIZES = (256, 128, 64, 32, TILE_ROWS)
 #: A linear's output features are zero-padded to a multiple of this: narrower products take
 #: another kernel (on this CPU, fp32 products of up to 9 columns sum in another order).
 COLUMN_MULTIPLE = 16
-#: Keys per attention block; queries per attention tile.
-KEY_BLOCK = 64
-QUERY_TILE = 16
+#: Keys per attention block (a row's keys are summed block by block, in order).
+KEY_BLOCK = 32
+#: Queries per attention tile: 4 where a call has few (a decode step's grouped queries), else 16;
+#: both used only where the kernel gives a query the same bits in either (``check_blocks``).
+QUERY_TILES = (16, 4)
 
-_checked: dict[tuple, str | None] = {}
+
+@dataclass(frozen=True)
+class TileCheck:
+    """What ``check_tiles`` measured for one shape: why it is refused (None: served), and the
+    tile sizes that give every row the bits a ``TILE_ROWS``-row tile gives it."""
+
+    why: str | None
+    sizes: tuple[int, ...]
+
+
+_checked: dict[tuple, Any] = {}
 _lock = threading.Lock()
 
 
-def _tile_mm(tiles: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``[n, T, K] @ [K, N] -> [n, T, N]``, one matmul of shape ``[T, K] x [K, N]`` per tile."""
-    n = tiles.shape[0]
-    if tiles.dtype == torch.float32:
-        return torch.bmm(tiles, wt.expand(n, *wt.shape))  # one call; per tile checked equal to mm
-    return torch.stack([torch.mm(t, wt) for t in tiles.unbind(0)])  # bf16/fp16 bmm is slow on CPU
+def _mm_rows(buf: torch.Tensor, wt: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """``buf`` ``[M, K]`` (M a multiple of ``TILE_ROWS``, a fresh buffer) ``@ wt`` ``[K, N]``, the
+    rows cut into tiles of ``sizes`` (largest first), each tile one call of its shape."""
+    m = buf.shape[0]
+    out = buf.new_empty(m, wt.shape[1])
+    i = 0
+    for size in sizes:
+        if size == TILE_ROWS and buf.dtype == torch.float32 and m - i > TILE_ROWS:
+            tiles = buf[i:].view(-1, TILE_ROWS, buf.shape[1])  # one call (bf16 bmm is slow on CPU)
+            out[i:] = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape)).view(-1, wt.shape[1])
+            return out
+        while i + size <= m:
+            torch.mm(buf[i : i + size], wt, out=out[i : i + size])
+            i += size
+    assert i == m, (i, m, sizes)
+    return out
 
 
 def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -64,57 +91,109 @@ def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
 
 
-def check_tiles(k: int, n: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why this machine's matmul of ``[TILE_ROWS, k] x [k, n]`` in ``dtype`` is not row-invariant
-    (a row's result differs by its position in the tile or by the tile's neighbours), or None.
-    Measured once per (k, n, dtype, device) in this process, on random values."""
-    key = (k, n, dtype, device.type)
+def _cached(key: tuple, measure: Callable[[], Any]) -> Any:
     with _lock:
         if key in _checked:
             return _checked[key]
-    g = torch.Generator().manual_seed(k * 7919 + n)
-    wt = torch.randn(n, k, generator=g).to(device=device, dtype=dtype).t()
-    row = torch.randn(1, k, generator=g).to(device=device, dtype=dtype)
-    why = None
-    ref = None
-    tile = torch.randn(TILE_ROWS, k, generator=g).to(device=device, dtype=dtype)
-    wide = torch.mm(tile, wt)
-    for c in sorted({0, (n // 2) // COLUMN_MULTIPLE * COLUMN_MULTIPLE, n - COLUMN_MULTIPLE}):
-        narrow = torch.mm(tile, wt[:, c : c + COLUMN_MULTIPLE])  # the narrowest product it makes
-        if not torch.equal(wide[:, c : c + COLUMN_MULTIPLE], narrow):
-            why = (
-                f"this machine's {dtype} matmul of [{TILE_ROWS}, {k}] x [{k}, {n}] on {device.type} gives "
-                f"columns {c}..{c + COLUMN_MULTIPLE - 1} other bits than a product of those columns alone"
-            )
-    for j in range(TILE_ROWS if why is None else 0):
-        tiles = torch.randn(2, TILE_ROWS, k, generator=g).to(device=device, dtype=dtype)
-        tiles[1, j] = row[0]
-        got = _tile_mm(tiles, wt)[1, j]
-        ref = got if ref is None else ref
-        if not torch.equal(got, ref) or not torch.equal(torch.mm(tiles[1], wt)[j], ref):
-            why = (
-                f"this machine's {dtype} matmul of [{TILE_ROWS}, {k}] x [{k}, {n}] on {device.type} gives a "
-                f"row different bits at position {j} of a tile than at position 0"
-            )
-            break
+    got = measure()
     with _lock:
-        _checked[key] = why
-    return why
+        _checked[key] = got
+    return got
+
+
+def _rand(g: torch.Generator, dtype: torch.dtype, device: torch.device, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def check_tiles(k: int, n: int, dtype: torch.dtype, device: torch.device) -> TileCheck:
+    """Measure, once per (k, n, dtype, device) in this process and on random values, whether this
+    machine's matmul gives an output of ``[TILE_ROWS, k] x [k, n]`` the same bits at every
+    position of the tile, whatever its neighbours, in a narrow product of its columns alone, and
+    in which larger tiles of ``TILE_SIZES`` it gets those bits too."""
+
+    def measure() -> TileCheck:
+        g = torch.Generator().manual_seed(k * 7919 + n)
+        wt, row = _rand(g, dtype, device, n, k).t(), _rand(g, dtype, device, k)
+        tile = _rand(g, dtype, device, TILE_ROWS, k)
+        shape = f"this machine's {dtype} matmul of [{TILE_ROWS}, {k}] x [{k}, {n}] on {device.type}"
+        wide = torch.mm(tile, wt)
+        for c in sorted({0, (n // 2) // COLUMN_MULTIPLE * COLUMN_MULTIPLE, n - COLUMN_MULTIPLE}):
+            narrow = torch.mm(tile, wt[:, c : c + COLUMN_MULTIPLE])  # the narrowest product it makes
+            if not torch.equal(wide[:, c : c + COLUMN_MULTIPLE], narrow):
+                return TileCheck(f"{shape} gives columns {c}.. other bits than their own product", ())
+        ref = None
+        for j in range(TILE_ROWS):
+            buf = _rand(g, dtype, device, 2 * TILE_ROWS, k)
+            buf[TILE_ROWS + j] = row
+            got = _mm_rows(buf, wt, (TILE_ROWS,))[TILE_ROWS + j]
+            ref = got if ref is None else ref
+            if not torch.equal(got, ref) or not torch.equal(torch.mm(buf[TILE_ROWS:], wt)[j], ref):
+                return TileCheck(f"{shape} gives a row other bits at position {j} of a tile than at 0", ())
+        sizes = [TILE_ROWS]
+        for size in TILE_SIZES[:-1]:
+            ok = True
+            for j in (0, size // 2 + 1, size - 1):
+                buf = _rand(g, dtype, device, size, k)
+                buf[j] = row
+                ok = ok and torch.equal(torch.mm(buf, wt)[j], ref)
+            if ok:
+                sizes.append(size)
+        return TileCheck(None, tuple(sorted(sizes, reverse=True)))
+
+    return _cached((k, n, dtype, device.type), measure)
+
+
+def check_blocks(rows: int, k: int, n: int, device: torch.device) -> str | None:
+    """Why this machine's float32 batched matmul of ``[rows, k] x [k, n]`` items (attention's
+    tiles) gives an output other bits by its item, row or column position, or than an item of
+    ``QUERY_TILES[-1]`` rows gives the same values (None: it does not)."""
+
+    def measure() -> str | None:
+        g = torch.Generator().manual_seed(rows * 131 + k * 7919 + n)
+        small = QUERY_TILES[-1]
+        a, b = _rand(g, torch.float32, device, small, k), _rand(g, torch.float32, device, k, n)
+        ref = torch.bmm(a[None], b[None])[0, 0, 0]
+        for item, r, c in ((0, 0, 0), (2, rows - 1, n - 1), (1, rows // 2, n // 2)):
+            xa, xb = _rand(g, torch.float32, device, 3, rows, k), _rand(g, torch.float32, device, 3, k, n)
+            xa[item, r], xb[item, :, c] = a[0], b[:, 0]
+            if not torch.equal(torch.bmm(xa, xb)[item, r, c], ref):
+                return (
+                    f"this machine's float32 batched matmul of [{rows}, {k}] x [{k}, {n}] on {device.type} "
+                    f"gives item {item}, row {r}, column {c} other bits than a [{small}, {k}] item at 0, 0, 0"
+                )
+        return None
+
+    return _cached(("blocks", rows, k, n, device.type), measure)
+
+
+class _TiledLinear(torch.autograd.Function):
+    """``x2 @ weight.t()`` in tiles (forward); the backward is the plain one (gradients are not
+    promised bit for bit, and tile by tile they would cost a weight gradient per tile)."""
+
+    @staticmethod
+    def forward(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, wide: int, sizes: tuple) -> torch.Tensor:
+        ctx.save_for_backward(x2, weight)
+        n, k = weight.shape
+        w = weight if wide == n else torch.cat([weight, weight.new_zeros(wide - n, k)])
+        return _mm_rows(_padded_rows(x2, TILE_ROWS), w.t(), sizes)[: x2.shape[0], :n]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x2, weight = ctx.saved_tensors
+        with torch._C.DisableTorchFunction():  # a backward inside the switch: plain products
+            gx = grad.mm(weight) if ctx.needs_input_grad[0] else None
+            gw = grad.t().mm(x2) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` in tiles of ``TILE_ROWS`` rows (see the module docstring)."""
     k, n = x.shape[-1], weight.shape[0]
     wide = n + (-n) % COLUMN_MULTIPLE
-    why = check_tiles(k, wide, x.dtype, x.device)
-    if why is not None:
-        raise ValueError(f"invariant numerics cannot serve this linear ({k} -> {n}): {why}")
-    if wide != n:
-        weight = torch.cat([weight, weight.new_zeros(wide - n, k)])
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    tiles = _padded_rows(x2, TILE_ROWS).view(-1, TILE_ROWS, k)
-    out = _tile_mm(tiles, weight.t()).reshape(-1, wide)[:m, :n]
+    check = check_tiles(k, wide, x.dtype, x.device)
+    if check.why is not None:
+        raise ValueError(f"invariant numerics cannot serve this linear ({k} -> {n}): {check.why}")
+    out = _TiledLinear.apply(x.reshape(-1, k), weight, wide, check.sizes)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)
@@ -159,6 +238,18 @@ def _exp64(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.double()).to(x.dtype)
 
 
+def _keys_in_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[b, h, lk, e]`` with each row's keys taken in ``order`` (``[b, 1 | h, lk]``), as
+    float32. One order for all heads: whole key rows copied by index (a gather's expanded index
+    costs more than the copy)."""
+    b, h, lk, e = x.shape
+    if order.shape[1] != 1:
+        return x.gather(2, order[..., None].expand(b, h, lk, e)).float()
+    rows = (order[:, 0] + torch.arange(b, device=order.device)[:, None] * lk).reshape(-1)
+    flat = x.transpose(1, 2).reshape(b * lk, h * e).index_select(0, rows)
+    return flat.view(b, lk, h, e).transpose(1, 2).float()
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -177,36 +268,43 @@ def attention(
         raise ValueError(f"invariant numerics: attention takes [batch, heads, tokens, dim] inputs, got "
                          f"query {tuple(query.shape)} and key {tuple(key.shape)}")  # fmt: skip
     q, k, v = query, key, value
-    b, hq, lq, d = q.shape
+    b, heads, lq0, d = q.shape
     lk, dv = k.shape[2], v.shape[-1]
-    if k.shape[1] != hq:  # grouped-query heads (enable_gqa, or a caller's broadcast)
-        k = k.repeat_interleave(hq // k.shape[1], dim=1)
-        v = v.repeat_interleave(hq // v.shape[1], dim=1)
-    vis, bias = _visibility(attn_mask, is_causal, lq, lk, q.device)
-    vis = vis.expand(b, vis.shape[1], lq, lk)
-    hm = vis.shape[1]
+    vis, bias = _visibility(attn_mask, is_causal, lq0, lk, q.device)
+    vis = vis.expand(b, vis.shape[1], lq0, lk)
+    rep = heads // k.shape[1]
+    if rep > 1 and vis.shape[1] == 1 and bias is None:
+        # Grouped-query heads: a key head's queries side by side (as HF packs a decode step's).
+        q = q.reshape(b, k.shape[1], rep * lq0, d)
+        vis = vis.repeat(1, 1, rep, 1)
+    elif rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    hq, lq, hm = q.shape[1], q.shape[2], vis.shape[1]
+    tq = QUERY_TILES[-1] if lq <= QUERY_TILES[-1] else QUERY_TILES[0]
+    for why in (check_blocks(tq, d, KEY_BLOCK, q.device), check_blocks(tq, KEY_BLOCK, dv, q.device)):
+        if why is not None:
+            raise ValueError(f"invariant numerics cannot serve this attention: {why}")
     # Each row's visible keys first, in order: key i of the row is its i-th visible key.
     order = torch.argsort((~vis.any(dim=2)).to(torch.int8), dim=-1, stable=True)  # [b, hm, lk]
     vis = vis.gather(-1, order[:, :, None, :].expand(b, hm, lq, lk))
     seen = vis.any(dim=2)  # [b, hm, lk]: a prefix of each row's keys
-    k = k.gather(2, order[..., None].expand(b, hq, lk, d)).float()
-    v = v.gather(2, order[..., None].expand(b, hq, lk, dv)).float()
+    k, v = _keys_in_order(k, order), _keys_in_order(v, order)
     v = torch.where(seen[..., None], v, torch.zeros((), device=v.device))  # no NaN * 0 from a pad key
     if bias is not None:
         bias = bias.expand(b, hm, lq, lk).float()
         bias = bias.gather(-1, order[:, :, None, :].expand(b, hm, lq, lk))
     # Pad queries to tiles and keys to blocks (invisible keys, zero values).
-    pq, pk = (-lq) % QUERY_TILE, (-lk) % KEY_BLOCK
-    nq, nk = (lq + pq) // QUERY_TILE, (lk + pk) // KEY_BLOCK
-    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pq)).view(b, hq, nq, QUERY_TILE, d)
+    pq, pk = (-lq) % tq, (-lk) % KEY_BLOCK
+    nq, nk = (lq + pq) // tq, (lk + pk) // KEY_BLOCK
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pq)).view(b, hq, nq, tq, d)
     kf = torch.nn.functional.pad(k, (0, 0, 0, pk)).view(b, hq, nk, KEY_BLOCK, d)
     vf = torch.nn.functional.pad(v, (0, 0, 0, pk)).view(b, hq, nk, KEY_BLOCK, dv)
     vis = torch.nn.functional.pad(vis, (0, pk, 0, pq), value=False)
-    vis = vis.view(b, hm, nq, QUERY_TILE, nk, KEY_BLOCK).transpose(3, 4)  # [b, hm, nq, nk, TQ, BK]
+    vis = vis.view(b, hm, nq, tq, nk, KEY_BLOCK).transpose(3, 4)  # [b, hm, nq, nk, TQ, BK]
     s = torch.matmul(qf[:, :, :, None], kf[:, :, None].transpose(-1, -2))  # [b, hq, nq, nk, TQ, BK]
     s = s * (1.0 / math.sqrt(d) if scale is None else scale)
     if bias is not None:
-        bias = torch.nn.functional.pad(bias, (0, pk, 0, pq)).view(b, hm, nq, QUERY_TILE, nk, KEY_BLOCK)
+        bias = torch.nn.functional.pad(bias, (0, pk, 0, pq)).view(b, hm, nq, tq, nk, KEY_BLOCK)
         s = s + bias.transpose(3, 4)
     s = torch.where(vis, s, torch.full((), -math.inf, device=s.device))
     top = s.amax(dim=(3, 5), keepdim=True)  # exact in any order
@@ -215,7 +313,8 @@ def attention(
     total = p.sum(dim=-1).cumsum(dim=3)[:, :, :, -1]  # [b, hq, nq, TQ]: block by block, in order
     out = torch.matmul(p, vf[:, :, None]).cumsum(dim=3)[:, :, :, -1]  # [b, hq, nq, TQ, dv]
     out = out / torch.where(total > 0, total, torch.ones((), device=total.device))[..., None]
-    return out.reshape(b, hq, nq * QUERY_TILE, dv)[:, :, :lq].to(query.dtype)
+    out = out.reshape(b, hq, nq * tq, dv)[:, :, :lq]
+    return out.reshape(b, heads, lq0, dv).to(query.dtype)
 
 
 def in_float64(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
