@@ -58,6 +58,11 @@ class ExitCode(enum.IntEnum):
     """``shardgen demo`` only: some answer is wrong or missing"""
     TIMEOUT = 7
     """``shardgen demo`` and ``shardgen bench``: the job did not finish within ``--timeout``"""
+    INTERRUPTED = 130
+    """interrupted by SIGINT (Ctrl-C): one line says how many prompts are journaled and the command
+    that resumes the job"""
+    TERMINATED = 143
+    """stopped by SIGTERM (a scheduler, ``kill``): the same line; resume with --resume"""
 
 
 class JobError(Exception):
