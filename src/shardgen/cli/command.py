@@ -65,7 +65,8 @@ def exit_code_help(command: str = "run") -> str:
     lines = ["exit codes:"]
     for c, text in EXIT_CODES[command].items():
         text = (text or docs.get(c.name, "success")).replace("``", "")
-        lines += textwrap.wrap(text, 96, initial_indent=f"  {int(c)}  ", subsequent_indent="     ")
+        first = f"  {int(c)}  "
+        lines += textwrap.wrap(text, 96, initial_indent=first, subsequent_indent=" " * len(first))
     return "\n".join(lines)
 
 
