@@ -106,6 +106,25 @@ def test_bad_line(tmp_path, line, words):
         assert w in str(err), str(err)
 
 
+def test_every_bad_line_is_named_up_to_a_cap(tmp_path):
+    """Several bad lines: each named with file:line in the one error (exit code 4), not only the
+    first; past 20, "and N more"."""
+    lines = [{"id": 1, "prompt": "a"}, {"id": 2}, {"id": 3, "prompt": "c"}, {"id": 1, "prompt": "again"}]
+    path = jsonl(tmp_path, *lines)
+    err = read_error(path)
+    assert err.code == ExitCode.BAD_PROMPTS
+    assert str(err) == (
+        f"2 bad lines: {path}:2: missing 'prompt' | {path}:4: duplicate id 1 (first on line 1)"
+    ), str(err)
+    bad = [{"id": i, "prompt": i} for i in range(25)]  # 25 non-string prompts, one good line first
+    err = read_error(jsonl(tmp_path, {"id": "ok", "prompt": "a"}, *bad))
+    said = str(err)
+    assert err.code == ExitCode.BAD_PROMPTS, said
+    assert said.startswith(f"25 bad lines: {path}:2: 'prompt' must be a string, got number | "), said
+    assert [f"p.jsonl:{n}:" in said for n in range(2, 27)] == [True] * 20 + [False] * 5, said
+    assert said.endswith(" | and 5 more"), said
+
+
 def test_empty_prompt_is_not_a_file_error(tmp_path):
     """An empty prompt is a bad single request: it gets an error field at run time, the job goes on."""
     assert prompts.read_prompts(jsonl(tmp_path, {"id": 1, "prompt": ""}))[0].prompt == ""

@@ -51,7 +51,7 @@ class ExitCode(enum.IntEnum):
     BAD_PROMPTS = 4
     """prompts file invalid: malformed JSON, missing or non-string prompt, duplicate or bad id,
     unknown or invalid field, an EOS or pad id outside the model's vocabulary (the message names
-    file:line and every problem of that line)"""
+    file:line of each bad line, up to 20, and every problem of it)"""
     BAD_MODEL = 5
     """model path missing or unreadable"""
     WRONG_ANSWERS = 6
