@@ -423,6 +423,7 @@ def test_check_model(tmp_path):
 def test_summary_numbers():
     def rep(rank, prompts, busy, fwd, shadow):
         stats = {"busy_s": busy, "forwards": fwd, "shadow_forwards": shadow, "ticks": fwd + shadow}
+        stats["gather"] = "once"  # engine.stats(): what gather="auto" chose
         return {"rank": rank, "prompts": prompts, "errors": 0, "tokens": 10 * prompts, "stats": stats}
 
     s = progress.summarize(
@@ -440,6 +441,8 @@ def test_summary_numbers():
     assert sum(r["busy_share"] for r in s["ranks"]) == pytest.approx(1.0)
     table = progress.format_summary(s)
     assert "tokens/s" in table and "busy share" in table
+    assert s["gather"] == "auto" and s["gather_used"] == "once"
+    assert "x fsdp2 (gather auto (chose once), batch" in table, table
     assert "prompts per replica" not in table  # one engine: no replicas to show
 
 
