@@ -163,6 +163,8 @@ def test_sigterm_to_the_launcher_is_one_line_then_resume(workdir: Path, referenc
     _assert_one_line_then_resume(job, args, out, workdir, reference, "SIGTERM")
 
 
+# In `make fuzz`, not `make test`: a third interrupted launch (the two above are in `make test`).
+@pytest.mark.long
 def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(workdir: Path) -> None:
     """Under torchrun its agent gets the Ctrl-C and passes it on: the ranks say one line (rank 0,
     with the torchrun command that resumes the job); torchrun's own lines remain."""
