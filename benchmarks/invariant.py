@@ -86,11 +86,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = [measure("toy", toy, args.rounds), measure("medium", medium, args.rounds)]
-    print("| model | rollout fast (s) | rollout invariant (s) | ratio | trainer fast (s) | trainer invariant (s) | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    cols = [f"{what}{arm}" for what in ("rollout", "trainer") for arm in ("/fast", "/invariant", " ratio")]
+    print("| model | " + " | ".join(c if "ratio" in c else c + " (s)" for c in cols) + " |")
+    print("|---|" + "---|" * len(cols))
     for r in rows:
-        print(f"| {r['model']} | {r['rollout/fast']:.3f} | {r['rollout/invariant']:.3f} | {r['rollout ratio']:.2f}x | "
-              f"{r['trainer/fast']:.3f} | {r['trainer/invariant']:.3f} | {r['trainer ratio']:.2f}x |")  # fmt: skip
+        cells = [f"{r[c]:.2f}x" if "ratio" in c else f"{r[c]:.3f}" for c in cols]
+        print(f"| {r['model']} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -282,7 +282,8 @@ def gather_policy(gather: str, budget_gb: float | None = None, backend: str = "f
     st = eng.stats()
     replica = eng.backend.replica
     on_replica = replica.forwards if replica is not None else 0
-    return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"], on_replica
+    said = st["gather"]  # what stats() says the forwards used
+    return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"], on_replica, said
 
 
 def user_wrapped_fsdp2_seed_script():

@@ -11,8 +11,12 @@ die with their parent (``PR_SET_PDEATHSIG``), which the kill tests check.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from cli_jobs import (
     assert_no_orphans,
     assert_results_agree,
     journal_lines,
+    processes_mentioning,
     read_results,
     run,
     run_reference,
@@ -94,6 +99,89 @@ def test_sigkill_mid_run_then_resume(workdir: Path, reference: list[dict]) -> No
     assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
     summary = json.loads((workdir / "resumed.json").read_text())
     assert summary["resumed"] >= 8 and summary["resumed"] + summary["completed"] == len(reference)
+
+
+# ---------------------------------------------------------------- Ctrl-C and SIGTERM: one line, then --resume
+
+
+def _interrupt(workdir: Path, name: str, send) -> tuple[Job, list[str], Path]:
+    """A 2-rank job of prompts.jsonl, ``send(job, out)`` once it journaled 4 results; returns the
+    job (ended), its args and its ``--out``."""
+    out = workdir / f"{name}.jsonl"
+    args = ["run", "--prompts", "prompts.jsonl", "--out", str(out), "--nproc", "2", "--quiet"]
+    job = Job([*args, "--batch-size", "1"], workdir, name=name)
+    wait_for_journals(job, out, 4)
+    send(job, out)
+    job.wait(90)
+    assert_no_orphans(out)
+    assert not out.exists(), "the job finished before it was interrupted: give it more prompts"
+    return job, [*args, "--batch-size", "1"], out
+
+
+def _assert_one_line_then_resume(
+    job: Job, args: list[str], out: Path, workdir: Path, reference: list[dict], signame: str
+) -> None:
+    """stderr is one line: the signal, how many prompts are journaled, the exact ``--resume``
+    command; that command answers the rest, each prompt once, none twice."""
+    lines = [x for x in job.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, job.output()
+    resume = "shardgen " + " ".join(args) + " --resume"
+    m = re.fullmatch(
+        rf"shardgen run: interrupted by {signame}: (\d+) of {len(reference)} prompts are journaled, "
+        rf"the journals are intact; resume with: {re.escape(resume)}",
+        lines[0],
+    )
+    assert m, job.output()
+    journaled = int(m.group(1))
+    assert journaled >= 4 and journaled == journal_lines(out), job.output()
+    again = run([*resume.split()[1:], "--json-summary", f"{out.name}.summary.json"], workdir, timeout=240)
+    assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
+    summary = json.loads((workdir / f"{out.name}.summary.json").read_text())
+    assert (summary["resumed"], summary["completed"]) == (journaled, len(reference) - journaled)
+
+
+def test_ctrl_c_is_one_line_then_resume(workdir: Path, reference: list[dict]) -> None:
+    """SIGINT to the job's process group and to every rank at once (a terminal's Ctrl-C, where the
+    ranks share its group): exit code 130, one line, no traceback; --resume finishes the job."""
+
+    def ctrl_c(job: Job, out: Path) -> None:
+        ranks = processes_mentioning(str(out))
+        os.killpg(job.pgid, signal.SIGINT)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+
+    job, args, out = _interrupt(workdir, "ctrl-c", ctrl_c)
+    assert job.proc.returncode == 130, job.output()
+    _assert_one_line_then_resume(job, args, out, workdir, reference, "SIGINT")
+
+
+def test_sigterm_to_the_launcher_is_one_line_then_resume(workdir: Path, reference: list[dict]) -> None:
+    """SIGTERM to the ``shardgen run`` process alone (a scheduler's stop): exit code 143, the same."""
+    job, args, out = _interrupt(workdir, "sigterm", lambda job, out: os.kill(job.proc.pid, signal.SIGTERM))
+    assert job.proc.returncode == 143, job.output()
+    _assert_one_line_then_resume(job, args, out, workdir, reference, "SIGTERM")
+
+
+# In `make fuzz`, not `make test`: a third interrupted launch (the two above are in `make test`).
+@pytest.mark.long
+def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(workdir: Path) -> None:
+    """Under torchrun its agent gets the Ctrl-C and passes it on: the ranks say one line (rank 0,
+    with the torchrun command that resumes the job); torchrun's own lines remain."""
+    out = workdir / "torchrun-ctrl-c.jsonl"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    args = ["-m", "shardgen", "run", "--prompts", "prompts.jsonl", "--out", str(out), "--quiet"]
+    job = Job([*args, "--batch-size", "1"], workdir, "torchrun-ctrl-c", command=torchrun)
+    wait_for_journals(job, out, 4)
+    os.killpg(job.pgid, signal.SIGINT)
+    job.wait(90)
+    assert_no_orphans(out)
+    ours = [x for x in job.stderr.splitlines() if "shardgen" in x]
+    resume = " ".join([*torchrun, *args, "--batch-size", "1", "--resume"])
+    want = f"prompts are journaled, the journals are intact; resume with: {resume}"
+    assert len(ours) == 1 and ours[0].endswith(want), job.output()
+    for noise in ("KeyboardInterrupt", "terminate called", "[rank"):
+        assert noise not in job.stderr, job.output()
 
 
 def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) -> None:

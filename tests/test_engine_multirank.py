@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import engine_scenarios as sc
 import pytest
 from engine_scenarios import assert_lockstep
@@ -130,8 +132,8 @@ def test_gather_once_decodes_without_shadow_forwards(world2, backend):
     """Outputs equal HF; every real forward runs on the plain replica; released (storage freed)
     before a pause and at close (asserted inside the scenario)."""
     r0, r1 = world2.run(sc.gather_policy, "once", None, backend, timeout=180)
-    for policy, shadows, _ticks, forwards, on_replica in (r0, r1):
-        assert policy == "once"
+    for policy, shadows, _ticks, forwards, on_replica, said in (r0, r1):
+        assert policy == said == "once"
         assert shadows == 0  # nobody shadows: forwards issue no gathers
         assert on_replica == forwards > 0  # no forward went through the sharded model
     assert r0[2] < r0[3]  # bursts: several forwards per tick
@@ -153,9 +155,13 @@ def test_fsdp2_gather_once_in_chunks_equals_unit_by_unit(world3):
 def test_gather_auto_follows_the_memory_budget(world2, backend):
     roomy = world2.run(sc.gather_policy, "auto", None, backend, timeout=180)
     assert [r[0] for r in roomy] == ["once", "once"]
+    assert [r[5] for r in roomy] == ["once", "once"]  # stats()["gather"]: what auto chose
     tight = world2.run(sc.gather_policy, "auto", 1e-6, backend, timeout=180)
     # no replica: per forward, stationary or per-layer (both in lockstep: rank 1 shadows)
     assert [r[0] for r in tight] == ["auto", "auto"] and tight[0][1] > 0
+    for r in tight:  # stats()["gather"]: the per-forward mix, one choice per forward tick
+        m = re.fullmatch(r"auto per forward: (\d+) stationary, (\d+) per-layer", r[5])
+        assert m and int(m[1]) + int(m[2]) == r[2], r
     assert tight[0][4] == tight[1][4] == 0  # never a replica
 
 

@@ -132,3 +132,18 @@ def test_a_bad_request_names_every_setting_at_fault():
             [], SamplingParams(), model_config=model.config, generation_config=model.generation_config
         )
     assert str(info.value) == "empty prompt: a request needs at least one prompt token"
+
+
+def test_generate_names_which_prompt_is_too_long_for_the_context():
+    """generate() of a list: the length error says which prompt (its index in the list)."""
+    model = tiny_model("llama", seed=41)
+    n_ctx = model.config.max_position_embeddings
+    with shardgen.Engine(model, backend="local") as eng:
+        with pytest.raises(ValueError) as info:
+            eng.generate([[5, 6], [5] * 3, [5] * n_ctx, [7]], max_new_tokens=2)
+        assert str(info.value) == (
+            f"prompt 2 of 4: prompt of {n_ctx} tokens + max_new_tokens 2 exceeds the model's context of "
+            f"{n_ctx} tokens"
+        )
+        with pytest.raises(ValueError, match=r"^prompt of \d+ tokens \+ max_new_tokens 2 exceeds"):
+            eng.generate([[5] * n_ctx], max_new_tokens=2)  # one prompt: nothing to tell apart

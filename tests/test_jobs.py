@@ -106,6 +106,25 @@ def test_bad_line(tmp_path, line, words):
         assert w in str(err), str(err)
 
 
+def test_every_bad_line_is_named_up_to_a_cap(tmp_path):
+    """Several bad lines: each named with file:line in the one error (exit code 4), not only the
+    first; past 20, "and N more"."""
+    lines = [{"id": 1, "prompt": "a"}, {"id": 2}, {"id": 3, "prompt": "c"}, {"id": 1, "prompt": "again"}]
+    path = jsonl(tmp_path, *lines)
+    err = read_error(path)
+    assert err.code == ExitCode.BAD_PROMPTS
+    assert str(err) == (
+        f"2 bad lines: {path}:2: missing 'prompt' | {path}:4: duplicate id 1 (first on line 1)"
+    ), str(err)
+    bad = [{"id": i, "prompt": i} for i in range(25)]  # 25 non-string prompts, one good line first
+    err = read_error(jsonl(tmp_path, {"id": "ok", "prompt": "a"}, *bad))
+    said = str(err)
+    assert err.code == ExitCode.BAD_PROMPTS, said
+    assert said.startswith(f"25 bad lines: {path}:2: 'prompt' must be a string, got number | "), said
+    assert [f"p.jsonl:{n}:" in said for n in range(2, 27)] == [True] * 20 + [False] * 5, said
+    assert said.endswith(" | and 5 more"), said
+
+
 def test_empty_prompt_is_not_a_file_error(tmp_path):
     """An empty prompt is a bad single request: it gets an error field at run time, the job goes on."""
     assert prompts.read_prompts(jsonl(tmp_path, {"id": 1, "prompt": ""}))[0].prompt == ""
@@ -404,6 +423,7 @@ def test_check_model(tmp_path):
 def test_summary_numbers():
     def rep(rank, prompts, busy, fwd, shadow):
         stats = {"busy_s": busy, "forwards": fwd, "shadow_forwards": shadow, "ticks": fwd + shadow}
+        stats["gather"] = "once"  # engine.stats(): what gather="auto" chose
         return {"rank": rank, "prompts": prompts, "errors": 0, "tokens": 10 * prompts, "stats": stats}
 
     s = progress.summarize(
@@ -421,6 +441,8 @@ def test_summary_numbers():
     assert sum(r["busy_share"] for r in s["ranks"]) == pytest.approx(1.0)
     table = progress.format_summary(s)
     assert "tokens/s" in table and "busy share" in table
+    assert s["gather"] == "auto" and s["gather_used"] == "once"
+    assert "x fsdp2 (gather auto (chose once), batch" in table, table
     assert "prompts per replica" not in table  # one engine: no replicas to show
 
 

@@ -103,6 +103,24 @@ def test_sampling_params_errors_carry_the_numbers(kw, msg):
         SamplingParams(**kw).validate()
 
 
+def test_a_mistyped_backend_gets_the_nearest_name_at_the_api():
+    """``backend="fsdp"``: Engine(...), EngineConfig.validate() and check_backend_name say the
+    nearest backend, as the CLI does for a mistyped flag; a name near none gets no guess."""
+    said = "backend must be one of fsdp2, deepspeed, local, got 'fsdp' (did you mean fsdp2?)"
+    with pytest.raises(ValueError) as info:
+        shardgen.Engine(torch.nn.Linear(1, 1), backend="fsdp")
+    assert str(info.value) == said
+    with pytest.raises(ValueError) as info:
+        shardgen.Engine(torch.nn.Linear(1, 1), config=EngineConfig(backend="deepspeedd"))
+    assert str(info.value).endswith("got 'deepspeedd' (did you mean deepspeed?)"), str(info.value)
+    with pytest.raises(ValueError) as info:
+        EngineConfig(backend="fsdp", max_batch_size=0).validate()
+    assert str(info.value) == f"{said}; max_batch_size must be an integer >= 1, got 0"
+    with pytest.raises(ValueError) as info:
+        check_backend_name("megatron")
+    assert "did you mean" not in str(info.value)
+
+
 def test_engine_config_errors():
     with pytest.raises(ValueError, match="backend must be one of fsdp2, deepspeed, local, got 'megatron'"):
         check_backend_name("megatron")

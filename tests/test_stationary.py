@@ -319,6 +319,9 @@ def test_auto_mixes_per_layer_and_stationary_forwards_in_one_engine(worlds, back
         assert o["policy"] == "auto", o
         assert o["chosen"]["per-layer"] > 0 and o["chosen"]["stationary"] > 0, o
         assert sum(o["chosen"].values()) == o["stats"]["forward_ticks"], o
+        st, pl = o["chosen"]["stationary"], o["chosen"]["per-layer"]
+        mix = f"auto per forward: {st} stationary, {pl} per-layer"
+        assert o["stats"]["gather"] == mix, o  # stats() says what auto chose
     assert out[0]["chosen"] == out[1]["chosen"]  # the same choice on every rank, every tick
 
 

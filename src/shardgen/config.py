@@ -14,6 +14,7 @@ from typing import Any
 
 from shardgen import rules
 from shardgen.rules import Rule, boolean, integer, mapping, number, one_of, strings, token_ids
+from shardgen.suggest import did_you_mean
 
 LIBRARY_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 64,
@@ -29,9 +30,15 @@ BACKEND_NAMES = ("fsdp2", "deepspeed", "local")
 
 
 def check_backend_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is a backend. Not collective: checked before any."""
+    """Raise ``ValueError`` unless ``name`` is a backend (``backend="fsdp"``: did you mean fsdp2?).
+    Not collective: checked before any."""
     if name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}{_nearest(name)}")
+
+
+def _nearest(name: Any) -> str:
+    """`` (did you mean fsdp2?)`` for a mistyped backend name, as the CLI says it of a flag."""
+    return did_you_mean(name, BACKEND_NAMES) if isinstance(name, str) else ""
 
 
 GATHER_POLICIES = ("per-layer", "stationary", "once", "auto")
@@ -265,6 +272,9 @@ class EngineConfig:
         for ``Engine(...)``, ``shardgen run``'s flags and ``ShardgenRollout``'s options)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         problems = rules.problems(ENGINE_RULES, values)
+        bad_backend = ENGINE_RULES["backend"].problem("backend", self.backend)
+        if bad_backend is not None:  # a mistyped name gets the nearest one
+            problems[problems.index(bad_backend)] += _nearest(self.backend)
         if problems:
             raise ValueError("; ".join(problems))
 

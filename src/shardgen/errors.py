@@ -51,13 +51,18 @@ class ExitCode(enum.IntEnum):
     BAD_PROMPTS = 4
     """prompts file invalid: malformed JSON, missing or non-string prompt, duplicate or bad id,
     unknown or invalid field, an EOS or pad id outside the model's vocabulary (the message names
-    file:line and every problem of that line)"""
+    file:line of each bad line, up to 20, and every problem of it)"""
     BAD_MODEL = 5
     """model path missing or unreadable"""
     WRONG_ANSWERS = 6
     """``shardgen demo`` only: some answer is wrong or missing"""
     TIMEOUT = 7
     """``shardgen demo`` and ``shardgen bench``: the job did not finish within ``--timeout``"""
+    INTERRUPTED = 130
+    """interrupted by SIGINT (Ctrl-C): one line says how many prompts are journaled and the command
+    that resumes the job"""
+    TERMINATED = 143
+    """stopped by SIGTERM (a scheduler, ``kill``): the same line; resume with --resume"""
 
 
 class JobError(Exception):

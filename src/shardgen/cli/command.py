@@ -24,6 +24,7 @@ from shardgen.cli.run import LAUNCHER_ONLY, RUN_FIELDS, cmd_run
 from shardgen.config import EngineConfig, JobConfig, SamplingParams
 from shardgen.errors import ExitCode, JobError
 from shardgen.flags import CommandParser, add_fields, build, field_docs
+from shardgen.launch import LAUNCHED_ENV
 from shardgen.log import set_level
 
 __all__ = ["EXIT_CODES", "LAUNCHER_ONLY", "RUN_FIELDS", "exit_code_help", "main", "make_parser"]
@@ -38,6 +39,8 @@ EXIT_CODES: dict[str, dict[ExitCode, str | None]] = {
         ExitCode.USAGE: "bad command line (unknown flag, invalid value)",
         ExitCode.WRONG_ANSWERS: "an answer is wrong or missing",
         ExitCode.TIMEOUT: "the job did not finish within --timeout (a hang?)",
+        ExitCode.INTERRUPTED: "interrupted by SIGINT (Ctrl-C)",
+        ExitCode.TERMINATED: "stopped by SIGTERM",
     },
     "bench": {
         ExitCode.OK: None,
@@ -62,7 +65,8 @@ def exit_code_help(command: str = "run") -> str:
     lines = ["exit codes:"]
     for c, text in EXIT_CODES[command].items():
         text = (text or docs.get(c.name, "success")).replace("``", "")
-        lines += textwrap.wrap(text, 96, initial_indent=f"  {int(c)}  ", subsequent_indent="     ")
+        first = f"  {int(c)}  "
+        lines += textwrap.wrap(text, 96, initial_indent=first, subsequent_indent=" " * len(first))
     return "\n".join(lines)
 
 
@@ -142,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same input error; say it once
             print(f"shardgen {ns.command}: error: {e}", file=sys.stderr, flush=True)
         return int(e.code)
+    except KeyboardInterrupt:  # Ctrl-C before the job handles signals (reading input, importing torch)
+        if os.environ.get("RANK", "0") == "0" and LAUNCHED_ENV not in os.environ:
+            print(f"shardgen {ns.command}: interrupted by SIGINT", file=sys.stderr, flush=True)
+        return int(ExitCode.INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ def cmd_demo(cfg: DemoConfig) -> int:
             timeout=cfg.timeout,
         )
         wall = time.perf_counter() - t0
+        if rc in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
+            raise JobError(rc, f"interrupted by {signal.Signals(rc - 128).name}")
         if rc == ExitCode.TIMEOUT:
             raise JobError(ExitCode.TIMEOUT, f"the job did not finish within {cfg.timeout:g}s (a hang?)")
         if rc != ExitCode.OK:

@@ -7,15 +7,17 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 
 from shardgen.config import EngineConfig, JobConfig, SamplingParams, check_backend_name
+from shardgen.core.process import exit_on_signals
 from shardgen.errors import ExitCode, JobError
 from shardgen.flags import build, flag_names, to_argv
-from shardgen.jobs.journal import journal_paths
+from shardgen.jobs.journal import id_key, include_out_file, journal_paths, load_results
 from shardgen.jobs.prompts import PromptRecord, read_prompts
 from shardgen.jobs.run import check_model, model_vocab_size
-from shardgen.launch import die_with_parent, is_rank, launch
+from shardgen.launch import LAUNCHED_ENV, die_with_parent, is_rank, launch
 
 # The settings `shardgen run` exposes, per dataclass (None: every field). SamplingParams'
 # temperature and seed are JobConfig's own (0 = greedy; a base seed for per-request seeds).
@@ -61,8 +63,23 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if job.nproc is not None and not is_rank():
         if journal_paths(job.out) and not job.resume:
             raise JobError(ExitCode.USAGE, _stale_journals(job.out))
-        return launch_job(job, engine_cfg, base)
+        code = launch_job(job, engine_cfg, base)
+        if code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):  # the ranks have ended, quietly
+            line = interrupted_line(code - 128, job.out, records, resume_command())
+            print(line, file=sys.stderr, flush=True)
+        return code
     return run_rank(job, engine_cfg, records)
+
+
+def interrupted_line(signum: int, out: str, records: list[PromptRecord], resume: str) -> str:
+    """The one line of a job stopped by ``signum``: how many of its prompts ``resume`` will
+    skip (journaled, or in a resumed ``out``), and that command. Local; reads the journals."""
+    found = load_results(out, include_out=include_out_file(out, True))  # what --resume will count
+    done = sum(id_key(r.id) in found for r in records)
+    return (
+        f"shardgen run: interrupted by {signal.Signals(signum).name}: {done} of {len(records)} "
+        f"prompts are journaled, the journals are intact; resume with: {resume}"
+    )
 
 
 def _stale_journals(out: str) -> str:
@@ -74,6 +91,16 @@ def _stale_journals(out: str) -> str:
 
 def run_rank(job: JobConfig, engine_cfg: EngineConfig, records: list[PromptRecord]) -> int:
     """This process as one rank (of a torchrun world, or alone). Collective across the world."""
+    # SIGINT / SIGTERM: every rank ends quietly, its journal intact; rank 0 says the one line,
+    # unless `shardgen run --nproc` launched it (that process says it, once the ranks ended).
+    speaks = os.environ.get("RANK", "0") == "0" and LAUNCHED_ENV not in os.environ
+    say = (lambda signum: print(interrupted_line(signum, job.out, records, _rank_resume_command()),
+                                file=sys.stderr, flush=True))  # fmt: skip
+    with exit_on_signals(say if speaks else None):
+        return _run_rank(job, engine_cfg, records)
+
+
+def _run_rank(job: JobConfig, engine_cfg: EngineConfig, records: list[PromptRecord]) -> int:
     import torch.distributed as dist
 
     from shardgen.core import comm
@@ -142,6 +169,21 @@ def launch_job(
     for obj, (_, names) in zip((job, engine_cfg, base), RUN_FIELDS, strict=True):
         argv += to_argv(obj, names, skip=LAUNCHER_ONLY)
     return launch(argv, job.nproc, max_restarts=job.max_restarts, timeout=timeout, resume=resume_command())
+
+
+def _rank_resume_command() -> str:
+    """``resume_command``; under torchrun, its agent's command line (this process's parent's)."""
+    import shlex
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":
+                argv = argv[1:]  # the torchrun script, not its interpreter
+            if argv:
+                return shlex.join([*argv, *([] if "--resume" in argv else ["--resume"])])
+    return resume_command()
 
 
 def resume_command() -> str:

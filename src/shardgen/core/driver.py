@@ -145,8 +145,8 @@ class Driver:
         return list(self.timeline.spans)
 
     def stats_dict(self) -> dict[str, Any]:
-        """The counters, as a snapshot. Any thread."""
-        return self.stats.as_dict()
+        """The counters, as a snapshot, and ``gather``: the mode ``auto`` resolved to. Any thread."""
+        return {**self.stats.as_dict(), "gather": self.mode.word()}
 
     def phase_word(self) -> str:
         """What the driver is doing, as the heartbeats say it. Any thread."""

@@ -78,6 +78,17 @@ class ForwardMode:
         self._per_layer_s: float | None = None
         self.chosen = {"per-layer": 0, "stationary": 0}
 
+    def word(self) -> str:
+        """The mode in use, for ``stats()["gather"]``: ``once``, ``per-layer`` or ``stationary``;
+        under ``auto`` per forward, the mix so far (``auto per forward: 12 stationary, 3
+        per-layer``); ``none`` where nothing is gathered (the local backend). Any thread."""
+        if not self.backend.lockstep:
+            return "none"
+        if self.policy != "auto":
+            return self.policy
+        chosen = dict(self.chosen)  # a copy: the driver thread counts on
+        return f"auto per forward: {chosen['stationary']} stationary, {chosen['per-layer']} per-layer"
+
     def choose(self, state: TickState) -> str:
         """``stationary`` or ``per-layer`` for this tick's forward. Local: a function of the agreed
         state (and of the model), the same on every rank."""

@@ -1,5 +1,6 @@
-"""Process-wide state of the open engines: the GIL switch interval, the exit guard, and the
-report of an uncaught exception to the engines' peers.
+"""Process-wide state of the open engines: the GIL switch interval, the exit guard, the report
+of an uncaught exception to the engines' peers; and a job's quiet exit on SIGINT / SIGTERM
+(``exit_on_signals``, ``uninterrupted``).
 
 ``opened(driver, gil_switch_interval)`` when an engine starts, ``closed(driver)`` when it is
 torn down (user thread, not collective).
@@ -10,9 +11,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardgen.log import get_logger
@@ -130,3 +135,79 @@ def _hook_uncaught() -> None:
         _HOOKED[0](tp, exc, tb)
 
     sys.excepthook = hook
+
+
+# ---------------------------------------------------------------------------------- SIGINT / SIGTERM
+
+#: The signals ``exit_on_signals`` turns into a quiet exit (Ctrl-C; a scheduler's or launcher's stop).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: How long such an exit waits for an ``uninterrupted`` stretch (a journal line's fsync) to end.
+UNINTERRUPTED_WAIT_S = 30.0
+_UNINTERRUPTED = threading.RLock()
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A stretch that a signal's exit (``exit_on_signals``) lets finish first: a journal line
+    written and fsync'ed, the merge of the journals. Local; any thread."""
+    with _UNINTERRUPTED:
+        yield
+
+
+@contextlib.contextmanager
+def exit_on_signals(say: Callable[[int], None] | None = None) -> Iterator[None]:
+    """Inside, SIGINT and SIGTERM end this process with exit code 128 + the signal's number, with
+    no traceback and no interpreter teardown: once no ``uninterrupted`` stretch runs (at most
+    ``UNINTERRUPTED_WAIT_S``), ``say(signum)`` (this process's one line, if it has one), then
+    ``os._exit``. On the way out the default handlers are back and the watching thread has ended
+    (a thread alive at exit is how a clean exit aborts). Local; enter it on the main thread.
+
+    The exit is taken by a thread of its own, woken through ``signal.set_wakeup_fd``, not by the
+    Python handler: that runs only on the main thread, between bytecodes, and the main thread may
+    sit in a collective (the engine's construction) for as long as its peers take. ``os._exit``
+    skips the teardown that the exit guard above makes safe for an ordinary exit: with gloo work
+    abandoned mid-flight, a finalizing interpreter aborts ("terminate called without an active
+    exception") or joins gloo's threads until the group timeout.
+    """
+    wake, wakeup = socket.socketpair()
+    wakeup.setblocking(False)
+    old = {sig: signal.signal(sig, _ignore) for sig in STOP_SIGNALS}  # so the wakeup fd hears them
+    old_fd = signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+    watcher = threading.Thread(
+        target=_exit_when_signalled, args=(wake, say), daemon=True, name="shardgen-signals"
+    )
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        wakeup.send(b"\0")  # not a signal: the watcher returns
+        watcher.join(timeout=UNINTERRUPTED_WAIT_S)
+        wake.close()
+        wakeup.close()
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """The main thread's part of a stop signal: none (``_exit_when_signalled`` ends the process)."""
+
+
+def _exit_when_signalled(wake: socket.socket, say: Callable[[int], None] | None) -> None:
+    while True:
+        data = wake.recv(64)  # one byte per signal that reached a Python handler; 0: leave
+        stops = [b for b in data if b in STOP_SIGNALS]
+        if stops:
+            break
+        if 0 in data or not data:
+            return
+    signum = stops[0]
+    # Held until os._exit: no journal line is begun after this one, none is cut in the middle.
+    _UNINTERRUPTED.acquire(timeout=UNINTERRUPTED_WAIT_S)
+    if say is not None:
+        with contextlib.suppress(Exception):
+            say(signum)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(128 + signum)

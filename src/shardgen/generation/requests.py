@@ -249,7 +249,8 @@ def build_requests(
     """One request per prompt from ``params`` (None: defaults) with ``overrides`` on top.
 
     ``overrides["seed"]`` may be a list, one seed per prompt. ``inputs``: per prompt, the model's
-    own forward inputs beside its ids (a VLM's images) or None. Raises ``ValueError``.
+    own forward inputs beside its ids (a VLM's images) or None. Raises ``ValueError``; for a
+    list of several prompts, its message names the prompt at fault (``prompt 3 of 8: ...``).
     """
     if inputs is not None and (not isinstance(inputs, (list, tuple)) or len(inputs) != len(prompts)):
         n = len(inputs) if isinstance(inputs, (list, tuple)) else type(inputs).__name__
@@ -267,17 +268,24 @@ def build_requests(
     else:
         seeds = [seeds] * len(prompts)
     base = (params if params is not None else SamplingParams()).replace(**overrides)
-    return [
-        build_request(
-            p,
-            base.replace(seed=s),
-            model_config=model_config,
-            generation_config=generation_config,
-            tokenizer=tokenizer,
-            inputs=x,
-        )
-        for p, s, x in zip(prompts, seeds, each, strict=True)
-    ]
+    out = []
+    for i, (p, s, x) in enumerate(zip(prompts, seeds, each, strict=True)):
+        try:
+            req = build_request(
+                p,
+                base.replace(seed=s),
+                model_config=model_config,
+                generation_config=generation_config,
+                tokenizer=tokenizer,
+                inputs=x,
+            )
+        except ValueError as e:
+            if len(prompts) == 1:
+                raise
+            # which of the list's prompts (a prompt too long for the context, say) is at fault
+            raise ValueError(f"prompt {i} of {len(prompts)}: {e}") from None
+        out.append(req)
+    return out
 
 
 def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:

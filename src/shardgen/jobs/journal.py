@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from shardgen.core.process import uninterrupted
+
 
 def id_key(value: str | int) -> str:
     """Ids compare as strings: ``1`` and ``"1"`` are the same prompt (reported as duplicates)."""
@@ -62,9 +64,10 @@ class Journal:
         self._write(result)
 
     def _write(self, obj: dict[str, Any]) -> None:
-        self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        with uninterrupted():  # a SIGINT / SIGTERM exit waits for the line to be on disk
+            self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
         # Removed under us, the file would take results nobody can read back: fail now, while
         # the other journals hold everything but this rank's lost lines (--resume redoes them).
         if os.fstat(self._f.fileno()).st_nlink == 0:

@@ -95,6 +95,8 @@ def summarize(
         "world_size": len(reports),
         "backend": engine_cfg.backend,
         "gather": engine_cfg.gather,
+        # what the engines' `auto` chose (each replica's engine chooses; the ranks of one agree)
+        "gather_used": " / ".join(dict.fromkeys(s["gather"] for s in stats if "gather" in s)) or None,
         "max_batch_size": engine_cfg.max_batch_size,
         "out": out,
         "shard_size": shard_size or len(reports),
@@ -128,6 +130,12 @@ def _replicas(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [out[k] for k in sorted(out)]
 
 
+def _gather(s: dict[str, Any]) -> str:
+    """``auto (chose once)``: the gather setting and, where it differs, what the engines used."""
+    used = s.get("gather_used")
+    return s["gather"] if used in (None, s["gather"]) else f"{s['gather']} (chose {used})"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The summary as a plain-text table (printed by rank 0 unless ``--quiet``)."""
     head = [
@@ -141,7 +149,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("ticks", f"{s['ticks']:,}"),
         ("shadow-forward share", f"{100 * s['shadow_forward_share']:.1f}%"),
         ("busy spread", f"{100 * s['busy_spread']:.1f}% (max-min)/max over ranks that served prompts"),
-        ("ranks", f"{s['world_size']} x {s['backend']} (gather {s['gather']}, batch {s['max_batch_size']})"),
+        ("ranks", f"{s['world_size']} x {s['backend']} (gather {_gather(s)}, batch {s['max_batch_size']})"),
         ("results", s["out"]),
     ]
     if len(s.get("replicas", ())) > 1:

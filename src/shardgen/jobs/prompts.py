@@ -5,8 +5,8 @@ named like the ``SamplingParams`` fields) or plain text (one prompt a line; the 
 numbers). Each line becomes a :class:`PromptRecord` whose ``params`` is the request's final
 ``SamplingParams`` (job flags, then the line's own fields), built and validated here once, by
 ``SamplingParams.replace`` and ``SamplingParams.problems``; the rest of the job passes that
-object on unchanged. A bad line raises ``JobError(BAD_PROMPTS)`` naming ``file:line`` and every
-problem of that line (an unknown field with the nearest known one).
+object on unchanged. Bad lines raise ``JobError(BAD_PROMPTS)`` naming each (up to 20) by
+``file:line`` with every problem of that line (an unknown field with the nearest known one).
 Plain Python, no torch.
 """
 
@@ -46,14 +46,14 @@ def read_prompts(
     *,
     vocab_size: int | None = None,
 ) -> list[PromptRecord]:
-    """Read and validate the whole prompts file; raise ``JobError`` naming ``file:line``.
+    """Read and validate the whole prompts file; raise ``JobError`` naming each bad ``file:line``.
 
     ``cfg`` gives the job's ``temperature`` and ``seed`` (default: greedy, seed 0), ``base`` the
     job's sampling flags (default: ``SamplingParams()``), ``vocab_size`` the model's vocabulary
     (when known, a line's ``eos_token_id`` / ``pad_token_id`` must lie in it). Blank lines are
     skipped. A file is JSONL when its name ends in .jsonl/.ndjson/.json or its first non-blank
-    line starts with ``{``; otherwise each line is one prompt. The error of a bad line names
-    every problem of that line.
+    line starts with ``{``; otherwise each line is one prompt. The error names every bad line
+    (``bad_lines_message``) and every problem of each.
     """
     temperature, seed = (cfg.temperature, cfg.seed) if cfg is not None else (None, 0)
     base = base if base is not None else SamplingParams()
@@ -69,7 +69,8 @@ def read_prompts(
         raise JobError(ExitCode.NO_PROMPTS, f"prompts file is empty: {path}")
     is_jsonl = path.endswith(JSONL_SUFFIXES) or numbered[0][1].lstrip().startswith("{")
     seen: dict[str, int] = {}
-    out = []
+    out: list[PromptRecord] = []
+    bad: list[str] = []  # every bad line's message, to name them all at once
     for n, line in numbered:
         if is_jsonl:
             rid, prompt, options, problems = _parse_line(line, n, seen)
@@ -84,10 +85,27 @@ def read_prompts(
             except ValueError as e:
                 problems.append(str(e))
         if problems:
-            raise JobError(ExitCode.BAD_PROMPTS, f"{path}:{n}: {'; '.join(problems)}")
+            bad.append(f"{path}:{n}: {'; '.join(problems)}")
+            continue
         assert params is not None and prompt is not None
         out.append(PromptRecord(id=rid, prompt=prompt, params=params, line=n))
+    if bad:
+        raise JobError(ExitCode.BAD_PROMPTS, bad_lines_message(bad))
     return out
+
+
+#: How many bad lines a prompts file's error names (then "and N more").
+MAX_BAD_LINES = 20
+
+
+def bad_lines_message(bad: list[str]) -> str:
+    """One line naming each bad line (``file:line: problems``), the first ``MAX_BAD_LINES`` of
+    them: a file with many is fixed in one pass, not one line per run."""
+    if len(bad) == 1:
+        return bad[0]
+    shown = " | ".join(bad[:MAX_BAD_LINES])
+    more = f" | and {len(bad) - MAX_BAD_LINES} more" if len(bad) > MAX_BAD_LINES else ""
+    return f"{len(bad)} bad lines: {shown}{more}"
 
 
 def _parse_line(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardgen.config import EngineConfig, JobConfig
+from shardgen.core.process import uninterrupted
 from shardgen.core.timeline import Span
 from shardgen.errors import ExitCode, JobError
 from shardgen.jobs.journal import (
@@ -313,7 +314,8 @@ def run_job(
     reports: list[Any] = [pickle.loads(store.get(f"{prefix}/report/{r}")) for r in range(world)]
     for r in range(world):
         store.delete_key(f"{prefix}/report/{r}")
-    merge_results(records, cfg.out, include_out=plan["include_out"])
+    with uninterrupted():  # a SIGINT / SIGTERM now ends the job after the merge, not amid it
+        merge_results(records, cfg.out, include_out=plan["include_out"])
     rows = {f"rank {r['rank']}": r.pop("spans") for r in reports}
     summary = summarize(
         reports,
