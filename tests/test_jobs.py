@@ -667,3 +667,13 @@ def test_a_claim_leaves_the_others_their_share():
     assert sum(got) == 20
     assert len(jobs.Claimer(DictStore(), "k", 20, ranks=1).claim(16)) == 16  # alone: all it asks for
     assert len(jobs.Claimer(DictStore(), "k", 2000, ranks=4).claim(16)) == 16  # plenty left: no cap
+
+
+def test_numerics_flag_reaches_the_engine_config_and_the_ranks_argv():
+    parser = cli.make_parser()
+    ns = parser.parse_args(["run", "--prompts", "p", "--out", "o", "--numerics", "invariant"])
+    _, eng, _ = (flags.build(cls, ns, names) for cls, names in cli.RUN_FIELDS)
+    assert eng == EngineConfig(numerics="invariant")
+    assert flags.to_argv(eng, cli.RUN_FIELDS[1][1]) == ["--numerics", "invariant"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--prompts", "p", "--out", "o", "--numerics", "exact"])
