@@ -220,7 +220,7 @@ def train_between(steps: int = 2) -> dict:
     for step in range(steps + 1):
         req = _request([5, 6] if rank == 0 else [7], seed=300 + step)  # the same prompts each step
         got = _as_lists(rollout.generate(req, _greedy()))
-        restored.append(_user_setup_in_place(rollout.engine, "deepspeed"))  # paused: DeepSpeed's own
+        restored.append(_user_setup_in_place(rollout.shardgen_engine, "deepspeed"))  # paused: DeepSpeed's own
         modes.append(ds.module.training)  # back in the trainer's mode
         ref = _gathered_ref(ds, seed, **DROPOUT)  # in the pause: DeepSpeed's own groups, every rank
         equal.append(got == single_process_layout(ref, req, tok))
@@ -296,5 +296,76 @@ def rollout_score(steps: int = 2) -> dict:
         out["teacher"].append(worst(sb, reference(ref, teacher, responses, top_k=k), top_k=k))
         out["rows"].append((len(b), len(own), len(sb)))
         _train_step(ds, train_ids)  # every rank trains, rows or not
+    rollout.shutdown()
+    return out
+
+
+class IdsOnly:
+    """A tokenizer as DeepSpeed's rollout tests pass one: the two ids, nothing else (no decode)."""
+
+    def __init__(self, eos: int | list[int] | None, pad: int | None = PAD) -> None:
+        self.eos_token_id, self.pad_token_id = eos, pad
+
+
+def _eos_cut(b, width: int, eos: list[int], pad: int) -> list[str]:
+    """What breaks the default path's rule in ``b``'s rows: the first EOS kept (attention 1), every
+    later position the pad id with attention 0, a generated pad id attention 0, the rest 1."""
+    bad = []
+    for i, (ids, attn) in enumerate(zip(b.input_ids.tolist(), b.attention_mask.tolist(), strict=True)):
+        resp, mask = ids[width:], attn[width:]
+        cut = next((k for k, t in enumerate(resp) if t in eos), None)
+        for k, (t, m) in enumerate(zip(resp, mask, strict=True)):
+            want = 1 if (cut is not None and k == cut) else int(t != pad and (cut is None or k < cut))
+            if (cut is not None and k > cut and t != pad) or m != want:
+                bad.append(f"row {i} column {k}: id {t}, attention {m}")
+    return bad
+
+
+def contract() -> dict:
+    """DeepSpeed's RolloutEngine contract on ShardgenRollout, a tokenizer of two ids (no decode):
+    built by DeepSpeed's own ``build_rollout`` (its HybridEngineRollout name pointed at ours for
+    the call); ``.engine``; ``sync_weights``; greedy rows cut after EOS; a zero-row request
+    ``[0, P]`` on one rank while the other decodes, on each rank in turn; the continuous path;
+    pad id 0 (a generated 0 masked). -> what each check saw, per rank."""
+    import deepspeed.runtime.rollout as dsr
+    from deepspeed.runtime.rollout import RolloutConfig, RolloutRequest
+
+    import shardgen
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    rank = dist.get_rank()
+    seed = 23
+    tok = IdsOnly(eos=EOS)
+    ds = _ds_engine(seed)
+    real, dsr.HybridEngineRollout = dsr.HybridEngineRollout, ShardgenRollout
+    try:
+        rollout = dsr.build_rollout(RolloutConfig(), student_engine=ds, tokenizer=tok)
+    finally:
+        dsr.HybridEngineRollout = real
+    out: dict = {
+        "type": type(rollout).__name__,
+        "engine": rollout.engine is ds and rollout.tokenizer is tok,
+        "shardgen_engine": isinstance(rollout.shardgen_engine, shardgen.Engine),
+        "sync": rollout.sync_weights(3),
+        "cut": [], "empty": [], "rows": [], "texts": [], "stopped": 0,
+    }  # fmt: skip
+    ids, mask = batch([4, 7, 5], seed=seed + rank)
+    out["width"] = ids.shape[1]
+    for step in range(2):
+        empty = rank == step  # rank 0 has no row at step 0, rank 1 at step 1
+        req = RolloutRequest(ids[:0], mask[:0]) if empty else RolloutRequest(ids, mask)
+        for cfg in (_greedy(), _greedy(continuous_batch_size=2), _greedy(n_samples_per_prompt=2)):
+            b = rollout.generate(req, cfg)
+            out["rows"].append(b.batch_size)
+            if empty:
+                out["empty"].append(
+                    (tuple(b.input_ids.shape), b.input_ids.dtype, b.attention_mask.dtype,
+                     tuple(b.response_start_idx.shape), b.response_start_idx.dtype)
+                )  # fmt: skip
+            elif cfg.continuous_batch_size is None:
+                out["cut"] += _eos_cut(b, ids.shape[1], EOS, PAD)
+                resp = b.input_ids[:, ids.shape[1] :].tolist()
+                out["stopped"] = out.get("stopped", 0) + sum(any(t in EOS for t in row) for row in resp)
+            out["texts"].append(rollout.last_batch.texts)
     rollout.shutdown()
     return out

@@ -8,6 +8,7 @@ size's hang test runs last on it, expects the World to hang and kill its ranks (
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 
@@ -132,12 +133,12 @@ def test_continuous_batch_size_bounds_the_rows_in_flight(window, most):
     from shardgen.integrations.deepspeed import ShardgenRollout
 
     ours = object.__new__(ShardgenRollout)
-    ours.engine = _FakeEngine()
+    ours.shardgen_engine = _FakeEngine()
     prompts = [[3 + i] for i in range(7)]
     done = ours._serve(prompts, list(range(7)), {}, window)
     assert [c.prompt_token_ids for c in done] == prompts  # in order
-    assert ours.engine.most == most
-    assert [s for _, seeds in ours.engine.calls for s in seeds] == list(range(7))
+    assert ours.shardgen_engine.most == most
+    assert [s for _, seeds in ours.shardgen_engine.calls for s in seeds] == list(range(7))
 
 
 def test_bad_sampling_settings_raise_with_the_numbers():
@@ -153,6 +154,86 @@ def test_bad_sampling_settings_raise_with_the_numbers():
     ]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             ShardgenRollout._check(cfg)
+
+
+class _StubEngine:
+    """Stands for shardgen.Engine in the constructor tests: records how it was built."""
+
+    made: list = []
+
+    def __init__(self, model, tokenizer, **options) -> None:
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        _StubEngine.made.append(self)
+
+    @contextlib.contextmanager
+    def paused(self):
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stub_engine(monkeypatch):
+    import shardgen
+
+    monkeypatch.setattr(shardgen, "Engine", _StubEngine)
+    monkeypatch.setattr(_StubEngine, "made", [])
+    return _StubEngine
+
+
+def test_constructed_as_build_rollout_constructs_hybrid_engine_rollout(monkeypatch, stub_engine):
+    """DeepSpeed's own build_rollout, its HybridEngineRollout name pointed at ours: the keywords
+    engine=, tokenizer=, cfg=; the same three by position; .engine is the DeepSpeed engine."""
+    import deepspeed.runtime.rollout as dsr
+    from deepspeed.runtime.rollout import RolloutConfig
+
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    ds, tok, cfg = object(), sc.IdsOnly(eos=2), RolloutConfig()
+    monkeypatch.setattr(dsr, "HybridEngineRollout", ShardgenRollout)
+    built = dsr.build_rollout(cfg, student_engine=ds, tokenizer=tok)
+    by_position = ShardgenRollout(ds, tok, cfg, seed=3, max_batch_size=4)
+    for r in (built, by_position):
+        assert isinstance(r, ShardgenRollout) and r.engine is ds and r.tokenizer is tok and r.cfg is cfg
+        assert isinstance(r.shardgen_engine, _StubEngine) and r.shardgen_engine.model is ds
+        assert r.sync_weights(7) is None and r.get_last_profile() is None
+    assert built.shardgen_engine.options == {"backend": "deepspeed"}
+    assert by_position.shardgen_engine.options == {"backend": "deepspeed", "max_batch_size": 4}
+
+
+def test_rollout_config_fields_map_or_are_refused_by_name(stub_engine):
+    from deepspeed.runtime.rollout import RolloutConfig
+    from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig
+
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    tok = sc.IdsOnly(eos=2)
+    decode_only = HybridEngineRolloutConfig(
+        use_graph_capture=True, use_shared_prefill=True, align_decode_fronts=True,
+        enable_cache_trimming=True, continuous_cache_capacity=64,
+    )  # fmt: skip
+    assert ShardgenRollout(None, tok, decode_only).shardgen_engine.options == {
+        "backend": "deepspeed", "share_prefill": True,
+    }  # fmt: skip
+    ours_first = ShardgenRollout(None, tok, cfg=decode_only, share_prefill=False)
+    assert ours_first.shardgen_engine.options["share_prefill"] is False  # engine options over cfg's
+    assert ShardgenRollout(None, tok, RolloutConfig(engine="shardgen")).engine is None
+    built = len(stub_engine.made)
+    with pytest.raises(ValueError, match=r"cfg.engine='vllm'"):
+        ShardgenRollout(None, tok, RolloutConfig(engine="vllm"))
+    with pytest.raises(ValueError, match=r"cfg.enable_profiling=True"):
+        ShardgenRollout(None, tok, HybridEngineRolloutConfig(enable_profiling=True))
+    assert len(stub_engine.made) == built  # refused before the (collective) engine
+
+
+def test_pad_id_zero_is_kept_and_a_missing_pad_is_the_eos(stub_engine):
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    assert ShardgenRollout(None, sc.IdsOnly(eos=[5, 6], pad=0)).pad == 0  # 0 is a pad id, not unset
+    assert ShardgenRollout(None, sc.IdsOnly(eos=[5, 6], pad=None)).pad == 5
+    with pytest.raises(ValueError, match="pad_token_id or eos_token_id"):
+        ShardgenRollout(None, sc.IdsOnly(eos=None, pad=None))
 
 
 # ----------------------------------------------------------------------------- 2 ranks
@@ -241,3 +322,22 @@ def _assert_hybrid_hangs(world: World) -> None:
     for r, stack in stacks.items():
         if r not in empty:
             assert "in generate" in stack and "in barrier" not in stack, stack
+
+
+def test_deepspeed_rollout_contract_2(worlds):
+    """DeepSpeed's RolloutEngine contract at 2 ranks on a real ZeRO-3 engine, a tokenizer of two
+    ids: build_rollout's call, .engine, sync_weights, EOS cut, zero-row requests on either rank
+    (empty batches of the right layout while the peer decodes), the continuous path, n = 2."""
+    for r, res in enumerate(worlds.get(2).run(sc.contract, timeout=240)):
+        assert res["type"] == "ShardgenRollout" and res["engine"] and res["shardgen_engine"], res
+        assert res["sync"] is None
+        assert res["cut"] == [] and res["stopped"], f"rank {r}: {res['cut']}"
+        assert res["texts"] == [None] * 6, res["texts"]  # no decode: no texts
+        rows = [0, 0, 0, 3, 3, 6] if r == 0 else [3, 3, 6, 0, 0, 0]
+        assert res["rows"] == rows, f"rank {r}: {res['rows']}"
+        width = res["width"]
+        assert res["empty"] == [
+            ((0, width + sc.MAX_NEW), torch.long, torch.long, (0,), torch.long),
+            ((0, width), torch.long, torch.long, (0,), torch.long),  # continuous: the longest row's
+            ((0, width + sc.MAX_NEW), torch.long, torch.long, (0,), torch.long),
+        ], f"rank {r}: {res['empty']}"

@@ -55,7 +55,7 @@ from shardgen.core.timeline import Timeline
 from shardgen.errors import PeerFailedError, PeerStalledError, RendezvousTimeoutError
 from shardgen.faults.liveness import Liveness, is_comm_error
 from shardgen.faults.stalls import GatherCounter
-from shardgen.generation.requests import Request, completion_of, resolve_future
+from shardgen.generation.requests import completion_of, resolve_future
 from shardgen.generation.scheduler import ForwardPlan, LocalWork
 from shardgen.loading.memory import batch_rows, kv_cache_bytes, memory_budget
 from shardgen.log import get_logger
@@ -235,12 +235,15 @@ class Driver:
         try:
             with invariant_numerics(self.config.numerics == "invariant"):  # this thread's forwards
                 self._loop()
-        except BaseException as e:  # every failure must reach the user threads
-            err = self._attribute(e)
-            if err is e and self.live is not None and not isinstance(e, PeerFailedError):
-                self.live.report_error(e)  # our own failure: peers raise PeerFailedError naming us
-            self.phase = Phase.FAILED
-            self.on_failure(err)
+        except BaseException as e:  # every failure must reach the user threads, even if naming fails
+            err = e
+            try:
+                err = self._attribute(e)
+                if err is e and self.live is not None and not isinstance(e, PeerFailedError):
+                    self.live.report_error(e)  # our own failure: peers raise PeerFailedError naming us
+            finally:
+                self.phase = Phase.FAILED
+                self.on_failure(err)
         else:
             if self.live is not None:
                 with contextlib.suppress(Exception):  # rank 0 (the store) may already be gone
@@ -368,14 +371,11 @@ class Driver:
         self.stats.forward_s += time.perf_counter() - t0
 
     def _finished(self, seq: Any) -> None:
-        """A request finished: resolve its future."""
-        req: Request = seq.tag
-        self.shared.resolved(req)
-        resolve_future(req.future, result=completion_of(seq, self.tokenizer, self.rank))
+        """A request finished: resolve its future (raising, it stays open for the failure path)."""
+        resolve_future(seq.tag.future, result=completion_of(seq, self.tokenizer, self.rank))
 
     def _scored(self, req: Any, row: Any) -> None:
         """A score row is done: resolve its future."""
-        self.shared.resolved(req)
         resolve_future(req.future, result=row)
 
     def _pause_here(self) -> None:

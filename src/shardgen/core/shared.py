@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,7 +57,10 @@ class Shared:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.inbox: deque[Request] = deque()  # submitted, not yet seen by the driver
-        self.open_reqs: set[Request] = set()  # submitted, not yet resolved
+        # Every request handed to the driver whose future is not done, by its future. A request
+        # leaves it when its future is resolved (a done callback), whoever resolves it: the
+        # failure path then finds every future still waiting, whatever point the driver failed at.
+        self.open_reqs: dict[Future, Request] = {}
         self.closed = False
         self.pause_wanted = False
         self.failed: BaseException | None = None  # the first failure; set once
@@ -66,12 +70,20 @@ class Shared:
         self.pauses_left = 0  # user thread: paused() blocks exited
 
     def enqueue(self, reqs: list[Request]) -> bool:
-        """User thread: hand requests to the driver; False (nothing queued) once closed."""
+        """User thread: hand requests to the driver; False (nothing queued) once closed. Raises
+        the engine's failure once it failed (the failure path has resolved the open requests
+        already: one queued now would wait forever)."""
         with self.lock:
             if self.closed:
                 return False
-            self.inbox.extend(reqs)
-            self.open_reqs.update(reqs)
+            failed = self.failed
+            if failed is None:
+                self.inbox.extend(reqs)
+                self.open_reqs.update((r.future, r) for r in reqs)
+        if failed is not None:
+            raise failed
+        for r in reqs:  # outside the lock: a future already done runs its callback right here
+            r.future.add_done_callback(self._done)
         self.wake.set()
         return True
 
@@ -123,17 +135,17 @@ class Shared:
         with self.lock:
             self.changed.notify_all()
 
-    def resolved(self, req: Request) -> None:
+    def _done(self, future: Future) -> None:
+        """A request's future was resolved (its done callback, in the resolving thread)."""
         with self.lock:
-            self.open_reqs.discard(req)
+            self.open_reqs.pop(future, None)
 
     def fail(self, err: BaseException) -> tuple[BaseException, list[Request], bool]:
         """Any thread: record ``err`` unless a failure came first. -> (the first failure, the
-        requests still open, now forgotten, whether ``err`` was the first)."""
+        requests whose futures are still waiting, whether ``err`` was the first). The caller
+        resolves those futures; ``enqueue`` takes no request from now on."""
         with self.lock:
             first = self.failed is None
             if first:
                 self.failed = err
-            reqs = list(self.open_reqs)
-            self.open_reqs.clear()
-            return self.failed, reqs, first
+            return self.failed, list(self.open_reqs.values()), first

@@ -34,7 +34,8 @@ class Completion:
     is the last one) or ``length`` (``max_new_tokens`` reached)."""
     prompt_token_ids: list[int]
     text: str | None = None
-    """The generated text (special tokens skipped), when the engine has a tokenizer."""
+    """The generated text (special tokens skipped), when the engine has a tokenizer that decodes;
+    else None."""
     logprobs: list[float] | None = None
     """log p of each generated token under ``softmax(logits / temperature)`` (``raw_logprobs``:
     untempered), when asked for."""
@@ -215,8 +216,8 @@ def request_problems(
             f"prompt of {len(ids)} tokens + max_new_tokens {new} exceeds the model's context of "
             f"{n_ctx} tokens"
         )
-    if params.stop and tokenizer is None:
-        out.append("stop strings need a tokenizer: Engine(model, tokenizer=...)")
+    if params.stop and not callable(getattr(tokenizer, "decode", None)):  # the check decodes (driver)
+        out.append("stop strings need a tokenizer with decode(): Engine(model, tokenizer=...)")
     return out
 
 
@@ -363,7 +364,11 @@ def padded_output(input_ids: torch.Tensor, reqs: list[Request], done: list[Compl
 
 
 def completion_of(seq: SeqState, tokenizer: Any, rank: int) -> Completion:
-    text = tokenizer.decode(seq.tokens, skip_special_tokens=True) if tokenizer is not None else None
+    """``seq``'s ``Completion``; its text None when the tokenizer is None or cannot decode (an
+    object holding only the special ids, as DeepSpeed's rollout tests pass): the driver calls
+    this, and must not fail on what the user thread never decodes."""
+    decode = getattr(tokenizer, "decode", None)
+    text = decode(seq.tokens, skip_special_tokens=True) if callable(decode) else None
     return Completion(
         token_ids=list(seq.tokens),
         finish_reason=seq.finish_reason or "length",

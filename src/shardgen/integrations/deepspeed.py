@@ -7,7 +7,7 @@
     from shardgen.integrations.deepspeed import ShardgenRollout
 
     ds_engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=zero3_config)
-    rollout = ShardgenRollout(ds_engine, tokenizer)      # collective; instead of HybridEngineRollout
+    rollout = ShardgenRollout(ds_engine, tokenizer)      # collective; HybridEngineRollout's arguments
     for ids, mask in loader:                             # any rows per rank, zero included
         batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=64))
         loss = ...                                       # ds_engine's forward / backward / step
@@ -34,7 +34,13 @@ How it fits DeepSpeed 0.19.8 (``deepspeed/runtime/rollout``):
   gathered replica, kept small parameters): the weights may have changed.
   Out of the pause the model is in eval mode (no dropout while sampling), then back in yours.
 - Unlike ``HybridEngineRollout``, a rank's rows never decide how many forwards another rank runs:
-  ranks may hold different numbers of prompts, zero included, and stop at different steps.
+  ranks may hold different numbers of prompts, zero included, and stop at different steps. A
+  request of zero rows (``[0, P]``) gets a batch of zero rows in the same layout, and the rank
+  keeps serving its peers' forwards until they are done.
+- Constructed as ``HybridEngineRollout`` is (``build_rollout``'s ``engine=, tokenizer=, cfg=``):
+  ``rollout.engine`` is the DeepSpeed engine, ``rollout.shardgen_engine`` shardgen's ``Engine``;
+  ``cfg`` maps as ``options_of`` says. The tokenizer needs only its ids (``eos_token_id``,
+  ``pad_token_id``): without ``decode`` the rows have no text (``last_batch.texts`` is None).
 
 ``SamplingConfig``: ``temperature <= 0`` is greedy; ``top_k <= 0`` is off; ``top_p``,
 ``max_new_tokens`` and ``n_samples_per_prompt`` as there; ``continuous_batch_size`` bounds the
@@ -59,8 +65,10 @@ from shardgen.config import SamplingParams
 from shardgen.generation.requests import Completion, unpadded_rows
 from shardgen.generation.rollout import RolloutBatch as ShardgenBatch
 from shardgen.generation.rollout import pack, sample_seed
+from shardgen.log import get_logger
 
 DEEPSPEED_VERSION = "0.19"
+log = get_logger()
 
 
 def _import_rollout() -> Any:
@@ -89,25 +97,61 @@ def _eos_ids(tokenizer: Any) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
+#: ``HybridEngineRollout``'s options (its ``cfg``) that only change how it decodes, not what it
+#: returns: shardgen decodes its own way (no CUDA graphs, a KV cache per batch), so they are taken
+#: and have no effect. ``use_shared_prefill`` is shardgen's ``share_prefill`` (on by default).
+DECODE_ONLY_FIELDS = (
+    "use_graph_capture", "align_decode_fronts", "enable_cache_trimming", "continuous_cache_capacity",
+)  # fmt: skip
+ENGINE_NAMES = ("hybrid_engine", "shardgen")  # RolloutConfig.engine: build_rollout's, or ours
+
+
+def options_of(cfg: Any) -> dict[str, Any]:
+    """DeepSpeed's rollout ``cfg`` (a ``RolloutConfig`` or ``HybridEngineRolloutConfig``; None)
+    as ``EngineConfig`` options. ``ValueError`` naming a field it cannot honour: an ``engine``
+    that is not this one, ``enable_profiling`` (there is no ``HybridEngineRollout`` profile to
+    read; ``shardgen_engine.stats()`` and ``timeline=True`` are shardgen's)."""
+    if cfg is None:
+        return {}
+    name = getattr(cfg, "engine", "hybrid_engine")
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"cfg.engine={name!r}: ShardgenRollout stands for one of {list(ENGINE_NAMES)}")
+    if getattr(cfg, "enable_profiling", False):
+        raise ValueError(
+            "cfg.enable_profiling=True: ShardgenRollout keeps no HybridEngineRollout profile "
+            "(get_last_profile() is None); use rollout.shardgen_engine.stats() or timeline=True"
+        )
+    set_ = [f for f in DECODE_ONLY_FIELDS if getattr(cfg, f, None) not in (None, False)]
+    if set_:
+        log.info("ShardgenRollout: cfg fields %s change how HybridEngineRollout decodes; not used", set_)
+    return {"share_prefill": True} if getattr(cfg, "use_shared_prefill", False) else {}
+
+
 class ShardgenRollout(_ds.RolloutEngine):
-    """``RolloutEngine`` on a shardgen ``Engine`` over ``ds_engine``'s ZeRO-3 model (module docstring).
+    """``RolloutEngine`` on a shardgen ``Engine`` over ``engine``'s ZeRO-3 model (module docstring).
+
+    Called as ``HybridEngineRollout`` is: ``ShardgenRollout(engine, tokenizer, cfg=None)``, the
+    keywords and positions of DeepSpeed's ``build_rollout``; ``cfg`` as ``options_of`` maps it.
+    Beyond those, keyword only: ``seed``, the base of every sampled row's seed (None: drawn per
+    call), and ``engine_options`` (``EngineConfig`` fields, or ``config=``; over ``cfg``'s).
+    ``rollout.engine`` is the DeepSpeed engine, as there; ``rollout.shardgen_engine`` shardgen's.
 
     Constructing it is collective: every rank of the DeepSpeed engine's data-parallel group
-    constructs it, in the same order, with the same ``engine_options`` (``EngineConfig`` fields,
-    or ``config=``); it builds the ``Engine`` and enters its pause. ``seed``: the base of every
-    sampled row's seed (None: drawn per call).
+    constructs it, in the same order, with the same options; it builds the ``Engine`` and
+    enters its pause. Bad options raise ``ValueError`` before any collective.
     """
 
     name = "shardgen"
 
     def __init__(
-        self, ds_engine: Any, tokenizer: Any, *, seed: int | None = None, **engine_options: Any
+        self, engine: Any, tokenizer: Any, cfg: Any = None, *, seed: int | None = None, **engine_options: Any
     ) -> None:
         import shardgen
 
         backend = engine_options.pop("backend", "deepspeed")
         if backend != "deepspeed":
             raise ValueError(f"ShardgenRollout runs on backend='deepspeed', got backend={backend!r}")
+        engine_options = {**options_of(cfg), **engine_options}
         pad = getattr(tokenizer, "pad_token_id", None)
         self.eos = _eos_ids(tokenizer)
         if pad is None:
@@ -115,12 +159,13 @@ class ShardgenRollout(_ds.RolloutEngine):
         if pad is None:
             raise ValueError("The tokenizer must define pad_token_id or eos_token_id")
         self.pad = int(pad)
-        self.seed, self.calls, self.ds_engine, self.tokenizer = seed, 0, ds_engine, tokenizer
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg  # HybridEngineRollout's fields
+        self.seed, self.calls = seed, 0
         self.last_batch: ShardgenBatch | None = None
         """The last ``generate``'s rows as shardgen's ``RolloutBatch``: logprobs, finish reasons, seeds."""
-        self.engine = shardgen.Engine(ds_engine, tokenizer, backend="deepspeed", **engine_options)
+        self.shardgen_engine = shardgen.Engine(engine, tokenizer, backend="deepspeed", **engine_options)
         self._pause = contextlib.ExitStack()
-        self._pause.enter_context(self.engine.paused())  # collective: every rank, here
+        self._pause.enter_context(self.shardgen_engine.paused())  # collective: every rank, here
 
     # ------------------------------------------------------------------ RolloutEngine
     @torch.no_grad()
@@ -152,16 +197,24 @@ class ShardgenRollout(_ds.RolloutEngine):
         Collective only through the pause, as ``generate``: every rank calls it the same number
         of times, in the same order as its ``generate`` calls (any rows, zero included)."""
         with self._running():
-            return self.engine.score(*args, **kwargs)
+            return self.shardgen_engine.score(*args, **kwargs)
 
     def sync_weights(self, step: int) -> None:  # noqa: ARG002
         """No-op: the engine generates with the training weights themselves (their shards)."""
         return None
 
+    def get_last_profile(self) -> None:
+        """None, as ``HybridEngineRollout``'s without ``enable_profiling`` (refused here)."""
+        return None
+
+    def get_last_continuous_stats(self) -> None:
+        """None: no ``HybridEngineRollout`` continuous-path statistics (``shardgen_engine.stats()``)."""
+        return None
+
     def shutdown(self) -> None:
         """Close the engine. Collective: every rank calls it (``Engine.close``); idempotent."""
         self._pause.close()
-        self.engine.close()
+        self.shardgen_engine.close()
 
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager
@@ -170,7 +223,7 @@ class ShardgenRollout(_ds.RolloutEngine):
 
         The engine's forwards all run out of the pause, so the model is in eval mode (no dropout)
         for exactly that long, and back in the trainer's mode for its step."""
-        module = getattr(self.ds_engine, "module", self.ds_engine)
+        module = getattr(self.engine, "module", self.engine)
         was_training = module.training
         module.eval()
         self._pause.close()
@@ -178,7 +231,7 @@ class ShardgenRollout(_ds.RolloutEngine):
             yield
         finally:
             try:
-                self._pause.enter_context(self.engine.paused())
+                self._pause.enter_context(self.shardgen_engine.paused())
             finally:
                 module.train(was_training)
 
@@ -216,7 +269,7 @@ class ShardgenRollout(_ds.RolloutEngine):
         if not options["do_sample"]:
             return options, [None] * (prompts * n)
         base = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
-        rank = self.engine.rank
+        rank = self.shardgen_engine.rank
         seeds: list[int | None] = [sample_seed(base, self.calls, f"{rank}:{r}") for r in range(prompts * n)]
         return options, seeds
 
@@ -233,14 +286,14 @@ class ShardgenRollout(_ds.RolloutEngine):
                 cf.wait(running, return_when=cf.FIRST_COMPLETED)
                 continue
             take = range(len(futures), min(len(prompts), len(futures) + window - len(running)))
-            futures += self.engine.submit_many(
+            futures += self.shardgen_engine.submit_many(
                 [prompts[i] for i in take], None, seed=[seeds[i] for i in take], **options
             )
         return [f.result() for f in futures]
 
     def _layout(self, request: Any, done: list[Completion], n: int, sampling: Any) -> Any:
         """DeepSpeed's ``RolloutBatch`` of the rows, in ``HybridEngineRollout``'s layout."""
-        device, dtype = request.prompt_ids.device, request.prompt_ids.dtype
+        device, dtype = request.prompt_ids.device, torch.long  # token ids, as HF's generate returns
         continuous = sampling.continuous_batch_size is not None
         rows, width = len(done), request.prompt_ids.shape[1]
         g = max((len(c.token_ids) for c in done), default=0) if continuous else int(sampling.max_new_tokens)
@@ -255,7 +308,7 @@ class ShardgenRollout(_ds.RolloutEngine):
             is_eos = torch.isin(resp, torch.tensor(self.eos, dtype=dtype)) & made
             first = is_eos & (is_eos.long().cumsum(-1) == 1)
             attn = (((resp != self.pad) & made) | first).long()
-        prompt_ids = request.prompt_ids.repeat_interleave(n, dim=0)
+        prompt_ids = request.prompt_ids.repeat_interleave(n, dim=0).to(dtype)
         prompt_mask = request.prompt_attention_mask.repeat_interleave(n, dim=0).to(attn.dtype)
         return _ds.RolloutBatch(
             input_ids=torch.cat([prompt_ids, resp.to(device)], dim=1),
