@@ -55,6 +55,15 @@ def test_subclass_trains_with_uneven_generation_calls(trlworld, backend):
     assert len(out[0]["logp_diff"]) == 2 and all(d < 1e-4 for d in out[0]["logp_diff"])
 
 
+def test_subclass_under_invariant_numerics(trlworld):
+    """``shardgen_config={"numerics": "invariant"}``: TRL's forwards run under the switch too. TRL
+    counts a left-padded row's positions from its first column, the engine from its first token:
+    RoPE is relative, so the two logprobs differ by rounding only (9.5e-7 measured), not bit for bit."""
+    out = trlworld.run(sc.grpo_two_steps, "fsdp2", False, "invariant", timeout=300)
+    assert [r["steps"] for r in out] == [2, 2]
+    assert len(out[0]["logp_diff"]) == 2 and all(d < 1e-5 for d in out[0]["logp_diff"]), out[0]["logp_diff"]
+
+
 def test_stock_trainer_fails_with_uneven_generation_calls(trlworld):
     with pytest.raises((WorldError, WorldHang)):
         trlworld.run(sc.grpo_two_steps, "fsdp2", True, timeout=STOCK_BOUND_S)

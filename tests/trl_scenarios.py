@@ -67,15 +67,15 @@ def trainer_model(backend: str, path: str) -> tuple[object, dict | None]:
     ), None
 
 
-def grpo_two_steps(backend: str, stock: bool = False) -> dict:
+def grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -> dict:
     """``_grpo_two_steps``, then ``clear_trainer_state``."""
     try:
-        return _grpo_two_steps(backend, stock)
+        return _grpo_two_steps(backend, stock, numerics)
     finally:
         clear_trainer_state()
 
 
-def _grpo_two_steps(backend: str, stock: bool = False) -> dict:
+def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -> dict:
     """Two GRPO steps on 2 ranks with uneven generation calls; returns rank 0's logged rewards."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from datasets import Dataset
@@ -110,7 +110,9 @@ def _grpo_two_steps(backend: str, stock: bool = False) -> dict:
         seed=0,
     )
     cls = uneven_calls(StockGRPOTrainer if stock else GRPOTrainer)
+    mine = {} if stock else {"shardgen_config": {"numerics": numerics}}
     trainer = cls(
+        **mine,
         model=model,
         reward_funcs=reward,
         args=config,

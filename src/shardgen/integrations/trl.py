@@ -43,6 +43,7 @@ from typing import Any
 from shardgen.config import EngineConfig
 from shardgen.generation.rollout import sample_seed
 from shardgen.log import get_logger
+from shardgen.numerics import invariant_numerics
 
 log = get_logger()
 
@@ -117,6 +118,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self.use_vllm = True
         self.vllm_mode = "shardgen"
         self.vllm_generation = _SharedWeights()
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's forward over a batch's tokens (old, reference and current logprobs), under the
+        engine's numerics: with ``numerics="invariant"`` its logits are the bits the engine
+        sampled from (``shardgen.numerics``), whatever the batch they come in."""
+        with invariant_numerics(self.shardgen_config.numerics == "invariant"):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     # ------------------------------------------------------------------ engine lifecycle
     def _shardgen_open(self) -> Any:

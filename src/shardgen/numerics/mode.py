@@ -43,6 +43,8 @@ _ROUTES: dict[Any, Any] = {
         for fn in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
     },  # fmt: skip
     **{fn: ops.addmm for fn in (torch.addmm, torch.Tensor.addmm)},
+    **{fn: ops.logsumexp for fn in (torch.logsumexp, torch.Tensor.logsumexp)},
+    **{fn: ops.log_softmax for fn in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)},
     **_f64,
 }
 

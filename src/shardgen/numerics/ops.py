@@ -317,6 +317,27 @@ def attention(
     return out.reshape(b, heads, lq0, dv).to(query.dtype)
 
 
+def logsumexp(x: torch.Tensor, dim: Any, keepdim: bool = False) -> torch.Tensor:
+    """``torch.logsumexp`` with the exponentials and their sum in float64, rounded once: the
+    same bits whatever order a kernel sums in (and ``log_softmax`` below is ``x`` minus it, so a
+    trainer's ``x[i] - logsumexp(x)`` and ``log_softmax(x)[i]`` are the same bits)."""
+    if not x.is_floating_point():
+        return torch.logsumexp(x, dim, keepdim)
+    top = x.amax(dim=dim, keepdim=True).double()  # exact in any order
+    top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=top.dtype, device=top.device))
+    out = top + torch.exp(x.double() - top).sum(dim=dim, keepdim=True).log()
+    return (out if keepdim else out.squeeze(dim)).to(x.dtype)
+
+
+def log_softmax(x: torch.Tensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> torch.Tensor:
+    """``log_softmax`` as ``x - logsumexp(x)`` (``logsumexp`` above), in ``dtype`` if given."""
+    if dtype is not None:
+        x = x.to(dtype)
+    if dim is None:
+        dim = -1
+    return x - logsumexp(x, dim, keepdim=True)
+
+
 def in_float64(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``fn`` on its first argument cast to float64, the result rounded once to that dtype."""
 
