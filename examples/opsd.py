@@ -126,6 +126,12 @@ def parse_args() -> argparse.Namespace:
         "'self': the student's own, moving, weights (it collapses: see the module docstring)",
     )
     ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument(
+        "--numerics",
+        choices=["invariant", "fast"],
+        default="invariant",
+        help="invariant: the student's training forward gives the rollout's logits bit for bit (on-policy)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--local-rank", "--local_rank", type=int, default=0)  # the DeepSpeed launcher's
     args = ap.parse_args()
@@ -181,7 +187,9 @@ def main() -> None:
     }
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     student, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    rollout = ShardgenRollout(student, tok, seed=args.seed)  # collective; instead of HybridEngineRollout
+    # collective; instead of HybridEngineRollout. numerics="invariant": a row's logits are its own bits,
+    # so the training forward below (inside shardgen.invariant_numerics()) is the sampler's, exactly
+    rollout = ShardgenRollout(student, tok, seed=args.seed, numerics=args.numerics)
     # The teacher: by default the student's starting checkpoint again, in an engine of its own
     # (collective: every rank opens it), never trained; scoring on it is not collective.
     teacher = None
@@ -229,7 +237,8 @@ def main() -> None:
         dist.all_reduce(tokens)  # one loss scale on every rank: all ranks' response tokens
         student.train()
         if len(b):
-            logits = student_logits(student, b)
+            with shardgen.invariant_numerics(args.numerics == "invariant"):
+                logits = student_logits(student, b)
             if args.top_k:
                 per_token = jsd_top_k(logits, scored.top_ids, scored.top_logprobs, args.beta)
                 loss_sum = (per_token * b.response_mask).sum()
