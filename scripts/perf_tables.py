@@ -357,7 +357,7 @@ TABLES: dict[str, Table] = {
 
 
 # The headline: (file in the folder, claim, the ratio from its JSON, earlier runs, command).
-# "earlier runs" quotes the figures docs/PERFORMANCE.md and docs/performance-log.md record for the
+# "earlier runs" quotes the figures docs/PERFORMANCE.md and docs/history/performance-log.md record for the
 # same claim; the lead's rerun adds one more.
 def _x(a: float, b: float, nd: int = 2) -> str:
     return f"{a / b:.{nd}f}x"
@@ -449,7 +449,7 @@ class Claim:
     section: int  # of docs/PERFORMANCE.md
     claim: str
     ratio: Callable[[dict[str, Any]], str]
-    earlier: str  # the figures recorded before for the same claim (docs/performance-log.md)
+    earlier: str  # the figures recorded before for the same claim (docs/history/performance-log.md)
     command: str  # as benchmarks/headline.sh runs it
 
 
