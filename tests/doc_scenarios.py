@@ -212,7 +212,7 @@ def ds_rollout(code: str) -> dict[str, Any]:
         "deepspeed": deepspeed, "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01),
         "zero3_config": config, "tokenizer": tok, "loader": loader, "my_loss": my_loss,
     })  # fmt: skip
-    assert ns["rollout"].engine._shared.closed  # the block's shutdown() closed its engine
+    assert ns["rollout"].shardgen_engine._shared.closed  # the block's shutdown() closed its engine
     assert len(losses) == 2 and all(x == x and x > 0 for x in losses), losses
     assert ns["batch"].input_ids.shape[0] == dist.get_rank() + 1, ns["batch"].input_ids.shape
     return {"losses": losses}
