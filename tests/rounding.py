@@ -72,7 +72,7 @@ def _invariant() -> bool:
 def _small_addmm(input: Any, mat1: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
     """``torch.addmm`` likewise, for the plain call ``addmm(bias, x, w)`` (GPT-2's ``Conv1D``)."""
     addmm = _original["addmm"]
-    if args or kwargs or mat1.dim() != 2 or mat1.shape[0] > SMALL_ROWS or mat1.shape[1] < 2:
+    if args or kwargs or mat1.dim() != 2 or mat1.shape[0] > SMALL_ROWS or mat1.shape[1] < 2 or _invariant():
         return addmm(input, mat1, mat2, *args, **kwargs)
     import torch
 
