@@ -21,30 +21,36 @@ from shardgen.numerics import ops
 
 __all__ = ["NUMERICS", "InvariantMode", "active", "invariant_numerics", "unsupported"]
 
+_VF = torch._C._VariableFunctions  # torch's own builtins: what reaches a mode, even where
+# ``torch.addmm`` or ``F.linear`` has been wrapped (a profiler, a test's rounding switch)
+
+
+def _both(name: str) -> tuple[Any, ...]:
+    """``torch.<name>`` as it is now and torch's builtin of that name."""
+    return (getattr(torch, name), getattr(_VF, name))
+
+
 _f64 = {
     fn: ops.in_float64(raw)
     for raw, fns in (
-        (torch.exp, (torch.exp, torch.Tensor.exp)),
-        (torch.sigmoid, (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)),
-        (torch.tanh, (torch.tanh, torch.Tensor.tanh, F.tanh)),
-        (torch.cos, (torch.cos, torch.Tensor.cos)),
-        (torch.sin, (torch.sin, torch.Tensor.sin)),
+        (_VF.exp, (*_both("exp"), torch.Tensor.exp)),
+        (_VF.sigmoid, (*_both("sigmoid"), torch.Tensor.sigmoid, F.sigmoid)),
+        (_VF.tanh, (*_both("tanh"), torch.Tensor.tanh, F.tanh)),
+        (_VF.cos, (*_both("cos"), torch.Tensor.cos)),
+        (_VF.sin, (*_both("sin"), torch.Tensor.sin)),
         (F.silu, (F.silu,)),
         (F.gelu, (F.gelu,)),
     )
     for fn in fns
 }
-# Keyed by torch's own builtins (what reaches a mode), also when ``F.linear`` has been wrapped.
 _ROUTES: dict[Any, Any] = {
     torch._C._nn.linear: ops.linear,
     torch._C._nn.scaled_dot_product_attention: ops.attention,
-    **{
-        fn: ops.matmul
-        for fn in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
-    },  # fmt: skip
-    **{fn: ops.addmm for fn in (torch.addmm, torch.Tensor.addmm)},
-    **{fn: ops.logsumexp for fn in (torch.logsumexp, torch.Tensor.logsumexp)},
-    **{fn: ops.log_softmax for fn in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax)},
+    **{fn: ops.matmul for fn in (*_both("matmul"), *_both("mm"), torch.Tensor.matmul, torch.Tensor.__matmul__,
+                                 torch.Tensor.mm)},  # fmt: skip
+    **{fn: ops.addmm for fn in (*_both("addmm"), torch.Tensor.addmm)},
+    **{fn: ops.logsumexp for fn in (*_both("logsumexp"), torch.Tensor.logsumexp)},
+    **{fn: ops.log_softmax for fn in (*_both("log_softmax"), torch.Tensor.log_softmax, F.log_softmax)},
     **_f64,
 }
 
