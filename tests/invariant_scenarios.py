@@ -43,11 +43,20 @@ def invariant_rollouts(backend: str, gather: str, dtype: str, routes: bool = Tru
     ``chunked``, ``cached`` (logprobs bit-equal to alone), ``trainer`` and ``score`` (tokens of the
     batch whose logprobs equal the trainer's forward / ``score()`` bit for bit). ``routes=False``
     disables the switch's op replacements (the control: the counts must then fall short)."""
-    import shardgen
     from shardgen.numerics import mode
 
+    saved = dict(mode._ROUTES)
     if not routes:
         mode._ROUTES.clear()
+    try:
+        return _rollouts(backend, gather, dtype)
+    finally:
+        mode._ROUTES.update(saved)  # the world's next scenario gets the switch back
+
+
+def _rollouts(backend: str, gather: str, dtype: str) -> dict:
+    import shardgen
+
     rank = dist.get_rank()
     lengths = {0: [21, 34, 18], 1: [27], 2: [19, 40]}[rank % 3]
     prompts = id_prompts(lengths, seed=20 + rank)

@@ -25,6 +25,7 @@ CASES = [
     ("fsdp2", "stationary", "bfloat16"),
     ("deepspeed", "per-layer", "bfloat16"),
     ("deepspeed", "stationary", "float32"),
+    ("deepspeed", "once", "bfloat16"),
 ]
 
 
@@ -39,12 +40,24 @@ def test_every_row_is_its_own_bits_at_2_ranks(ds_world2, backend, gather, dtype)
     _all_equal(ds_world2.run(invariant_rollouts, backend, gather, dtype, timeout=300))
 
 
-def test_every_row_is_its_own_bits_at_3_ranks(world3):
-    _all_equal(world3.run(invariant_rollouts, "fsdp2", "per-layer", "bfloat16", timeout=300))
+@pytest.fixture(scope="module")
+def ds_world3():
+    from rollout_scenarios import ds_world
+
+    with ds_world(3) as world:
+        yield world
 
 
-def test_without_the_op_replacements_the_rows_differ(ds_world2):
-    out = ds_world2.run(invariant_rollouts, "fsdp2", "per-layer", "float32", False, timeout=300)
+@pytest.mark.parametrize(("backend", "dtype"), [("fsdp2", "bfloat16"), ("deepspeed", "float32")])
+def test_every_row_is_its_own_bits_at_3_ranks(ds_world3, backend, dtype):
+    _all_equal(ds_world3.run(invariant_rollouts, backend, "per-layer", dtype, timeout=300))
+
+
+@pytest.mark.parametrize(("backend", "gather", "dtype"), CASES)
+def test_without_the_op_replacements_the_rows_differ(ds_world2, backend, gather, dtype):
+    """The control: each case above falls short with the switch's op replacements removed (on
+    this CPU every one did, in the trainer, score, alone and chunked counts)."""
+    out = ds_world2.run(invariant_rollouts, backend, gather, dtype, False, timeout=300)
     short = [k for res in out for k, v in res.items() if v[0] != v[1]]
     assert short, f"the control matched everywhere: {out}"
 
