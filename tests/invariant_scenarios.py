@@ -30,6 +30,11 @@ def _same(a, b, ra: int, rb: int) -> tuple[bool, bool]:
     return True, torch.equal(a.logprobs[ra][:n], b.logprobs[rb][:n])
 
 
+def _reply(row: int, completion) -> list[int]:
+    """A tool's reply of three tokens, the same for every row (multi-turn: a second turn)."""
+    return [7, 8, 9]
+
+
 def trainer_logprobs(model, b) -> torch.Tensor:
     """The README's ``my_logprobs``: one forward over the padded batch, at the rollout's T."""
     pos = (b.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -73,6 +78,8 @@ def _rollouts(backend: str, gather: str, dtype: str) -> dict:
     with shardgen.Engine(model, **base, prefix_cache_tokens=0) as eng:
         batched = eng.rollout(prompts, **KW)
         alone = [eng.rollout([p], **KW) for p in prompts]
+        streamed = dict(eng.rollout_iter(prompts, **KW))  # groups as they finish
+        turns = eng.rollout(prompts, env=_reply, max_turns=2, **KW)  # the first turn is the rollout's
         with eng.paused(), torch.no_grad(), shardgen.invariant_numerics():
             mine = trainer_logprobs(eng.model, batched)
         scored = eng.score(batched).logprobs
@@ -85,6 +92,9 @@ def _rollouts(backend: str, gather: str, dtype: str) -> dict:
             tok, lp = _same(alone[i], batched, j, i * KW["n"] + j)
             count("alone", tok)
             count("alone_lp", lp)
+            count("streamed", all(_same(streamed[i], batched, j, i * KW["n"] + j)))
+            first = turns.logprobs[i * KW["n"] + j][: int(batched.response_mask[i * KW["n"] + j].sum())]
+            count("turn", torch.equal(first, batched.logprobs[i * KW["n"] + j][: len(first)]))
     with shardgen.Engine(_model(dtype), **base, prefix_cache_tokens=0, max_prefill_tokens=5,
                          share_prefill=False) as eng:  # fmt: skip
         chunked = eng.rollout(prompts, **KW)
