@@ -16,7 +16,7 @@ import pytest
 from models import tiny_model
 
 import shardgen
-from shardgen.core import driver as driver_module
+from shardgen.faults import blame
 from shardgen.generation import batch
 from shardgen.generation.requests import build_requests
 
@@ -59,10 +59,10 @@ def test_a_request_queued_after_the_failure_is_refused_not_left_waiting(monkeypa
 def test_the_failure_reaches_the_calls_even_if_naming_it_fails(monkeypatch):
     """The driver's failure path resolves the futures even when its attribution step raises."""
 
-    def broken(_self, _err):
+    def broken(*_args):
         raise RuntimeError("attribution failed")
 
-    monkeypatch.setattr(driver_module.Driver, "_attribute", broken)
+    monkeypatch.setattr(blame, "attribute", broken)
     monkeypatch.setattr(batch.Batch, "step", fs._raising(batch.Batch.step, None))
     eng = shardgen.Engine(tiny_model("llama", seed=7), fs.IdsOnly(), backend="local")
     try:

@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
 )
 
 from shardgen import SamplingParams
-from shardgen.generation import sampling
+from shardgen.generation import nucleus, sampling, warpers
 from shardgen.generation.sampling import chosen_logprobs, make_generator, select_tokens, warpers_for
 
 NEG = -float("inf")
@@ -241,7 +241,7 @@ def reference_select_tokens(
 
 
 def batched_warp(logits: torch.Tensor, knobs: list[tuple[float, int, float]], path: str) -> torch.Tensor:
-    return sampling._warp(logits, knobs, fast=path == "cpu-fast")
+    return warpers.warp(logits, knobs, fast=path == "cpu-fast")
 
 
 def mixed_params(n: int, seed: int) -> list[SamplingParams]:
@@ -361,11 +361,11 @@ def test_a_request_draws_the_same_tokens_alone_in_a_batch_and_anywhere(vocab, mo
             logits[row] = mine
             tokens[name] = int(select_tokens(logits, params, gens[name], None)[row])
             for path in PATHS:
-                knobs = [sampling._knobs(p) for p in params if p.do_sample]
+                knobs = [warpers.knobs_of(p) for p in params if p.do_sample]
                 sampled = logits[[i for i, p in enumerate(params) if p.do_sample]]
                 at = sum(bool(p.do_sample) for p in params[:row])
                 warped = batched_warp(sampled, knobs, path)[at]
-                alone = batched_warp(mine[None], [sampling._knobs(me)], path)[0]
+                alone = batched_warp(mine[None], [warpers.knobs_of(me)], path)[0]
                 assert torch.equal(warped, alone), f"{name}, {path}: warped scores depend on the batch"
         assert len(set(tokens.values())) == 1, f"step {step}: {tokens}"
         logits = make_logits(64, vocab, "bf16", seed=step)
@@ -518,7 +518,7 @@ def test_on_cuda_a_request_draws_the_same_tokens_alone_and_in_a_batch():
 
 
 # ---------------------------------------------------------------------------------------------
-# The CPU top-p path (``_nucleus_cut`` / ``_nucleus_draw``): HF's kept set found from one sort,
+# The CPU top-p path (``nucleus_cut`` / ``nucleus_draw``): HF's kept set found from one sort,
 # the draw in sorted order. Random rows with ties and exact top-p boundaries, against HF's warpers.
 # ---------------------------------------------------------------------------------------------
 
@@ -565,7 +565,7 @@ def test_nucleus_cut_keeps_exactly_what_hf_keeps(case):
     x, t, k, p = case
     V = x.numel()
     hf_kept = torch.isfinite(hf_chain(t, k, p)(None, x[None].clone())[0])
-    cut = sampling._nucleus_cut(x[None], [(t, k, p)])
+    cut = nucleus.nucleus_cut(x[None], [(t, k, p)])
     m, split = int(cut.removed), bool(cut.split)
     assert V - m == int(hf_kept.sum()), f"removed {m}, HF removed {V - int(hf_kept.sum())}"
     filtered = hf_chain(t, k, 1.0)(None, x[None].clone())[0]  # temperature and top-k
@@ -575,7 +575,7 @@ def test_nucleus_cut_keeps_exactly_what_hf_keeps(case):
     else:
         assert torch.equal(threshold_set, hf_kept), f"kept {threshold_set.nonzero().flatten().tolist()}"
     us = torch.tensor([0.0, 0.25, 0.5, 0.75, math.nextafter(1.0, 0.0)], dtype=torch.float64)
-    tokens = sampling._nucleus_draw(x[None].repeat(len(us), 1), [(t, k, p)] * len(us), us)
+    tokens = nucleus.nucleus_draw(x[None].repeat(len(us), 1), [(t, k, p)] * len(us), us)
     assert all(bool(hf_kept[tok]) for tok in tokens.tolist()), f"drew {tokens.tolist()} outside HF's set"
 
 
@@ -603,7 +603,7 @@ def test_top_p_draws_follow_hf_frequencies_on_tied_rows(monkeypatch):
     a position in the tie group to a token), over a row of 40 tokens in 5 tied levels."""
     logits = torch.tensor([float(i % 5) for i in range(40)])
     expected = hf_probs(logits, 1.0, 0, 0.95)  # removes the two lowest levels whole
-    assert not bool(sampling._nucleus_cut(logits[None], [(1.0, 0, 0.95)]).split)
+    assert not bool(nucleus.nucleus_cut(logits[None], [(1.0, 0, 0.95)]).split)
     monkeypatch.setattr(sampling, "NUCLEUS_MIN_VOCAB", 2)  # the top-p path at this small vocabulary
     rows, draws = 8, 500
     params = [sampled(1.0, 0, 0.95)] * rows
@@ -622,7 +622,7 @@ def test_top_p_draws_follow_hf_frequencies_on_tied_rows(monkeypatch):
 
 @pytest.mark.parametrize("vocab", [72, 4099, 32000, 152064])
 def test_float32_cumsum_is_the_float64_running_sum_rounded(vocab):
-    """What ``_nucleus_cut`` relies on to have HF's cumulative probabilities without a float32
+    """What ``nucleus_cut`` relies on to have HF's cumulative probabilities without a float32
     cumsum: torch's CPU float32 ``cumsum`` accumulates in float64 and rounds each sum."""
     g = torch.Generator().manual_seed(vocab)
     for scale in (0.3, 3.0, 30.0):
@@ -631,8 +631,8 @@ def test_float32_cumsum_is_the_float64_running_sum_rounded(vocab):
 
 
 # ---------------------------------------------------------------------------------------------
-# The binned top-p path (``_binned_draw``): ``_nucleus_draw``'s token without sorting the row, or
-# the row handed back to it. Every row it settles must be ``_nucleus_draw``'s token.
+# The binned top-p path (``binned_draw``): ``nucleus_draw``'s token without sorting the row, or
+# the row handed back to it. Every row it settles must be ``nucleus_draw``'s token.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -658,8 +658,8 @@ def binned_rows(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["normal", "flat", "zipf", "bf16", "ints", "masked"])
 @pytest.mark.parametrize("vocab", [8192, 32000, 50257])
 def test_binned_draw_settles_rows_with_the_nucleus_token(kind, vocab):
-    """Over temperatures and top-p values, every row ``_binned_draw`` settles draws
-    ``_nucleus_draw``'s token for the same uniform; on the real-use rows (top-p 0.9-0.99, no ties)
+    """Over temperatures and top-p values, every row ``binned_draw`` settles draws
+    ``nucleus_draw``'s token for the same uniform; on the real-use rows (top-p 0.9-0.99, no ties)
     it settles most of them, so the sort is the exception."""
     settled = total = 0
     for i, (t, p) in enumerate([(0.7, 0.95), (1.0, 0.9), (1.3, 0.5), (0.5, 0.99), (1.9, 0.999)]):
@@ -667,8 +667,8 @@ def test_binned_draw_settles_rows_with_the_nucleus_token(kind, vocab):
         knobs = [(t, 0, p)] * len(x)
         u = torch.rand(len(x), generator=torch.Generator().manual_seed(i), dtype=torch.float64)
         u[:2] = torch.tensor([0.0, math.nextafter(1.0, 0.0)])  # both ends of the draw
-        tokens, ok = sampling._binned_draw(x, knobs, u)
-        want = sampling._nucleus_draw(x, knobs, u)
+        tokens, ok = nucleus.binned_draw(x, knobs, u)
+        want = nucleus.nucleus_draw(x, knobs, u)
         assert torch.equal(tokens[ok], want[ok]), (
             f"T {t} top_p {p}: rows {(ok & (tokens != want)).nonzero().flatten().tolist()}"
         )
@@ -682,17 +682,17 @@ def test_binned_draw_settles_rows_with_the_nucleus_token(kind, vocab):
 
 def test_binned_draw_settles_a_cut_beside_a_token_when_both_cuts_draw_alike(monkeypatch):
     """A row whose top-p cut lies within the margin of a token's running sum may be cut on either
-    side of that token: ``_binned_draw`` settles it when the draw gives the same token for both
-    cuts, and that token is ``_nucleus_draw``'s. (A margin 10x wider puts many rows there.)"""
-    monkeypatch.setattr(sampling, "CUT_MARGIN", 10 * sampling.CUT_MARGIN)
+    side of that token: ``binned_draw`` settles it when the draw gives the same token for both
+    cuts, and that token is ``nucleus_draw``'s. (A margin 10x wider puts many rows there.)"""
+    monkeypatch.setattr(nucleus, "CUT_MARGIN", 10 * nucleus.CUT_MARGIN)
     x = binned_rows("flat", 64, 32000, seed=5)
     knobs = [(0.7, 0, 0.95)] * len(x)
     u = torch.rand(len(x), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    tokens, ok = sampling._binned_draw(x, knobs, u)
-    assert torch.equal(tokens[ok], sampling._nucleus_draw(x, knobs, u)[ok])
-    c = sampling._nucleus_cut(x, knobs)  # HF's running sum at the last removed and the first kept token
+    tokens, ok = nucleus.binned_draw(x, knobs, u)
+    assert torch.equal(tokens[ok], nucleus.nucleus_draw(x, knobs, u)[ok])
+    c = nucleus.nucleus_cut(x, knobs)  # HF's running sum at the last removed and the first kept token
     around = c.cdf.gather(1, torch.cat([(c.removed - 1).clamp(min=0), c.removed], dim=1))
-    near = sampling.CUT_MARGIN * x.shape[1] * c.thr.double()
+    near = nucleus.CUT_MARGIN * x.shape[1] * c.thr.double()
     beside = ((around - c.thr.double()).abs() <= near / 2).any(1)  # ours within the margin too
     n_beside, n_settled = int(beside.sum()), int((beside & ok).sum())
     assert n_beside >= 12 and n_settled >= 5, (n_beside, n_settled)
@@ -728,7 +728,7 @@ def test_binned_path_gives_the_same_tokens_as_the_sorted_path(chunk, monkeypatch
 
 @pytest.mark.parametrize("vocab", [8192, 32000, 152064])
 def test_cut_margin_covers_the_sorted_softmax_on_this_cpu(vocab):
-    """What ``_binned_draw``'s cut margin assumes, on the CPU the suite runs on: HF's running sum
+    """What ``binned_draw``'s cut margin assumes, on the CPU the suite runs on: HF's running sum
     (softmax of the sorted row) and the unsorted softmax's, summed in sorted order, differ by less
     than half of CUT_MARGIN x V, relative, wherever the sum is above 1e-3."""
     g = torch.Generator().manual_seed(vocab)
@@ -738,4 +738,4 @@ def test_cut_margin_covers_the_sorted_softmax_on_this_cpu(vocab):
         hf = torch.softmax(ordered, -1).cumsum(-1, dtype=torch.float64)
         ours = torch.softmax(x, -1).gather(1, order).double().cumsum(-1)
         rel = ((hf - ours).abs() / hf)[hf > 1e-3]
-        assert float(rel.max()) < 0.5 * sampling.CUT_MARGIN * vocab, f"scale {scale}: {float(rel.max()):.3g}"
+        assert float(rel.max()) < 0.5 * nucleus.CUT_MARGIN * vocab, f"scale {scale}: {float(rel.max()):.3g}"

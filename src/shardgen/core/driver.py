@@ -11,7 +11,10 @@ may touch a field:
 - the ``Engine`` (``engine.py``): the user-side state (config, backend, groups, futures).
 
 The driver runs the protocol of ``protocol.py``: once per tick it agrees with the other
-drivers on the control group and runs exactly one forward or none.
+drivers on the control group and runs exactly one forward or none. Around it, elsewhere: its
+batch and prefix cache sized before it is built (``sizing.py``), the barrier on the store that
+ends a pause (``faults/resume.py``), the rank blamed for a failure or a wait that ran out
+(``faults/blame.py``), and the failure path every thread takes (``shared.Failure``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ import torch
 
 from shardgen.backends import Backend
 from shardgen.config import EngineConfig
-from shardgen.core import process
+from shardgen.core import process, sizing
 from shardgen.core.policy import ForwardMode, resolve
 from shardgen.core.protocol import (
     FINGERPRINT,
@@ -50,19 +52,17 @@ from shardgen.core.protocol import (
     check_fingerprints,
     decide,
 )
-from shardgen.core.shared import EngineStats, Shared
+from shardgen.core.shared import EngineStats, Failure, Shared
 from shardgen.core.timeline import Timeline
-from shardgen.errors import PeerFailedError, PeerStalledError, RendezvousTimeoutError
-from shardgen.faults.liveness import Liveness, is_comm_error
+from shardgen.errors import PeerFailedError
+from shardgen.faults import blame
+from shardgen.faults.liveness import Liveness
+from shardgen.faults.resume import ResumeBarrier
 from shardgen.faults.stalls import GatherCounter
 from shardgen.generation.requests import completion_of, resolve_future
 from shardgen.generation.scheduler import ForwardPlan, LocalWork
-from shardgen.loading.memory import batch_rows, kv_cache_bytes, memory_budget
-from shardgen.log import get_logger
 from shardgen.numerics import invariant_numerics
 from shardgen.timeouts import Timeouts
-
-log = get_logger()
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ class DriverSetup:
     ``rank`` is global; ``ranks`` the engine's group in global ranks, whose index of ``rank``
     is this rank's row in the tick. ``control``: the private gloo group of the tick (None on
     one process); ``store``, ``key_prefix``: the c10d store and this engine's keys in it (None
-    on one process). ``on_failure``: the engine's failure handling, called by the driver thread
-    with its own (attributed) failure; ``on_peer_failure``: called by the liveness thread."""
+    on one process). ``on_failure``: the engine's failure path (``shared.Failure``), taken by the
+    driver thread with its own (attributed) failure and by the liveness thread with a peer's."""
 
     config: EngineConfig
     backend: Backend
@@ -84,8 +84,7 @@ class DriverSetup:
     hf_config: Any
     tokenizer: Any
     timeouts: Timeouts
-    on_failure: Callable[[BaseException], None]
-    on_peer_failure: Callable[[BaseException], None]
+    on_failure: Failure
     control: Any = None
     store: Any = None
     key_prefix: str = "shardgen/engine0"
@@ -109,7 +108,6 @@ class Driver:
         self.backend, self.shared, self.rank, self.world = backend, setup.shared, rank, world
         self.ranks, self.device = list(setup.ranks), setup.device
         self.tokenizer, self.timeouts = setup.tokenizer, setup.timeouts
-        self.store, self.key_prefix = setup.store, setup.key_prefix
         self.on_failure = setup.on_failure
         self.config = config
         self.phase = Phase.INIT
@@ -123,11 +121,13 @@ class Driver:
         self.fp = Fingerprint()
         self.cp = ControlPlane(setup.control, self.ranks.index(rank), world)
         self.gather_policy = resolve(config, backend, setup.hf_config, self.device, setup.control, world)
-        self.config = config = self._sized_batch(setup.hf_config)
+        # max_batch_size and the prefix cache's bound, where unset: from the memory budget (local)
+        config, prefix = sizing.sized(config, backend, self.gather_policy, setup.hf_config, self.device)
+        self.config = config
         self.mode = ForwardMode(self.gather_policy, backend, self.ranks.index(rank))
         self.work = LocalWork(
             backend.hf_model, backend, self.device, config, self.stats, on_finished=self._finished,
-            on_scored=self._scored, prefix_cache_tokens=self._prefix_tokens(setup.hf_config),
+            on_scored=self._scored, prefix_cache_tokens=prefix,
         )  # fmt: skip
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
@@ -136,8 +136,13 @@ class Driver:
             self.gathers = GatherCounter(backend)
             self.live = Liveness(
                 setup.store, setup.key_prefix, rank, world, setup.timeouts, self.status,
-                setup.on_peer_failure, ranks=self.ranks,
+                setup.on_failure.peer, ranks=self.ranks,
             )  # fmt: skip
+        self.resume: ResumeBarrier | None = None  # after each pause, before the next tick
+        if setup.store is not None:
+            self.resume = ResumeBarrier(
+                setup.store, setup.key_prefix, rank, self.ranks, setup.timeouts.stall, self.live
+            )
 
     # ------------------------------------------------------------------ the other threads' surface
     def spans(self) -> list[Any]:
@@ -151,10 +156,6 @@ class Driver:
     def phase_word(self) -> str:
         """What the driver is doing, as the heartbeats say it. Any thread."""
         return self.status()[1]
-
-    def on_thread(self) -> bool:
-        """The caller is this driver's thread."""
-        return threading.current_thread() is self.thread
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the thread to end; True once it has. User thread."""
@@ -197,35 +198,17 @@ class Driver:
         verdict: bool = True,
     ) -> None:
         """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (last tick) is
-        ``absent_if``, once ``what`` has waited ``limit`` s with no forward anywhere. Idle time
-        before the call does not count. User thread (``close()``, ``paused()``): reads snapshots.
-
-        With ``verdict`` the absent rank becomes the engine's verdict (every rank fails, naming
-        it); without, only this call raises and the engine goes on (a pause nobody joined)."""
-        now = time.monotonic()
-        if now - max(called, self.last_forward_t) <= limit:
-            return
-        # The absent ranks come from the last agreed tick. While ticks flow, every rank is alive
-        # and that tick is fresh. When they have stopped (a peer stopped, died or is stuck in its
-        # driver: the tick and the gathers are collectives), the last tick is stale and would
-        # name a rank that has since called close(): the cause is liveness's to name, within a
-        # stall verdict plus the heartbeats that carry it. Only past that does this call raise.
-        fresh = self.timeouts.heartbeat * 3 + self.config.idle_sleep_max
-        if self.live is not None and now - self.last_tick_t > fresh:
-            since = now - max(called, self.last_forward_t, self.last_tick_t)
-            if since <= limit + self.timeouts.attribution_grace:
-                return
-            raise RendezvousTimeoutError(
-                f"rank {self.rank}: {what} waited {limit:g}s with no work left, and no tick has been "
-                f"agreed for {now - self.last_tick_t:.1f}s (phase {self.phase}); liveness named no peer"
-            )
+        ``absent_if``, once ``what`` has waited ``limit`` s with no forward anywhere
+        (``faults/blame.py: check_wait``, with and without ``verdict``). User thread (``close()``,
+        ``paused()``): reads snapshots."""
         st = self.last_state
         cols = st.col(col) if st is not None else []
         absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
-        msg = f"rank {self.rank}: {what} waited {limit:g}s with no work left; rank(s) {absent} never {never}"
-        if self.live is None or not absent or not verdict:
-            raise RendezvousTimeoutError(msg)
-        raise self.live.blame_absent(absent[0], msg)  # the verdict: unless a peer's failure came first
+        seen = blame.Seen(self.last_forward_t, self.last_tick_t, str(self.phase), absent)
+        blame.check_wait(
+            seen, called, limit, what, never, rank=self.rank, live=self.live, timeouts=self.timeouts,
+            idle_sleep_max=self.config.idle_sleep_max, verdict=verdict,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -237,13 +220,19 @@ class Driver:
                 self._loop()
         except BaseException as e:  # every failure must reach the user threads, even if naming fails
             err = e
+
+            def waiting() -> None:  # for liveness to name the cause of a broken collective
+                self.phase = Phase.COMM_ERROR
+
             try:
-                err = self._attribute(e)
+                grace = self.timeouts.attribution_grace
+                err = blame.attribute(e, lambda: self.shared.failed, self.live, grace, waiting)
                 if err is e and self.live is not None and not isinstance(e, PeerFailedError):
                     self.live.report_error(e)  # our own failure: peers raise PeerFailedError naming us
             finally:
                 self.phase = Phase.FAILED
-                self.on_failure(err)
+                self.on_failure(err, driver=True)
+                self.stop_liveness()
         else:
             if self.live is not None:
                 with contextlib.suppress(Exception):  # rank 0 (the store) may already be gone
@@ -379,7 +368,8 @@ class Driver:
         resolve_future(req.future, result=row)
 
     def _pause_here(self) -> None:
-        """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits."""
+        """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits, and
+        then none until every rank's has (``faults/resume.py``: on the store, not a collective)."""
         sh = self.shared
         self.phase = Phase.PAUSED
         self.backend.enter_pause()  # the model as the user set it up, for training
@@ -391,83 +381,5 @@ class Driver:
         finally:
             process.paused(self, False)
         self.backend.exit_pause()  # back to the generation settings before the next tick
-        if self.store is not None:
-            # Peers may stay inside their block for long (a training step): wait on the store,
-            # not in the next tick's all-reduce, whose group has a timeout.
-            key = f"{self.key_prefix}/resume{pause}"  # the same number on every rank
-            self.store.append(f"{key}/who", f"{self.rank},")  # who has left: for the message below
-            if int(self.store.add(key, 1)) == self.world and pause > 1:
-                # The last rank here: every rank has left the previous pause's wait, so its key
-                # goes (one key per engine, not one per pause; the last goes at close).
-                prev = f"{self.key_prefix}/resume{pause - 1}"
-                self.store.delete_key(prev)
-                self.store.delete_key(f"{prev}/who")
-            left, told = time.monotonic(), False
-            while int(self.store.add(key, 0)) < self.world:
-                if sh.failed is not None:  # a peer left or failed inside its block: none will come
-                    raise sh.failed
-                if not told and time.monotonic() - left > self.timeouts.stall:
-                    told = True  # once: a peer may stay inside on purpose (a checkpoint save)
-                    self._tell_still_inside(key, time.monotonic() - left)
-                time.sleep(0.005)
-            if told:
-                log.warning("rank %d: every rank has left paused(), %.1fs after this one", self.rank,
-                            time.monotonic() - left)  # fmt: skip
-
-    def _tell_still_inside(self, key: str, waited: float) -> None:
-        """This rank left ``paused()`` ``waited`` s ago and peers are still inside theirs: name
-        them, with their stacks where they run on this host. The usual cause is a collective of
-        the user's own inside the block that not every rank runs as often (which hangs there)."""
-        out = {int(r) for r in self.store.get(f"{key}/who").decode().split(",") if r}
-        inside = [r for r in self.ranks if r not in out]
-        where = "".join(f"\n--- {self.live.where_is(r)}" for r in inside) if self.live is not None else ""
-        names = ", ".join(map(str, inside))
-        log.error(
-            "rank %d: left paused() %.1fs ago (stall_timeout=%gs), but rank(s) %s are still inside "
-            "theirs. Inside paused() every rank must run the same collectives in the same order: "
-            "forwards and backwards of the sharded model, optimizer steps, all-reduces; a rank with "
-            "fewer rows still runs as many forwards (a dummy row) and the rank with none one, and "
-            "teacher or reference-model forwards belong in engine.score(), which is not collective. "
-            "Still waiting for them.%s", self.rank, waited, self.timeouts.stall, names, where,
-        )  # fmt: skip
-
-    def _sized_batch(self, hf_config: Any) -> EngineConfig:
-        """The config with ``max_batch_size`` set: as given, else as many rows as the memory
-        budget holds next to the weights a forward keeps (the whole model with ``once``; per
-        layer, the gathered layer is transient and not counted). Per rank, no collective: ranks
-        need not agree on it."""
-        if self.config.max_batch_size is not None:
-            return self.config
-        free = self._kv_budget()
-        rows = batch_rows(free, kv_cache_bytes(hf_config, 1))
-        log.info("max_batch_size unset: %d rows (%.1f MB of budget for the KV cache)", rows, free / 1e6)
-        return self.config.replace(max_batch_size=rows)
-
-    def _prefix_tokens(self, hf_config: Any) -> int:
-        """The prefix cache's bound in tokens: as configured, else a quarter of the memory budget
-        left beside the batch's KV cache (``max_batch_size`` rows of 2048 tokens). Per rank."""
-        if self.config.prefix_cache_tokens is not None:
-            return self.config.prefix_cache_tokens
-        free = self._kv_budget() - kv_cache_bytes(hf_config, self.config.max_batch_size or 1)
-        return max(0, int(0.25 * free) // max(kv_cache_bytes(hf_config, 1, tokens=1), 1))
-
-    def _kv_budget(self) -> int:
-        """Bytes of the memory budget left for KV caches beside the weights a forward keeps (the
-        whole model with ``once``; per layer, the gathered layer is transient and not counted)."""
-        held = self.backend.full_param_bytes() if self.gather_policy == "once" else 0
-        return memory_budget(self.config.memory_budget_gb, self.device) - held
-
-    def _attribute(self, err: BaseException) -> BaseException:
-        """Blame the right rank: a broken collective is a symptom; wait for liveness to name the cause."""
-        if self.shared.failed is not None:
-            return self.shared.failed
-        if self.live is None or isinstance(err, (PeerFailedError, PeerStalledError)):
-            return err
-        if not is_comm_error(err):
-            return err
-        self.phase = Phase.COMM_ERROR
-        deadline = time.monotonic() + self.timeouts.attribution_grace
-        while self.shared.failed is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        failed = self.shared.failed
-        return failed if failed is not None else err
+        if self.resume is not None:
+            self.resume.wait(pause, lambda: sh.failed)  # every rank has left its block (the store)

@@ -18,7 +18,7 @@ have created the same number of process groups before (torch names a subgroup by
 checked, ``ValueError``), and engines over overlapping groups must be constructed in the same
 order on every rank. In order, it: waits for the group's ranks on the store (``init_timeout``,
 naming absent ranks); creates two private groups over those ranks; all-gathers the settings
-on the control group; shards the model on the parameter group (:func:`build_backend`); and,
+on the control group; shards the model on the parameter group (``build.build_backend``); and,
 for ``gather="auto"``, all-reduces whether the full model fits.
 """
 
@@ -33,16 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardgen import numerics
-from shardgen.backends import Backend, check_backend_name, make_backend
+from shardgen.backends import Backend
 from shardgen.backends.base import describe_model
-from shardgen.backends.kinds import backend_for
-from shardgen.backends.towers import encoder_decoder_problem, feature_encoder, undeclared_inputs_problem
+from shardgen.backends.towers import feature_encoder, undeclared_inputs_problem
 from shardgen.config import EngineConfig, SamplingParams, context_length
 from shardgen.core import comm, groups, process
+from shardgen.core.build import build_backend, engine_config
 from shardgen.core.driver import Driver, DriverSetup
 from shardgen.core.protocol import OPEN, PAUSE
-from shardgen.core.shared import EngineStats, Shared
+from shardgen.core.shared import EngineStats, Failure, Shared
 from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
 from shardgen.faults import leaving
@@ -55,14 +54,10 @@ from shardgen.generation.requests import (
     encode_prompt,
     id_batch,
     padded_output,
-    resolve_future,
     unpadded_rows,
 )
-from shardgen.loading.pretrained import materialize, source_of
-from shardgen.log import get_logger
 from shardgen.timeouts import derive
 
-log = get_logger()
 __all__ = ["Engine", "EngineStats"]
 
 
@@ -89,22 +84,7 @@ class Engine:
         group: Any = None,
         **overrides: Any,
     ) -> None:
-        cfg = (config if config is not None else EngineConfig()).replace(**overrides)
-        if cfg.backend is not None:
-            check_backend_name(cfg.backend)  # a name first, then what the model can run on
-        if source_of(model) is None:  # a from_pretrained skeleton runs on any backend
-            picked = backend_for(cfg.backend, model, distributed=dist.is_initialized())
-            cfg = cfg.replace(backend=picked)  # None: the model's own
-        elif cfg.backend is None:
-            cfg = cfg.replace(backend="fsdp2" if dist.is_initialized() else "local")
-        cfg.validate()
-        check_backend_name(cfg.backend)  # before any collective
-        problem = encoder_decoder_problem(getattr(model, "module", model))
-        if problem is None and cfg.numerics == "invariant":
-            why = numerics.unsupported(getattr(model, "module", model))
-            problem = None if why is None else f"numerics='invariant' cannot serve this model: {why}"
-        if problem is not None:
-            raise ValueError(problem)
+        cfg = engine_config(model, config, overrides)  # ValueError before any collective
         self.config, self.tokenizer = cfg, tokenizer
         self.timeouts = derive(cfg.stall_timeout, cfg.init_timeout)
         self._shared = Shared()
@@ -128,8 +108,8 @@ class Engine:
             DriverSetup(
                 config=cfg, backend=self.backend, shared=self._shared, rank=self.rank, ranks=self.ranks,
                 device=self.device, hf_config=self._hf_config, tokenizer=tokenizer, timeouts=self.timeouts,
-                on_failure=self._fail, on_peer_failure=self._on_peer_failure, control=self._control,
-                store=self._store, key_prefix=prefix,
+                on_failure=Failure(self._shared, self.rank), control=self._control, store=self._store,
+                key_prefix=prefix,
             )
         )  # fmt: skip
         self.gather_policy = self._driver.gather_policy
@@ -437,23 +417,6 @@ class Engine:
             if why:
                 raise ValueError(f"rank {self.rank}, request {i}: {why}")
 
-    def _on_peer_failure(self, err: BaseException) -> None:
-        """Called by the liveness thread: a peer stalled or raised."""
-        log.error("rank %d: %s", self.rank, err)
-        self._fail(err)
-
-    def _fail(self, err: BaseException) -> None:
-        """Fail every open request with ``err`` (driver or liveness thread). The first failure wins."""
-        on_driver = self._driver.on_thread()
-        err, reqs, first = self._shared.fail(err)
-        if first and on_driver:
-            log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
-        for r in reqs:
-            resolve_future(r.future, error=err)
-        self._shared.notify()  # unblock a waiting paused()
-        if on_driver:
-            self._driver.stop_liveness()
-
     def _teardown(self) -> None:
         self._driver.teardown()
         self.backend.uninstrument()
@@ -466,21 +429,3 @@ class Engine:
             store, self._store = self._store, None
             args = (store, self._prefix, self.ranks, self._shared.pauses_entered, names)
             comm.bounded(comm.forget_engine, args, self.timeouts.store_call, f"rank {self.rank}: close")
-
-
-def build_backend(cfg: EngineConfig, model: Any, *, param_group: Any, device: torch.device) -> Backend:
-    """The engine's backend around ``model``, sharded on ``param_group``; a ``from_pretrained``
-    skeleton is first loaded straight into shards there (``loading.pretrained.materialize``).
-
-    Collective on ``param_group``: every rank of the engine calls it from the constructor, in
-    the same order, with the same settings (see ``make_backend``)."""
-    options: dict = {"chunk_bytes": None if cfg.chunk_mb is None else int(cfg.chunk_mb * 2**20)}
-    if cfg.backend == "deepspeed":
-        mb = cfg.bucket_mb
-        options.update(ds_config=cfg.ds_config, bucket_bytes=None if mb is None else int(mb * 2**20))
-    if source_of(model) is not None:
-        model = materialize(cfg.backend, model, param_group=param_group, device=device, options=options)
-    backend = make_backend(cfg.backend, model, param_group=param_group, device=device, options=options)
-    if cfg.debug_collectives:
-        backend.instrument()
-    return backend

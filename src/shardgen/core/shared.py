@@ -1,5 +1,6 @@
 """What a rank's user threads and its driver thread share (``Shared``, every field under one
-lock, changed only through its methods), and the driver's counters (``EngineStats``)."""
+lock, changed only through its methods), the failure path every thread takes (``Failure``),
+and the driver's counters (``EngineStats``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shardgen.generation.requests import Request
+from shardgen.generation.requests import Request, resolve_future
+from shardgen.log import get_logger
+
+log = get_logger()
 
 
 @dataclass
@@ -149,3 +153,27 @@ class Shared:
             if first:
                 self.failed = err
             return self.failed, list(self.open_reqs.values()), first
+
+
+class Failure:
+    """The engine's failure path, for whichever thread meets the failure first: the driver's
+    (``driver=True``), liveness's (``peer``: a peer stalled or raised), or a user thread's
+    (``faults/leaving.py``). It records the first failure in ``shared``, resolves every waiting
+    future with it and wakes the waits; it calls nothing back (no engine, no driver)."""
+
+    def __init__(self, shared: Shared, rank: int) -> None:
+        self.shared, self.rank = shared, rank
+
+    def __call__(self, err: BaseException, driver: bool = False) -> None:
+        """Fail every open request with ``err``. The first failure wins. Any thread; local."""
+        err, reqs, first = self.shared.fail(err)
+        if first and driver:
+            log.error("rank %d: engine driver failed: %s: %s", self.rank, type(err).__name__, err)
+        for r in reqs:
+            resolve_future(r.future, error=err)
+        self.shared.notify()  # unblock a waiting paused()
+
+    def peer(self, err: BaseException) -> None:
+        """Called by the liveness thread: a peer stalled or raised."""
+        log.error("rank %d: %s", self.rank, err)
+        self(err)

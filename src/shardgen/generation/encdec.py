@@ -37,9 +37,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 
-from shardgen.generation.batch import Batch, Forward, combine_rows
+from shardgen.generation.batch import Batch, Forward
 from shardgen.generation.cache import ReservedLayer
 from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.rows import combine_rows
 from shardgen.generation.score import ScoreRequest, reduce
 from shardgen.generation.scoring import ScoreChunk, ScorePlan, ScoreRun
 from shardgen.generation.sequence import SeqState
