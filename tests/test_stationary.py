@@ -90,6 +90,7 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
 
     from shardgen.config import EngineConfig, SamplingParams
     from shardgen.core.shared import EngineStats
+    from shardgen.generation.plan import Access
     from shardgen.generation.requests import Request
     from shardgen.generation.scheduler import LocalWork
     from shardgen.generation.sequence import SeqState
@@ -104,10 +105,11 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
     )
 
     class Backend:
-        def forward(self, *, mode="per-layer", shapes=None, towers=0, **kw):
-            out = model(**kw)
-            fed.append((kw["input_ids"].numel(), head_rows.pop()))
-            forked.append(fed[-1][1] != kw["input_ids"].shape[0])
+        def forward(self, plan, inputs):
+            assert plan.access is Access.PER_LAYER, plan  # the agreed plan, apart from HF's inputs
+            out = model(**inputs)
+            fed.append((inputs["input_ids"].numel(), head_rows.pop()))
+            forked.append(fed[-1][1] != inputs["input_ids"].shape[0])
             return out
 
     from shardgen.generation import scheduler
@@ -139,7 +141,7 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
         plan = work.plan(admit)
         want = plan.shape
         n = len(fed)
-        assert work.step(plan) == (want != (0, 0))
+        assert work.step(plan.agreed(Access.PER_LAYER)) == (want != (0, 0))
         if plan.prefill is not None:  # the batch runs the very plan the tick carried
             assert work.prefilling is not None or work.batch is not None
             assert plan.prefill is planned[-1]

@@ -55,8 +55,9 @@ from shardgen.core.timeline import Timeline
 from shardgen.errors import PeerFailedError, PeerStalledError, RendezvousTimeoutError
 from shardgen.faults.liveness import Liveness, is_comm_error
 from shardgen.faults.stalls import GatherCounter
+from shardgen.generation.plan import ForwardPlan
 from shardgen.generation.requests import completion_of, resolve_future
-from shardgen.generation.scheduler import ForwardPlan, LocalWork
+from shardgen.generation.scheduler import LocalWork
 from shardgen.loading.memory import batch_rows, kv_cache_bytes, memory_budget
 from shardgen.log import get_logger
 from shardgen.numerics import invariant_numerics
@@ -337,24 +338,27 @@ class Driver:
         shadow for an idle plan (protocol invariant). Collective on the parameter group while the
         backend is in ``lockstep``: every rank, this same tick, after ``agree``.
 
-        The mode is chosen from the agreed state, the same on every rank, and goes with every
-        rank's agreed shape and the agreed towers (each rank's forward runs them all, on shadow
-        inputs where its own have none) into the plan; the forward gets them as arguments. When forwards
-        issue no parameter collectives (weights gathered, or the local backend), a rank with work
-        runs a burst of up to ``burst_steps`` real forwards instead, each planned in turn, and
-        nobody shadows: the tick then only decides admission, pause, release and exit.
+        The forward's access is decided here, from the agreed state and whether the weights are
+        whole (``Backend.lockstep``, the same on every rank: gathered and released on agreed
+        ticks), and goes with every rank's agreed shape and the agreed towers (each rank's forward
+        runs them all, on shadow inputs where its own have none) into the plan: the backend reads
+        only the plan. When forwards issue no parameter collectives (weights gathered, or the
+        local backend), a rank with work runs a burst of up to ``burst_steps`` real forwards
+        instead, each planned in turn, and nobody shadows: the tick then only decides admission,
+        pause, release and exit.
         """
         t0 = time.perf_counter()
         lockstep = self.backend.lockstep
-        mode = "per-layer"
-        if lockstep and self.backend.stationary is not None:
-            mode = self.mode.choose(state)
-        plan = plan.agreed(mode, state.shapes() if lockstep else None, state.towers(plan.towers))
+        access = self.mode.choose(state, whole=not lockstep)
+        if lockstep:
+            plan = plan.agreed(access, state.shapes(), state.towers(plan.towers))
+        else:
+            plan = plan.agreed(access)  # no gathers to match: no shapes, no shadow tower
         did_work = False
         t = t0
         for i in range(1 if lockstep else self.config.burst_steps):
             if i:
-                plan = self.work.plan(state.admit)  # local forwards: nothing to agree
+                plan = self.work.plan(state.admit).agreed(access)  # local forwards: nothing to agree
             if not self.work.step(plan):
                 break
             self.phase = Phase(self.work.phase.value)
@@ -362,12 +366,12 @@ class Driver:
             did_work = True
         if not did_work and lockstep:
             self.phase = Phase.SHADOW
-            self.backend.shadow_forward(mode=plan.mode, shapes=plan.shapes, towers=plan.run_towers)
+            self.backend.shadow_forward(plan)
             self.timeline.since(t, "shadow")
             self.stats.shadow_forwards += 1
         if self.config.debug_collectives:
             signature = self.backend.collective_signature()  # always drained
-            self.fp.fold("forward", signature if lockstep else (), mode)
+            self.fp.fold("forward", signature if lockstep else (), str(access))
         self.stats.forward_s += time.perf_counter() - t0
 
     def _finished(self, seq: Any) -> None:
