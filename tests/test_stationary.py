@@ -17,7 +17,7 @@ import torch
 
 import shardgen.backends.stationary.shards as sh
 from shardgen.backends.stationary.plan import Source
-from shardgen.core.protocol import HEAD_ROWS, HELD_HEAD_ROWS, HELD_TOKENS, NCOLS, PAUSE, TOKENS, TickState
+from shardgen.core.protocol import TickRow, TickState
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
@@ -67,10 +67,9 @@ def test_every_row_has_one_owner_and_cut_rows_assemble_exactly(monkeypatch, rows
 
 def test_tick_shapes_follow_the_agreed_admission():
     def row(tokens, head, held_tokens, held_head, pause):
-        r = [0] * NCOLS
-        r[TOKENS], r[HEAD_ROWS], r[PAUSE] = tokens, head, pause
-        r[HELD_TOKENS], r[HELD_HEAD_ROWS] = held_tokens, held_head
-        return r
+        return TickRow(
+            tokens=tokens, head_rows=head, held_tokens=held_tokens, held_head_rows=held_head, pause=pause
+        )
 
     state = TickState([row(4, 9, 2, 1, 1), row(0, 0, 0, 0, 0)])
     assert state.admit and state.shapes() == [(4, 9), (0, 0)]

@@ -30,22 +30,11 @@ from shardgen.config import EngineConfig
 from shardgen.core import process
 from shardgen.core.policy import ForwardMode, resolve
 from shardgen.core.protocol import (
-    FINGERPRINT,
-    HEAD_ROWS,
-    HELD_HEAD_ROWS,
-    HELD_TOKENS,
-    HELD_TOWERS,
-    LIVE,
-    NCOLS,
-    OPEN,
-    PAUSE,
-    PENDING,
-    TOKENS,
-    TOWERS,
     ControlPlane,
     Decision,
     Fingerprint,
     Phase,
+    TickRow,
     TickState,
     check_fingerprints,
     decide,
@@ -191,15 +180,16 @@ class Driver:
         self,
         called: float,
         limit: float,
-        col: int,
+        col: str,
         what: str,
         never: str,
         absent_if: int = 0,
         verdict: bool = True,
     ) -> None:
-        """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (last tick) is
-        ``absent_if``, once ``what`` has waited ``limit`` s with no forward anywhere. Idle time
-        before the call does not count. User thread (``close()``, ``paused()``): reads snapshots.
+        """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (a ``TickRow``
+        field, last tick) is ``absent_if``, once ``what`` has waited ``limit`` s with no forward
+        anywhere. Idle time before the call does not count. User thread (``close()``,
+        ``paused()``): reads snapshots.
 
         With ``verdict`` the absent rank becomes the engine's verdict (every rank fails, naming
         it); without, only this call raises and the engine goes on (a pause nobody joined)."""
@@ -258,15 +248,15 @@ class Driver:
             new, closed, pause = sh.take_inbox()
             self.work.check_mode()  # a train()/eval() switch drops the prefix cache
             self.work.add(new)
-            row = [0] * NCOLS
-            row[LIVE], row[PENDING], row[OPEN] = self.work.live, self.work.waiting, int(not closed)
-            row[PAUSE] = int(pause)
-            row[FINGERPRINT] = self.fp.value if cfg.debug_collectives else 0
             # One plan per outcome of the tick's admission, decided before it and carried in it.
             admitted, held = self.work.plan(True), self.work.plan(False)
-            row[TOKENS], row[HEAD_ROWS] = admitted.shape
-            row[HELD_TOKENS], row[HELD_HEAD_ROWS] = held.shape
-            row[TOWERS], row[HELD_TOWERS] = admitted.towers, held.towers
+            row = TickRow(
+                live=self.work.live, pending=self.work.waiting, open=int(not closed), pause=int(pause),
+                fingerprint=self.fp.value if cfg.debug_collectives else 0,
+                tokens=admitted.tokens, head_rows=admitted.head_rows,
+                held_tokens=held.tokens, held_head_rows=held.head_rows,
+                towers=admitted.towers, held_towers=held.towers,
+            )  # fmt: skip
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
