@@ -180,6 +180,7 @@ def _crossover(args, rank: int, world: int) -> list[dict]:
 
     from shardgen.backends import make_backend
     from shardgen.backends.stationary import link_for, stationary_cost
+    from shardgen.generation.plan import IDLE_PLAN, Access
 
     group = dist.new_group(backend="gloo")
     b = make_backend(args.backend, _big(args), param_group=group, device=torch.device("cpu"))
@@ -194,7 +195,8 @@ def _crossover(args, rank: int, world: int) -> list[dict]:
                 dist.barrier(group)
                 t0 = time.perf_counter()
                 with torch.no_grad():  # as in the driver thread
-                    b.forward(mode=mode, shapes=shapes, input_ids=ids, use_cache=False, logits_to_keep=1)
+                    plan = IDLE_PLAN.agreed(Access(mode), shapes)  # as the tick agrees it
+                    b.forward(plan, {"input_ids": ids, "use_cache": False, "logits_to_keep": 1})
                 dist.barrier(group)
                 if rnd:
                     ms[mode].append((time.perf_counter() - t0) * 1e3)
@@ -219,6 +221,7 @@ def _latency(args, rank: int, world: int) -> list[dict]:
     import torch.distributed as dist
 
     from shardgen.backends import make_backend
+    from shardgen.generation.plan import IDLE_PLAN, Access
 
     group = dist.new_group(backend="gloo")
     b = make_backend(args.backend, _big(args), param_group=group, device=torch.device("cpu"))
@@ -267,7 +270,8 @@ def _latency(args, rank: int, world: int) -> list[dict]:
             before, inside = issued["n"], issued["s"]
             t0 = time.perf_counter()
             with torch.no_grad():
-                b.forward(mode="stationary", shapes=shapes, input_ids=ids, use_cache=False, logits_to_keep=1)
+                plan = IDLE_PLAN.agreed(Access.STATIONARY, shapes)
+                b.forward(plan, {"input_ids": ids, "use_cache": False, "logits_to_keep": 1})
             ms["stationary"].append((time.perf_counter() - t0) * 1e3)
             ms["inside"].append((issued["s"] - inside) * 1e3)
             calls = issued["n"] - before

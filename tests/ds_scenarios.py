@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from models import batch, chunked_against_own_fill, tiny_model
 
+from shardgen.generation.plan import IDLE_PLAN, Access
+
 # ----------------------------------------------------------------------------- recorder
 _RECS: list[list[tuple]] = []  # active recordings (nested, any thread)
 _REC_LOCK = threading.Lock()
@@ -128,10 +130,15 @@ def _ds_initialize(model, offload: bool):
     return engine
 
 
+def _plan(backend):
+    """The plan the driver gives a forward: on the replica once gathered, else gathered per layer."""
+    return IDLE_PLAN.agreed(Access.PER_LAYER if backend.lockstep else Access.REPLICA)
+
+
 def _forward_checked(backend, ref, lengths, seed):
     ids, mask = batch(lengths, seed=seed)
     with record() as rec:
-        out = backend.forward(input_ids=ids, attention_mask=mask, use_cache=False)
+        out = backend.forward(_plan(backend), {"input_ids": ids, "attention_mask": mask, "use_cache": False})
     diff = (out.logits - _ref_logits(ref, ids, mask)).abs().max().item()
     return diff, rec.calls
 
@@ -149,7 +156,7 @@ def gathers(calls: list[tuple], world: int | None = None) -> int:
 
 def _shadow(backend):
     with record() as rec:
-        backend.shadow_forward()
+        backend.shadow_forward(_plan(backend))
     return rec.calls
 
 
@@ -285,7 +292,7 @@ def _threaded_forwards(backend, ref, n: int, delay: float, real: bool, box: dict
                 d, calls = _forward_checked(backend, ref, [4, 2], seed=300 + i)
                 box.setdefault("diffs", []).append(d)
             else:
-                backend.shadow_forward()
+                backend.shadow_forward(_plan(backend))
         box["done"] = True
     except BaseException as exc:  # reported to the test
         box["error"] = repr(exc)

@@ -110,12 +110,12 @@ def run_schedule(sched: dict[str, Any], rank: int, event: Any = None) -> dict[st
     if fault and fault["kind"] == "raise":
         real, count = eng.backend.forward, [0]
 
-        def flaky(**kw: Any) -> Any:
+        def flaky(plan: Any, inputs: dict) -> Any:
             count[0] += 1
             if count[0] == fault["forward"]:
                 event("fault", kind="raise")
                 raise ValueError("injected failure in the forward")
-            return real(**kw)
+            return real(plan, inputs)
 
         eng.backend.forward = flaky
     done = {"calls": 0, "syncs": 0}

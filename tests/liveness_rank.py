@@ -58,11 +58,11 @@ def main(scenario: str) -> None:
     if scenario == "driver_raises" and rank == victim:
         real, calls = engine.backend.forward, [0]
 
-        def flaky(**kw):
+        def flaky(plan, inputs):
             calls[0] += 1
             if calls[0] == 4:
                 raise ValueError("injected failure in the forward")
-            return real(**kw)
+            return real(plan, inputs)
 
         engine.backend.forward = flaky
 
@@ -85,18 +85,18 @@ def main(scenario: str) -> None:
     if scenario == "driver_deadlock" and rank == victim:
         real, calls = engine.backend.forward, [0]
 
-        def hangs(**kw):
+        def hangs(plan, inputs):
             calls[0] += 1
             if calls[0] == 4:
                 event("deadlocked")
                 threading.Event().wait()  # the driver never comes back; the heartbeat runs on
-            return real(**kw)
+            return real(plan, inputs)
 
         engine.backend.forward = hangs
 
     if scenario == "skip_forward" and rank == victim:
         # This rank has no requests, so it shadows every forward: it returns without gathering.
-        engine.backend.shadow_forward = lambda **_: event("skipped")
+        engine.backend.shadow_forward = lambda _plan: event("skipped")
         while engine._shared.failed is None:  # not close(): its own bound would race the verdict
             time.sleep(0.1)
         raise engine._shared.failed

@@ -17,6 +17,7 @@ from numerics import Row, assert_ids_agree, assert_rows_agree
 from world import rank, world_size
 
 import shardgen
+from shardgen.generation.plan import IDLE_PLAN, Access
 
 # Architectures and sizes: hidden 36 and vocabulary 101 divide by neither 2 nor 3 (FSDP2: padded
 # last shards; DeepSpeed: rows cut across ranks, in the embeddings, the head and the MLP).
@@ -117,7 +118,7 @@ def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
     with record() as first:
         first_shapes = [(1, 1)] * world  # the first forward also gathers the kept state
         one = torch.ones((1, 1), dtype=torch.long)
-        b.forward(mode="stationary", shapes=first_shapes, input_ids=one, use_cache=False)
+        b.forward(IDLE_PLAN.agreed(Access.STATIONARY, first_shapes), {"input_ids": one, "use_cache": False})
     for dims in schedule:
         shapes = [(r * w, r) for r, w in dims]  # (tokens, head rows): the head sees one position a row
         rows, width = dims[me]
@@ -126,11 +127,12 @@ def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
                 gen = torch.Generator().manual_seed(me)
                 ids = torch.randint(3, over.get("vocab_size", 96), (rows, width), generator=gen)
                 kw = dict(use_cache=False, logits_to_keep=1)  # as the decoder passes them: the head sees rows
-                logits = b.forward(mode="stationary", shapes=shapes, input_ids=ids, **kw).logits
+                plan = IDLE_PLAN.agreed(Access.STATIONARY, shapes)  # as the tick agrees it
+                logits = b.forward(plan, {"input_ids": ids, **kw}).logits
                 with torch.no_grad():
                     diffs.append((logits - ref(input_ids=ids, **kw).logits).abs().max().item())
             else:
-                b.shadow_forward(mode="stationary", shapes=shapes)
+                b.shadow_forward(IDLE_PLAN.agreed(Access.STATIONARY, shapes))
         seqs.append(rec.calls)
         cost = stationary_cost(b.stationary.plan, shapes, me)
         plans.append((cost.collectives, cost.elements))

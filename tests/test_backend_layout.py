@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from shardgen.backends.base import Backend
+from shardgen.generation.plan import IDLE_PLAN, Access
 
 
 class _Replica:
@@ -34,17 +36,22 @@ def _backend() -> _Recording:
     return _Recording(model, model, torch.device("cpu"))
 
 
-def test_forward_runs_the_replica_then_the_stationary_mode_then_the_backends_own() -> None:
+def test_forward_runs_what_the_plan_says_and_nothing_of_its_own() -> None:
+    """The agreed plan's access picks the forward, whatever the backend holds: a live replica
+    runs only under ``REPLICA``; the plan and the model's inputs come apart; a plan the tick
+    has not agreed runs nothing."""
     b = _backend()
-    assert b.forward(input_ids=1) == "per-layer ['input_ids']"
-    b.stationary = _Stationary()
-    st = {"mode": "stationary", "shapes": [(3, 1)]}  # the tick's agreed mode and shapes, per call
-    assert b.forward(**st, input_ids=1) == "stationary [(3, 1)]"
-    b.replica = _Replica()
-    assert b.forward(**st, input_ids=1) == "replica"  # a live replica wins over the mode
+    b.stationary, b.replica = _Stationary(), _Replica()  # both ready: the plan still decides
+    st = IDLE_PLAN.agreed(Access.STATIONARY, [(3, 1)])  # the tick's agreed access and shapes
+    inputs = {"input_ids": 1}
+    assert b.forward(IDLE_PLAN.agreed(Access.PER_LAYER), inputs) == "per-layer ['input_ids']"
+    assert b.forward(st, inputs) == "stationary [(3, 1)]"
+    assert b.forward(IDLE_PLAN.agreed(Access.REPLICA), inputs) == "replica"
+    assert inputs == {"input_ids": 1}  # the caller's inputs untouched
     b.replica.live = False
-    assert b.forward(**st, input_ids=1) == "stationary [(3, 1)]"
-    assert b.forward(mode="per-layer", shapes=None, input_ids=1) == "per-layer ['input_ids']"
+    assert b.forward(st, inputs) == "stationary [(3, 1)]"
+    with pytest.raises(AssertionError, match="has not agreed"):
+        b.forward(IDLE_PLAN, inputs)
     assert not hasattr(b, "set_forward") and not hasattr(b, "forward_mode"), "no forward state"
 
 

@@ -19,7 +19,7 @@ import shardgen
 from shardgen import toy
 from shardgen.config import SamplingParams
 from shardgen.generation.batch import Batch
-from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.plan import PrefillPlan
 from shardgen.generation.sampling import make_generator
 from shardgen.generation.sequence import SeqState
 from shardgen.rollout import concat

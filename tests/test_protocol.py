@@ -9,14 +9,11 @@ import shardgen
 from shardgen.backends import check_backend_name
 from shardgen.config import EngineConfig, SamplingParams
 from shardgen.core.protocol import (
-    FINGERPRINT,
-    LIVE,
     NCOLS,
-    OPEN,
-    PAUSE,
-    PENDING,
+    ControlPlane,
     Decision,
     Fingerprint,
+    TickRow,
     TickState,
     check_fingerprints,
     decide,
@@ -25,34 +22,30 @@ from shardgen.errors import CollectiveDivergenceError
 from shardgen.generation.sampling import make_generator, sample_row, select_tokens
 
 
-def state(*rows: dict[int, int]) -> TickState:
-    t = [[0] * NCOLS for _ in rows]
-    for r, row in enumerate(rows):
-        for c, v in row.items():
-            t[r][c] = v
-    return TickState(t)
+def state(*rows: dict[str, int]) -> TickState:
+    return TickState([TickRow(**row) for row in rows])
 
 
 def test_any_live_or_pending_work_anywhere_means_every_rank_forwards():
-    assert decide(state({LIVE: 3, OPEN: 1}, {OPEN: 1})) is Decision.FORWARD
-    assert decide(state({OPEN: 0}, {PENDING: 1, OPEN: 1})) is Decision.FORWARD
+    assert decide(state({"live": 3, "open": 1}, {"open": 1})) is Decision.FORWARD
+    assert decide(state({"open": 0}, {"pending": 1, "open": 1})) is Decision.FORWARD
     # a closed rank still forwards (shadow) while a peer has work
-    assert decide(state({OPEN: 0}, {LIVE: 1, OPEN: 0})) is Decision.FORWARD
+    assert decide(state({"open": 0}, {"live": 1, "open": 0})) is Decision.FORWARD
 
 
 def test_no_work_idles_until_everyone_closed_then_exits():
-    assert decide(state({OPEN: 1}, {OPEN: 1})) is Decision.IDLE
-    assert decide(state({OPEN: 0}, {OPEN: 1})) is Decision.IDLE
-    assert decide(state({OPEN: 0}, {OPEN: 0})) is Decision.EXIT
+    assert decide(state({"open": 1}, {"open": 1})) is Decision.IDLE
+    assert decide(state({"open": 0}, {"open": 1})) is Decision.IDLE
+    assert decide(state({"open": 0}, {"open": 0})) is Decision.EXIT
 
 
 def test_pause_drains_live_work_and_holds_pending():
-    both = ({OPEN: 1, PAUSE: 1}, {OPEN: 1, PAUSE: 1})
-    assert decide(state({**both[0], LIVE: 2}, both[1])) is Decision.FORWARD  # drain first
-    assert decide(state({**both[0], PENDING: 4}, both[1])) is Decision.PAUSE  # queued work waits
-    assert not state({**both[0], PENDING: 4}, both[1]).admit
+    both = ({"open": 1, "pause": 1}, {"open": 1, "pause": 1})
+    assert decide(state({**both[0], "live": 2}, both[1])) is Decision.FORWARD  # drain first
+    assert decide(state({**both[0], "pending": 4}, both[1])) is Decision.PAUSE  # queued work waits
+    assert not state({**both[0], "pending": 4}, both[1]).admit
     # only one rank wants to pause: pending work is admitted as usual
-    one = state({OPEN: 1, PAUSE: 1}, {OPEN: 1, PENDING: 1})
+    one = state({"open": 1, "pause": 1}, {"open": 1, "pending": 1})
     assert one.admit and decide(one) is Decision.FORWARD
 
 
@@ -61,10 +54,23 @@ def test_fingerprint_mismatch_names_the_ranks():
     a.fold("forward", (0, 1, 2))
     b.fold("forward", (0, 1, 2))
     assert a.value == b.value and 0 <= a.value < 2**63
-    check_fingerprints(state({FINGERPRINT: a.value}, {FINGERPRINT: b.value}))
+    check_fingerprints(state({"fingerprint": a.value}, {"fingerprint": b.value}))
     b.fold("forward", (0, 2))
     with pytest.raises(CollectiveDivergenceError, match=r"ranks \[1\]"):
-        check_fingerprints(state({FINGERPRINT: a.value}, {FINGERPRINT: b.value}, {FINGERPRINT: a.value}))
+        check_fingerprints(state(*({"fingerprint": v} for v in (a.value, b.value, a.value))))
+
+
+def test_a_tick_row_is_one_vector_of_its_fields_and_back() -> None:
+    """A column is a ``TickRow`` field: the vector the all-reduce carries has one per field, in
+    field order, and the agreed state reads the same row back through it."""
+    row = TickRow(live=1, pending=2, open=3, pause=4, fingerprint=5, tokens=6, head_rows=7,
+                  held_tokens=8, held_head_rows=9, towers=10, held_towers=11)  # fmt: skip
+    assert row.to_vector() == list(range(1, NCOLS + 1))
+    assert TickRow.from_vector(row.to_vector()) == row
+    agreed = ControlPlane(None, 0, 1).agree(row)  # one rank: the sum is its own row
+    assert agreed.rows == [row] and agreed.col("held_towers") == [11] and agreed.total("live") == 1
+    summed = [a + b for a, b in zip(row.to_vector(), TickRow(live=2, towers=4).to_vector(), strict=True)]
+    assert TickRow.from_vector(summed) == TickRow(3, 2, 3, 4, 5, 6, 7, 8, 9, 14, 11)
 
 
 def test_sample_row_is_deterministic_and_respects_masking():

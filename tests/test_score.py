@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import shardgen
 from shardgen import toy
-from shardgen.generation.scoring import ScorePlan
+from shardgen.generation.plan import ScorePlan
 
 TOL = 2e-5
 
@@ -127,9 +127,9 @@ def test_a_forward_holds_one_chunks_logits_at_most(engine, monkeypatch):
     with shardgen.Engine(model, backend="local", max_prefill_tokens=8, max_batch_size=4) as eng:
         real = eng.backend.forward
 
-        def spy(**kw):
-            out = real(**kw)
-            seen.append((kw["input_ids"].numel(), out.logits.shape[0] * out.logits.shape[1]))
+        def spy(plan, inputs):
+            out = real(plan, inputs)
+            seen.append((inputs["input_ids"].numel(), out.logits.shape[0] * out.logits.shape[1]))
             return out
 
         monkeypatch.setattr(eng.backend, "forward", spy)

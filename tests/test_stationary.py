@@ -17,7 +17,7 @@ import torch
 
 import shardgen.backends.stationary.shards as sh
 from shardgen.backends.stationary.plan import Source
-from shardgen.core.protocol import HEAD_ROWS, HELD_HEAD_ROWS, HELD_TOKENS, NCOLS, PAUSE, TOKENS, TickState
+from shardgen.core.protocol import TickRow, TickState
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
@@ -67,10 +67,9 @@ def test_every_row_has_one_owner_and_cut_rows_assemble_exactly(monkeypatch, rows
 
 def test_tick_shapes_follow_the_agreed_admission():
     def row(tokens, head, held_tokens, held_head, pause):
-        r = [0] * NCOLS
-        r[TOKENS], r[HEAD_ROWS], r[PAUSE] = tokens, head, pause
-        r[HELD_TOKENS], r[HELD_HEAD_ROWS] = held_tokens, held_head
-        return r
+        return TickRow(
+            tokens=tokens, head_rows=head, held_tokens=held_tokens, held_head_rows=held_head, pause=pause
+        )
 
     state = TickState([row(4, 9, 2, 1, 1), row(0, 0, 0, 0, 0)])
     assert state.admit and state.shapes() == [(4, 9), (0, 0)]
@@ -90,6 +89,7 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
 
     from shardgen.config import EngineConfig, SamplingParams
     from shardgen.core.shared import EngineStats
+    from shardgen.generation.plan import Access
     from shardgen.generation.requests import Request
     from shardgen.generation.scheduler import LocalWork
     from shardgen.generation.sequence import SeqState
@@ -104,10 +104,11 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
     )
 
     class Backend:
-        def forward(self, *, mode="per-layer", shapes=None, towers=0, **kw):
-            out = model(**kw)
-            fed.append((kw["input_ids"].numel(), head_rows.pop()))
-            forked.append(fed[-1][1] != kw["input_ids"].shape[0])
+        def forward(self, plan, inputs):
+            assert plan.access is Access.PER_LAYER, plan  # the agreed plan, apart from HF's inputs
+            out = model(**inputs)
+            fed.append((inputs["input_ids"].numel(), head_rows.pop()))
+            forked.append(fed[-1][1] != inputs["input_ids"].shape[0])
             return out
 
     from shardgen.generation import scheduler
@@ -139,7 +140,7 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
         plan = work.plan(admit)
         want = plan.shape
         n = len(fed)
-        assert work.step(plan) == (want != (0, 0))
+        assert work.step(plan.agreed(Access.PER_LAYER)) == (want != (0, 0))
         if plan.prefill is not None:  # the batch runs the very plan the tick carried
             assert work.prefilling is not None or work.batch is not None
             assert plan.prefill is planned[-1]

@@ -6,14 +6,17 @@ rank (the tick protocol guarantees it), so any collective a backend issues is
 matched on every rank of its parameter group.
 
 Collective contract, per method (all ranks of the parameter group, same order):
-- ``forward(mode=..., shapes=..., **inputs)``: the sharded gathers of one forward pass, or with
-  ``mode="stationary"`` the exchanges of ``backends/stationary`` (no big weight moves), sized
-  from ``shapes``: every rank's agreed ``(tokens, head_rows)`` this tick. The mode and shapes are
-  the tick's plan (``generation/scheduler.ForwardPlan``), passed with each call: no state.
-- ``shadow_forward(mode=..., shapes=..., towers=...)``: exactly the collectives ``forward`` issues
-  with the same arguments, without real work.
-- ``towers``: the agreed set of the model's towers (``backends/towers.py``, a bit each) this
-  forward runs on every rank: a tower the forward's own inputs do not run goes on its shadow input.
+- ``forward(plan, inputs)``: one forward of the model's ``inputs`` (HF's keyword arguments) as
+  the tick's agreed ``plan`` (``generation/plan.py: ForwardPlan``) says, and nothing else: its
+  ``access`` ``PER_LAYER``: the sharded gathers of one forward pass; ``STATIONARY``: the
+  exchanges of ``backends/stationary`` (no big weight moves), sized from ``shapes``, every
+  rank's agreed ``(tokens, head_rows)`` this tick; ``REPLICA``: none (weights whole here).
+  The backend keeps no state that could choose otherwise.
+- ``shadow_forward(plan)``: exactly the collectives ``forward`` issues with the same plan,
+  without real work.
+- the plan's ``run_towers``: the agreed set of the model's towers (``backends/towers.py``, a bit
+  each) this forward runs on every rank: a tower the forward's own inputs do not run goes on
+  its shadow input.
 - ``gather_all()`` / ``release_all()``: one full gather / release of every unit.
 - ``enter_pause()`` / ``exit_pause()``: no collective (attribute changes, local releases).
 - ``close()``: no collective; frees what the backend made.
@@ -27,11 +30,7 @@ import torch
 
 from shardgen.backends.encdec import decoder_positions, shadow_inputs
 from shardgen.backends.towers import shadow_towers, tower_mask, towers_of
-
-#: How a forward gets its weights (``core/policy.py`` chooses per forward).
-PER_LAYER, STATIONARY = "per-layer", "stationary"
-#: Every rank's agreed ``(tokens, head_rows)`` in one tick, in the tick's row order.
-Shapes = tuple[tuple[int, int], ...] | list[tuple[int, int]]
+from shardgen.generation.plan import Access, ForwardPlan, Shapes
 
 
 class Backend:
@@ -45,10 +44,12 @@ class Backend:
     name: str = "base"
     #: True when a forward issues collectives on the parameter group, so every
     #: rank must forward in lockstep (per-layer gathers). False once weights are
-    #: local (the ``local`` backend, or after ``gather_all``).
+    #: local (the ``local`` backend, or after ``gather_all``). A fact for the driver, which
+    #: puts it into each plan (``Access.REPLICA``); no forward reads it.
     lockstep: bool = True
     #: A plain unsharded twin holding the gathered weights (gather policy ``once``), or None;
-    #: while it is live, forwards run on it (no sharding hooks in the path).
+    #: while it is live, the driver's plans say ``REPLICA`` and forwards run on it (no sharding
+    #: hooks in the path).
     replica: Any = None
 
     #: The weight-stationary mode (``backends/stationary``) once :meth:`enable_stationary` built it.
@@ -69,6 +70,11 @@ class Backend:
         then gather per layer). Local: classifies and probes the model, no collective."""
         return f"backend {self.name!r} has no weight-stationary mode"
 
+    def drop_stationary(self) -> None:
+        """Free the stationary mode :meth:`enable_stationary` built (a peer could not build its
+        own: the engine gathers per layer). Local."""
+        self.stationary = None
+
     def stationary_forward(self, inputs: dict[str, Any], shapes: Shapes | None, towers: int = 0) -> Any:
         """One forward in the stationary mode with the agreed ``shapes`` and ``towers``. Collective
         on the parameter group (``backends/stationary/mode.py``): every rank, same tick."""
@@ -81,26 +87,33 @@ class Backend:
 
         return gathered_cost(len(self.units()), self.full_param_bytes(), 1)
 
-    def forward(
-        self, *, mode: str = PER_LAYER, shapes: Shapes | None = None, towers: int = 0, **inputs: Any
-    ) -> Any:
-        """Run one forward: ``mode``, ``shapes`` and ``towers`` as the tick agreed them (the module
-        docstring), ``inputs`` the model's. Collective on the parameter group when ``lockstep``."""
+    def forward(self, plan: ForwardPlan, inputs: dict[str, Any]) -> Any:
+        """Run one forward of the model's ``inputs`` as the agreed ``plan`` says (the module
+        docstring): its ``access``, ``shapes`` and ``run_towers``, nothing of the backend's own.
+        Collective on the parameter group unless the access is ``REPLICA``: every rank, the same
+        tick, with the same plan's access."""
+        access = plan.access
+        assert access is not None, f"a {plan.kind} forward the tick has not agreed"
+        inputs = dict(inputs)  # the caller's stay as they were
         positions = inputs.pop("decoder_position_ids", None)  # an encoder-decoder's rows' own
-        if self.replica is not None and self.replica.live:
-            if positions is None:
-                return self.replica(**inputs)
-            with decoder_positions(self.replica.module, positions):
-                return self.replica(**inputs)
-        run = towers if self.lockstep else 0  # no gathers to match: no shadow tower
+        if access is Access.REPLICA:
+            return self._replica_forward(inputs, positions)
         own = tower_mask(self.towers, inputs)
         with (
-            shadow_towers(self.hf_model, self.towers, run, own, self.device),
+            shadow_towers(self.hf_model, self.towers, plan.run_towers, own, self.device),
             decoder_positions(self.hf_model, positions),
         ):
-            if mode == STATIONARY:
-                return self.stationary_forward(inputs, shapes, run)
+            if access is Access.STATIONARY:
+                return self.stationary_forward(inputs, plan.shapes, plan.run_towers)
             return self._per_layer_forward(**inputs)
+
+    def _replica_forward(self, inputs: dict[str, Any], positions: Any) -> Any:
+        """A forward on the whole weights of the live replica (``once``). Local."""
+        assert self.replica is not None, "a replica forward with no replica gathered"
+        if positions is None:
+            return self.replica(**inputs)  # asserts it is live
+        with decoder_positions(self.replica.module, positions):
+            return self.replica(**inputs)
 
     def _per_layer_forward(self, **inputs: Any) -> Any:
         """The backend's own per-layer forward (its units' gathers, or none)."""
@@ -110,15 +123,15 @@ class Backend:
         """Bytes of full weights this backend holds beyond its shards (the live replica)."""
         return self.replica.nbytes() if self.replica is not None else 0
 
-    def shadow_forward(self, *, mode: str = PER_LAYER, shapes: Shapes | None = None, towers: int = 0) -> None:
-        """Issue the same parameter collectives as ``forward(mode=mode, shapes=shapes)``, on a 1x1
-        dummy input (in the stationary mode it contributes zero rows: ``shapes`` says so).
+    def shadow_forward(self, plan: ForwardPlan) -> None:
+        """Issue the same parameter collectives as ``forward(plan, ...)``, on a 1x1 dummy input
+        (with ``STATIONARY`` access it contributes zero rows: the plan's ``shapes`` say so).
 
         Called by a rank with nothing to compute while a peer computes. A dummy
         forward walks every sharded unit in module order, so the gathers match a
-        real forward of any batch size and length; the agreed ``towers`` run on their shadow inputs.
+        real forward of any batch size and length; the agreed towers run on their shadow inputs.
         """
-        self.forward(mode=mode, shapes=shapes, towers=towers, **shadow_inputs(self.hf_model, self.device))
+        self.forward(plan, shadow_inputs(self.hf_model, self.device))
 
     def gather_all(self) -> None:
         """Materialize full weights on every rank (gather policy ``once``). Collective."""

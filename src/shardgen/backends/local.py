@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from shardgen.backends.base import Backend
+from shardgen.backends.encdec import decoder_positions
+from shardgen.generation.plan import ForwardPlan
 
 
 class LocalBackend(Backend):
@@ -23,7 +25,12 @@ class LocalBackend(Backend):
         model = model.to(device)
         return cls(model, model, device)
 
-    def shadow_forward(self, *, mode: str = "per-layer", shapes: Any = None, towers: int = 0) -> None:
+    def _replica_forward(self, inputs: dict[str, Any], positions: Any) -> Any:
+        """The model itself holds the whole weights (the driver's plans say ``REPLICA``). Local."""
+        with decoder_positions(self.hf_model, positions):
+            return self.module(**inputs)
+
+    def shadow_forward(self, plan: ForwardPlan) -> None:
         """Nothing to match: local forwards issue no collectives."""
 
     def gather_all(self) -> None:

@@ -32,22 +32,11 @@ from shardgen.config import EngineConfig
 from shardgen.core import process, sizing
 from shardgen.core.policy import ForwardMode, resolve
 from shardgen.core.protocol import (
-    FINGERPRINT,
-    HEAD_ROWS,
-    HELD_HEAD_ROWS,
-    HELD_TOKENS,
-    HELD_TOWERS,
-    LIVE,
-    NCOLS,
-    OPEN,
-    PAUSE,
-    PENDING,
-    TOKENS,
-    TOWERS,
     ControlPlane,
     Decision,
     Fingerprint,
     Phase,
+    TickRow,
     TickState,
     check_fingerprints,
     decide,
@@ -59,8 +48,9 @@ from shardgen.faults import blame
 from shardgen.faults.liveness import Liveness
 from shardgen.faults.resume import ResumeBarrier
 from shardgen.faults.stalls import GatherCounter
+from shardgen.generation.plan import ForwardPlan
 from shardgen.generation.requests import completion_of, resolve_future
-from shardgen.generation.scheduler import ForwardPlan, LocalWork
+from shardgen.generation.scheduler import LocalWork
 from shardgen.numerics import invariant_numerics
 from shardgen.timeouts import Timeouts
 
@@ -191,16 +181,16 @@ class Driver:
         self,
         called: float,
         limit: float,
-        col: int,
+        col: str,
         what: str,
         never: str,
         absent_if: int = 0,
         verdict: bool = True,
     ) -> None:
-        """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (last tick) is
-        ``absent_if``, once ``what`` has waited ``limit`` s with no forward anywhere
-        (``faults/blame.py: check_wait``, with and without ``verdict``). User thread (``close()``,
-        ``paused()``): reads snapshots."""
+        """Raise ``RendezvousTimeoutError`` naming the ranks whose column ``col`` (a ``TickRow``
+        field, last tick) is ``absent_if``, once ``what`` has waited ``limit`` s with no forward
+        anywhere (``faults/blame.py: check_wait``, with and without ``verdict``). User thread
+        (``close()``, ``paused()``): reads snapshots."""
         st = self.last_state
         cols = st.col(col) if st is not None else []
         absent = [self.ranks[r] for r, v in enumerate(cols) if v == absent_if]  # global ranks
@@ -246,15 +236,15 @@ class Driver:
             new, closed, pause = sh.take_inbox()
             self.work.check_mode()  # a train()/eval() switch drops the prefix cache
             self.work.add(new)
-            row = [0] * NCOLS
-            row[LIVE], row[PENDING], row[OPEN] = self.work.live, self.work.waiting, int(not closed)
-            row[PAUSE] = int(pause)
-            row[FINGERPRINT] = self.fp.value if cfg.debug_collectives else 0
             # One plan per outcome of the tick's admission, decided before it and carried in it.
             admitted, held = self.work.plan(True), self.work.plan(False)
-            row[TOKENS], row[HEAD_ROWS] = admitted.shape
-            row[HELD_TOKENS], row[HELD_HEAD_ROWS] = held.shape
-            row[TOWERS], row[HELD_TOWERS] = admitted.towers, held.towers
+            row = TickRow(
+                live=self.work.live, pending=self.work.waiting, open=int(not closed), pause=int(pause),
+                fingerprint=self.fp.value if cfg.debug_collectives else 0,
+                tokens=admitted.tokens, head_rows=admitted.head_rows,
+                held_tokens=held.tokens, held_head_rows=held.head_rows,
+                towers=admitted.towers, held_towers=held.towers,
+            )  # fmt: skip
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
@@ -326,24 +316,27 @@ class Driver:
         shadow for an idle plan (protocol invariant). Collective on the parameter group while the
         backend is in ``lockstep``: every rank, this same tick, after ``agree``.
 
-        The mode is chosen from the agreed state, the same on every rank, and goes with every
-        rank's agreed shape and the agreed towers (each rank's forward runs them all, on shadow
-        inputs where its own have none) into the plan; the forward gets them as arguments. When forwards
-        issue no parameter collectives (weights gathered, or the local backend), a rank with work
-        runs a burst of up to ``burst_steps`` real forwards instead, each planned in turn, and
-        nobody shadows: the tick then only decides admission, pause, release and exit.
+        The forward's access is decided here, from the agreed state and whether the weights are
+        whole (``Backend.lockstep``, the same on every rank: gathered and released on agreed
+        ticks), and goes with every rank's agreed shape and the agreed towers (each rank's forward
+        runs them all, on shadow inputs where its own have none) into the plan: the backend reads
+        only the plan. When forwards issue no parameter collectives (weights gathered, or the
+        local backend), a rank with work runs a burst of up to ``burst_steps`` real forwards
+        instead, each planned in turn, and nobody shadows: the tick then only decides admission,
+        pause, release and exit.
         """
         t0 = time.perf_counter()
         lockstep = self.backend.lockstep
-        mode = "per-layer"
-        if lockstep and self.backend.stationary is not None:
-            mode = self.mode.choose(state)
-        plan = plan.agreed(mode, state.shapes() if lockstep else None, state.towers(plan.towers))
+        access = self.mode.choose(state, whole=not lockstep)
+        if lockstep:
+            plan = plan.agreed(access, state.shapes(), state.towers(plan.towers))
+        else:
+            plan = plan.agreed(access)  # no gathers to match: no shapes, no shadow tower
         did_work = False
         t = t0
         for i in range(1 if lockstep else self.config.burst_steps):
             if i:
-                plan = self.work.plan(state.admit)  # local forwards: nothing to agree
+                plan = self.work.plan(state.admit).agreed(access)  # local forwards: nothing to agree
             if not self.work.step(plan):
                 break
             self.phase = Phase(self.work.phase.value)
@@ -351,12 +344,12 @@ class Driver:
             did_work = True
         if not did_work and lockstep:
             self.phase = Phase.SHADOW
-            self.backend.shadow_forward(mode=plan.mode, shapes=plan.shapes, towers=plan.run_towers)
+            self.backend.shadow_forward(plan)
             self.timeline.since(t, "shadow")
             self.stats.shadow_forwards += 1
         if self.config.debug_collectives:
             signature = self.backend.collective_signature()  # always drained
-            self.fp.fold("forward", signature if lockstep else (), mode)
+            self.fp.fold("forward", signature if lockstep else (), str(access))
         self.stats.forward_s += time.perf_counter() - t0
 
     def _finished(self, seq: Any) -> None:

@@ -40,7 +40,6 @@ from shardgen.config import EngineConfig, SamplingParams, context_length
 from shardgen.core import comm, groups, process
 from shardgen.core.build import build_backend, engine_config
 from shardgen.core.driver import Driver, DriverSetup
-from shardgen.core.protocol import OPEN, PAUSE
 from shardgen.core.shared import EngineStats, Failure, Shared
 from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
@@ -328,7 +327,7 @@ class Engine:
             while not sh.wait_pause_entered(0.05):
                 self._raise_if_failed()
                 self._driver.check_wait(
-                    called, self.timeouts.paused, PAUSE, "paused()", "entered paused()", verdict=False
+                    called, self.timeouts.paused, "pause", "paused()", "entered paused()", verdict=False
                 )
             self._raise_if_failed()  # a failure also ends the wait: no pause then
             try:
@@ -353,7 +352,7 @@ class Engine:
         limit = self.timeouts.close if timeout is None else timeout
         called = time.monotonic()
         while sh.failed is None and not driver.join(0.05):
-            driver.check_wait(called, limit, OPEN, "close()", "called close()", absent_if=1)
+            driver.check_wait(called, limit, "open", "close()", "called close()", absent_if=1)
         self._raise_if_failed()
         self._teardown()
 

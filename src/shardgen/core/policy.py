@@ -18,6 +18,7 @@ from shardgen.backends import Backend
 from shardgen.backends.stationary import link_for, stationary_cost
 from shardgen.config import EngineConfig
 from shardgen.core.protocol import TickState
+from shardgen.generation.plan import Access
 from shardgen.loading.memory import AUTO_PROBE_ROWS, kv_cache_bytes, memory_budget
 from shardgen.log import get_logger
 
@@ -61,7 +62,7 @@ def resolve(
         why = backend.enable_stationary()
         ok = _all(why is None, control, world)
         if not ok:
-            backend.stationary = None
+            backend.drop_stationary()
             log.warning(
                 "gather=%r: no weight-stationary mode (%s); gathering per layer", policy, why or "a peer"
             )
@@ -70,13 +71,14 @@ def resolve(
 
 
 class ForwardMode:
-    """Per tick: the mode of the forward every rank runs (the engine's policy, or ``auto``'s choice)."""
+    """Per tick: how the forward every rank runs gets its weights (the engine's policy, or
+    ``auto``'s choice), an ``Access`` the driver puts into the tick's plan."""
 
     def __init__(self, policy: str, backend: Backend, rank: int) -> None:
         self.policy, self.backend, self.rank = policy, backend, rank
         self.link = link_for(backend.device)
         self._per_layer_s: float | None = None
-        self.chosen = {"per-layer": 0, "stationary": 0}
+        self.chosen = {str(Access.PER_LAYER): 0, str(Access.STATIONARY): 0}
 
     def word(self) -> str:
         """The mode in use, for ``stats()["gather"]``: ``once``, ``per-layer`` or ``stationary``;
@@ -89,20 +91,22 @@ class ForwardMode:
         chosen = dict(self.chosen)  # a copy: the driver thread counts on
         return f"auto per forward: {chosen['stationary']} stationary, {chosen['per-layer']} per-layer"
 
-    def choose(self, state: TickState) -> str:
-        """``stationary`` or ``per-layer`` for this tick's forward. Local: a function of the agreed
-        state (and of the model), the same on every rank."""
-        if self.policy == "stationary":
-            mode = "stationary"
-        elif self.policy == "auto":
-            mode = self.cheaper(state.shapes())
-        else:
-            mode = "per-layer"
-        self.chosen[mode] += 1
-        return mode
+    def choose(self, state: TickState, whole: bool) -> Access:
+        """The access of this tick's forward: ``REPLICA`` where the weights are ``whole`` on every
+        rank (the ``once`` replica gathered, or the local backend: the driver knows it), else
+        ``STATIONARY`` or ``PER_LAYER`` as the policy says (``auto``: the cheaper for the agreed
+        shapes). Local: a function of the agreed state (and of the model), the same on every rank."""
+        if whole:
+            return Access.REPLICA
+        if self.policy not in ("stationary", "auto"):
+            return Access.PER_LAYER  # no stationary mode (resolve dropped it, or none was asked)
+        assert self.backend.stationary is not None, f"gather={self.policy!r} with no stationary mode"
+        access = Access.STATIONARY if self.policy == "stationary" else self.cheaper(state.shapes())
+        self.chosen[str(access)] += 1
+        return access
 
-    def cheaper(self, shapes: list[tuple[int, int]]) -> str:
+    def cheaper(self, shapes: list[tuple[int, int]]) -> Access:
         if self._per_layer_s is None:
             self._per_layer_s = self.backend.per_layer_cost().seconds(self.link)
         st = stationary_cost(self.backend.stationary.plan, shapes, self.rank).seconds(self.link)
-        return "stationary" if st <= self._per_layer_s else "per-layer"
+        return Access.STATIONARY if st <= self._per_layer_s else Access.PER_LAYER

@@ -5,7 +5,7 @@ THE INVARIANT (why no rank can be left stuck by another's divergence)
 Every rank's driver runs the same sequence of ticks. A tick is:
 
 1. ``agree()``: ONE ``all_reduce(SUM)`` of a CPU int64 vector on the private
-   gloo control group. Each rank writes its own row (live sequences, pending
+   gloo control group. Each rank writes its own row (a ``TickRow``: live sequences, pending
    requests, open, pause wanted, fingerprint, the shape of its next forward
    either way admission goes, the towers it runs either way) and zeros elsewhere, so
    the sum is every rank's row: all ranks hold the same ``TickState``.
@@ -43,22 +43,55 @@ import datetime
 import enum
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from shardgen.errors import CollectiveDivergenceError
 
-# Columns of a rank's row in the tick vector. TOKENS, HEAD_ROWS: the shape of the forward this
-# rank runs this tick if new requests may be admitted (``TickState.admit``), HELD_TOKENS,
-# HELD_HEAD_ROWS if not ((0, 0): none, it shadows): the tokens every layer's input holds and
-# the rows the LM head's holds (``ForwardPlan.shape``, generation/scheduler.py). The weight-stationary mode's
-# exchanges size every rank's share from them (``TickState.shapes``). TOWERS, HELD_TOWERS: the
-# towers (a bit each) this rank's forward runs, either way (``TickState.towers``).
-LIVE, PENDING, OPEN, PAUSE, FINGERPRINT, TOKENS, HEAD_ROWS, HELD_TOKENS, HELD_HEAD_ROWS = range(9)
-TOWERS, HELD_TOWERS = 9, 10
+
+@dataclass(frozen=True)
+class TickRow:
+    """One rank's row of the tick: what it tells every other rank, a column each (in this order).
+
+    ``live``: its unfinished rows; ``pending``: its requests not yet admitted; ``open``: not
+    closed; ``pause``: it wants to pause; ``fingerprint``: its collective history
+    (``debug_collectives``, else 0). ``tokens``, ``head_rows``: the shape of the forward it runs
+    this tick if new requests may be admitted (``TickState.admit``), ``held_tokens``,
+    ``held_head_rows`` if not ((0, 0): none, it shadows): the tokens every layer's input holds
+    and the rows the LM head's holds (``ForwardPlan.shape``, generation/plan.py). The
+    weight-stationary mode's exchanges size every rank's share from them (``TickState.shapes``).
+    ``towers``, ``held_towers``: the towers (a bit each) its forward runs, either way
+    (``TickState.towers``). A column is added here alone (``NCOLS`` counts them, checked at
+    import), and read by its name (``TickState.col``)."""
+
+    live: int = 0
+    pending: int = 0
+    open: int = 0
+    pause: int = 0
+    fingerprint: int = 0
+    tokens: int = 0
+    head_rows: int = 0
+    held_tokens: int = 0
+    held_head_rows: int = 0
+    towers: int = 0
+    held_towers: int = 0
+
+    def to_vector(self) -> list[int]:
+        """The row as the tick's all-reduce carries it: one int64 per column, in field order."""
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @staticmethod
+    def from_vector(values: list[int]) -> TickRow:
+        """The row a vector of ``to_vector`` (or a sum of them) holds."""
+        assert len(values) == NCOLS, f"a tick row of {len(values)} columns, not {NCOLS}"
+        return TickRow(*values)
+
+
+#: Columns of a row (``TickRow``'s fields): the size of the tick's vector, which the docs quote.
 NCOLS = 11
+assert len(fields(TickRow)) == NCOLS, "TickRow's columns changed: NCOLS (and the docs) say their count"
 
 #: Off only in the test that shows the agreement is needed: each rank then runs the towers its
 #: own inputs run, and a peer without them leaves it alone in the tower's gathers.
@@ -95,26 +128,27 @@ class Decision(enum.Enum):
 
 @dataclass(frozen=True)
 class TickState:
-    """The agreed view of all ranks after one tick: ``rows[r][c]`` is rank r's column c.
+    """The agreed view of all ranks after one tick: ``rows[r]`` is rank r's row.
 
     Plain Python ints: the decision runs on every tick, so it avoids tensor ops.
     """
 
-    rows: list[list[int]]
+    rows: list[TickRow]
 
     @property
     def world(self) -> int:
         return len(self.rows)
 
-    def col(self, c: int) -> list[int]:
-        return [row[c] for row in self.rows]
+    def col(self, name: str) -> list[int]:
+        """Every rank's value of column ``name`` (a ``TickRow`` field), in row order."""
+        return [getattr(row, name) for row in self.rows]
 
-    def total(self, c: int) -> int:
-        return sum(row[c] for row in self.rows)
+    def total(self, name: str) -> int:
+        return sum(self.col(name))
 
     @property
     def all_pause(self) -> bool:
-        return self.total(PAUSE) == self.world
+        return self.total("pause") == self.world
 
     @property
     def admit(self) -> bool:
@@ -124,8 +158,9 @@ class TickState:
     def shapes(self) -> list[tuple[int, int]]:
         """``(tokens, head_rows)`` of every rank's forward this tick (``(0, 0)``: a shadow), as the agreed
         ``admit`` selects them: the same list on every rank."""
-        tokens, head = (TOKENS, HEAD_ROWS) if self.admit else (HELD_TOKENS, HELD_HEAD_ROWS)
-        return [(row[tokens], row[head]) for row in self.rows]
+        if self.admit:
+            return [(row.tokens, row.head_rows) for row in self.rows]
+        return [(row.held_tokens, row.held_head_rows) for row in self.rows]
 
     def towers(self, own: int = 0) -> int:
         """The towers (a bit each) every rank's forward runs this tick: the OR of every rank's, as
@@ -133,22 +168,21 @@ class TickState:
         all a rank runs when the agreement is switched off (``_AGREE_TOWERS``, a test's)."""
         if not _AGREE_TOWERS:
             return own
-        col = TOWERS if self.admit else HELD_TOWERS
         out = 0
-        for row in self.rows:
-            out |= row[col]
+        for tower in self.col("towers" if self.admit else "held_towers"):
+            out |= tower
         return out
 
 
 def decide(state: TickState) -> Decision:
     """The whole protocol decision. Pure: same state -> same decision on every rank."""
-    live = state.total(LIVE)
-    pending = state.total(PENDING) if state.admit else 0
+    live = state.total("live")
+    pending = state.total("pending") if state.admit else 0
     if live + pending > 0:
         return Decision.FORWARD
     if state.all_pause:
         return Decision.PAUSE
-    if state.total(OPEN) == 0:
+    if state.total("open") == 0:
         return Decision.EXIT
     return Decision.IDLE
 
@@ -157,7 +191,7 @@ def check_fingerprints(state: TickState, ranks: list[int] | None = None) -> None
     """Raise ``CollectiveDivergenceError`` if ranks' collective histories differ (debug mode).
 
     ``ranks``: the global rank of each row (an engine over a subgroup), for the message."""
-    fps = state.col(FINGERPRINT)
+    fps = state.col("fingerprint")
     if len(set(fps)) > 1:
         names = ranks if ranks is not None else list(range(len(fps)))
         groups: dict[int, list[int]] = {}
@@ -197,7 +231,7 @@ class ControlPlane:
         # inside gloo's ``noexcept`` destructor: ``std::terminate`` at exit (see agree()).
         self._pin = self._buf.view(-1)
 
-    def agree(self, row: list[int], abort: Callable[[], BaseException | None] | None = None) -> TickState:
+    def agree(self, row: TickRow, abort: Callable[[], BaseException | None] | None = None) -> TickState:
         """All-reduce this rank's row with every other rank's. Collective on the control group.
 
         Waits in short slices so that ``abort()`` (the liveness verdict: a peer stalled
@@ -208,9 +242,8 @@ class ControlPlane:
         """
         import torch.distributed as dist
 
-        assert len(row) == NCOLS
         self._buf.zero_()
-        self._buf[self.rank] = torch.tensor(row, dtype=torch.int64)
+        self._buf[self.rank] = torch.tensor(row.to_vector(), dtype=torch.int64)
         if self.world > 1:
             work = dist.all_reduce(self._buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             while True:
@@ -223,7 +256,7 @@ class ControlPlane:
                     err = abort() if abort is not None else None
                     if err is not None:
                         raise err from None
-        return TickState(self._buf.tolist())
+        return TickState([TickRow.from_vector(v) for v in self._buf.tolist()])
 
 
 _SLICE = datetime.timedelta(seconds=0.2)

@@ -17,7 +17,7 @@ prefill forward runs on the distinct prompts only; its KV cache is then forked i
 touches its siblings'), and the LM head runs on every row, as without sharing. Chunked prefill:
 under a token budget the prompt columns go through the model in chunks, one forward each, the
 cache growing between them (as HF ``generate(prefill_chunk_size=...)`` does). Which rows and
-chunks: the ``PrefillPlan`` (``prefill.py``) the scheduler computed.
+chunks: the ``PrefillPlan`` (``plan.py``) the scheduler computed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from shardgen.generation.cache import ReservedLayer
-from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.plan import PrefillPlan
 from shardgen.generation.requests import joined_inputs
 from shardgen.generation.rows import BatchRows
 from shardgen.generation.sampling import chosen_logprobs, select_tokens

@@ -39,10 +39,10 @@ from transformers.cache_utils import DynamicLayer, EncoderDecoderCache
 
 from shardgen.generation.batch import Batch, Forward
 from shardgen.generation.cache import ReservedLayer
-from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.plan import PrefillPlan, ScorePlan
 from shardgen.generation.rows import combine_rows
 from shardgen.generation.score import ScoreRequest, reduce
-from shardgen.generation.scoring import ScoreChunk, ScorePlan, ScoreRun
+from shardgen.generation.scoring import ScoreRun
 from shardgen.generation.sequence import SeqState
 
 
@@ -200,18 +200,8 @@ class EncDecBatch(Batch):
             layer.values = layer.values[..., :used, :]
 
 
-def encdec_score_plan(prompts: list[list[int]], responses: list[list[int]]) -> ScorePlan:
-    """An encoder-decoder's score run: ONE forward of every row, the encoder on the prompts (or a
-    Whisper row's features) and the decoder on each row's prefix and response, right-padded, the
-    head on every decoder column. The shape the tick carries: rows x (P + G) tokens, rows x G
-    head rows (P the longest prompt, G the longest response, at least 1). Pure."""
-    p_w = max(len(p) for p in prompts)
-    g_w = max(1, max(len(r) for r in responses))
-    return ScorePlan(len(prompts), None, None, p_w, g_w, [ScoreChunk(True, 0, p_w + g_w, g_w)])
-
-
 class EncDecScoreRun(ScoreRun):
-    """The rows of one encoder-decoder score run (``encdec_score_plan``). Each row's decoder
+    """The rows of one encoder-decoder score run (``ScorePlan.encdec``). Each row's decoder
     holds its prefix and its response, fed but the last token: the prefix is
     ``[decoder_start_token_id]`` (T5, BART: the prompt ids are the encoder's input) or the prompt
     ids (Whisper: the encoder's input is the row's ``input_features``); the logits of decoder

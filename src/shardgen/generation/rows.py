@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from shardgen.generation.cache import ReservedLayer
-from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.plan import PrefillPlan
 from shardgen.generation.sequence import SeqState
 
 

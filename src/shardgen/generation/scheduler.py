@@ -6,95 +6,31 @@ admission), carries the plan's shape in the tick, and then has it execute exactl
 agreed state selects (``step(plan)``): a new wave's prefill, a refill of finished slots (either,
 under ``max_prefill_tokens``, one chunk of it), the next chunk of a prefill under way, or a
 decode step. Nothing is decided twice: the prefill's ``PrefillPlan`` computed for the tick is
-the one the batch runs. vLLM v1's ``schedule() -> SchedulerOutput`` has the same shape.
-Requests with the same prompt join a batch together, so that the batch prefills their prompt
-once (``share_prefill``, ``prefill.py``). A finished row's KV goes to the rank's prefix cache
-(``prefix_cache.py``), and a prefill skips the columns it holds for every row it computes.
+the one the batch runs (every plan is a value of ``plan.py``). vLLM v1's ``schedule() ->
+SchedulerOutput`` has the same shape. Requests with the same prompt join a batch together, so
+that the batch prefills their prompt once (``share_prefill``, ``PrefillPlan``). A finished
+row's KV goes to the rank's prefix cache (``prefix_cache.py``), and a prefill skips the columns
+it holds for every row it computes.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from shardgen.config import EngineConfig
 from shardgen.generation.batch import Batch
-from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, encdec_score_plan, is_encoder_decoder
-from shardgen.generation.prefill import PrefillPlan
+from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, is_encoder_decoder
+from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, ScorePlan, Work
 from shardgen.generation.prefix_cache import PrefixCache
 from shardgen.generation.requests import Request
 from shardgen.generation.score import RowScore, ScoreRequest
-from shardgen.generation.scoring import ScorePlan, ScoreRun
+from shardgen.generation.scoring import ScoreRun
 from shardgen.generation.sequence import SeqState
-
-
-class Work(str, enum.Enum):
-    """The kind of this rank's last real forward (the driver reports it as its ``Phase``)."""
-
-    IDLE = "idle"
-    PREFILL = "prefill"
-    REFILL = "refill"  # a prefill joining a running batch
-    CHUNK = "chunk"  # the next chunk of the prefill under way (the phase stays the prefill's)
-    DECODE = "decode"
-    SCORE = "score"  # a forward of a score run (teacher forcing: a prefill with the head on responses)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-#: ``(tokens, head_rows)`` of every rank's forward in one tick, in the tick's row order.
-Shapes = tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class ForwardPlan:
-    """ONE forward of this rank, decided once: what it runs, what it takes, its shape, and (once
-    the tick agreed) how it gets its weights.
-
-    ``kind``: ``IDLE`` (no forward of this rank's own: a shadow where the tick forwards),
-    ``PREFILL`` / ``REFILL`` (the first ``take`` pending requests start a prefill, by
-    ``prefill``), ``CHUNK`` (the next forward of the prefill under way), ``DECODE``, ``SCORE``
-    (with ``score``: the first ``take`` waiting score rows start a run by that plan; without:
-    the next forward of the run under way).
-    ``tokens``, ``head_rows``: what every layer's input and the LM head's input hold (rows x
-    columns, padding included; one position per head row, or every row at the last chunk of a
-    shared prefill): the tick carries them. ``mode`` and ``shapes`` are set by ``agreed`` from
-    the agreed state: ``"per-layer"`` or ``"stationary"``, and every rank's shape this tick
-    (the stationary exchanges are sized from them). ``towers``: the model's towers (a bit each,
-    ``backends/towers.py``) this forward's own inputs run, which the tick carries;
-    ``run_towers``, set by ``agreed``: those every rank's forward runs this tick."""
-
-    kind: Work
-    take: int = 0
-    prefill: PrefillPlan | None = None
-    tokens: int = 0
-    head_rows: int = 0
-    mode: str = "per-layer"
-    shapes: Shapes | None = None
-    score: ScorePlan | None = None
-    towers: int = 0
-    run_towers: int = 0
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.tokens, self.head_rows
-
-    def agreed(
-        self, mode: str, shapes: list[tuple[int, int]] | Shapes | None, towers: int = 0
-    ) -> ForwardPlan:
-        """This plan with the tick's agreed ``mode``, every rank's ``shapes`` and the ``towers``
-        every rank runs."""
-        return replace(self, mode=mode, shapes=None if shapes is None else tuple(shapes), run_towers=towers)
-
-
-IDLE_PLAN = ForwardPlan(Work.IDLE)
 
 
 class LocalWork:
@@ -218,7 +154,7 @@ class LocalWork:
                     towers |= self.backend.tower_mask(r.inputs)
             if self.encdec:  # one forward, the encoder on the prompts inside it: a tower
                 towers |= self.backend.tower_mask({"input_ids": prompts[0]})
-                sp = encdec_score_plan(prompts, responses)
+                sp = ScorePlan.encdec(prompts, responses)
                 return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp, towers=towers)
             # A run holding rows with inputs of their own (images) goes in one forward, every row
             # computed: the images go with their tokens (as a generation prefill's).
@@ -231,16 +167,18 @@ class LocalWork:
         return IDLE_PLAN
 
     def step(self, plan: ForwardPlan) -> bool:
-        """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since): ONE
-        forward of this rank's work; False for an ``IDLE`` plan. The forward is the backend's,
-        looked up now (late binding) and given the plan's agreed mode and shapes: on the
-        parameter group it is as collective as the tick made it."""
+        """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since, then
+        ``agreed`` by the driver): ONE forward of this rank's work; False for an ``IDLE`` plan.
+        The forward is the backend's, looked up now (late binding), given the plan and the model's
+        inputs apart: on the parameter group it is as collective as the plan's access makes it."""
         if plan.kind is Work.IDLE:
             return False
+        assert plan.access is not None, f"a {plan.kind} forward the tick has not agreed"
         t0 = time.perf_counter()
-        forward = functools.partial(
-            self.backend.forward, mode=plan.mode, shapes=plan.shapes, towers=plan.run_towers
-        )
+
+        def forward(**inputs: Any) -> Any:
+            return self.backend.forward(plan, inputs)
+
         if plan.kind is Work.SCORE:
             self._score_forward(plan, forward)
         elif plan.kind is Work.CHUNK:

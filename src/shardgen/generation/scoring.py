@@ -26,79 +26,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from shardgen.generation.plan import ScorePlan
 from shardgen.generation.requests import joined_inputs
 from shardgen.generation.score import RowScore, ScoreRequest, reduce
 
 Forward = Callable[..., Any]
-
-
-@dataclass(frozen=True)
-class ScoreChunk:
-    """One forward: columns ``[c0, c1)`` of every row (``every``) or of the distinct prompts'
-    rows; the head on its last ``keep`` columns."""
-
-    every: bool
-    c0: int
-    c1: int
-    keep: int
-
-
-@dataclass(frozen=True)
-class ScorePlan:
-    """The forwards of one score run. Pure: the scheduler carries its shapes in the tick before
-    the run exists; the run then executes exactly this plan."""
-
-    batch_rows: int
-    distinct: list[int] | None  # rows computed in the prompt columns when sharing; None: all
-    fork: list[int] | None  # row i takes the prompt of computed row fork[i]
-    prompt_width: int
-    response_width: int
-    chunks: list[ScoreChunk]
-
-    @staticmethod
-    def of(
-        prompts: list[list[int]], responses: list[list[int]], share: bool, max_tokens: int | None
-    ) -> ScorePlan:
-        """``share``: rows with one prompt compute it once. ``max_tokens``: most tokens (rows x
-        columns, padding included) one forward computes; None: all."""
-        first: dict[tuple[int, ...], int] = {}
-        distinct: list[int] = []
-        fork: list[int] = []
-        for i, p in enumerate(prompts):
-            if tuple(p) not in first:
-                first[tuple(p)] = len(distinct)
-                distinct.append(i)
-            fork.append(first[tuple(p)])
-        rows = len(prompts)
-        p_w = max(len(p) for p in prompts)
-        g_w = max(len(r) for r in responses)
-
-        def split(c0: int, c1: int, n: int) -> list[tuple[int, int]]:
-            width = c1 - c0
-            per_row = width if max_tokens is None else max(1, max_tokens // n)
-            k = -(-width // per_row)  # near-equal widths (balanced ticks)
-            return [(c0 + width * j // k, c0 + width * (j + 1) // k) for j in range(k)]
-
-        chunks: list[ScoreChunk] = []
-        if share and len(distinct) < rows and g_w > 0:
-            chunks += [ScoreChunk(False, a, b, 1) for a, b in split(0, p_w, len(distinct))]
-            chunks += [ScoreChunk(True, a, b, b - a) for a, b in split(p_w, p_w + g_w, rows)]
-            return ScorePlan(rows, distinct, fork, p_w, g_w, chunks)
-        for a, b in split(0, p_w + g_w, rows):
-            chunks.append(ScoreChunk(True, a, b, b - max(a, p_w - 1) if b > p_w - 1 else 1))
-        return ScorePlan(rows, None, None, p_w, g_w, chunks)
-
-    def shape(self, i: int) -> tuple[int, int]:
-        """``(tokens, head_rows)`` of forward ``i``: the rows' columns, the head's rows x kept columns."""
-        ch = self.chunks[i]
-        rows = self.batch_rows if ch.every or self.distinct is None else len(self.distinct)
-        return rows * (ch.c1 - ch.c0), rows * ch.keep
 
 
 class ScoreRun:
