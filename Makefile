@@ -38,7 +38,7 @@ LONGEST := tests/test_cli_demo.py tests/test_examples_rl.py tests/test_examples.
 	tests/test_trl_tools.py tests/test_slurm_example.py tests/test_towers.py \
 	tests/test_cli_launcher.py tests/test_engine_multirank.py tests/test_readme.py tests/test_soak.py \
 	tests/test_stationary.py tests/test_clean_exit.py tests/test_faults.py tests/test_bench.py tests/test_liveness.py \
-	tests/test_encdec.py
+	tests/test_encdec.py tests/test_invariant_numerics.py tests/test_user_faults.py tests/test_doc_snippets.py
 test: $(STAMP) lint
 	SHARDGEN_TEST_SMALL_ROWS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 \
 		-m "not bigworld and not long" $(LONGEST) tests

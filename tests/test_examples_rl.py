@@ -31,8 +31,8 @@ def test_rl_rollout_fsdp2_torchrun():
     _check_rl_rollout(*run(torchrun("rl_rollout.py", "--backend", "fsdp2", *RL_ARGS))[:2], steps=2)
 
 
-# In `make fuzz`, not `make test`: the DeepSpeed launcher runs opsd.py below; rl_rollout.py
-# runs on FSDP2 above.
+# In `make fuzz`, not `make test`: rl_rollout.py runs on FSDP2 above, and opsd.py on DeepSpeed
+# (under torchrun) below.
 @pytest.mark.long
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_rl_rollout_deepspeed_launcher():
@@ -100,6 +100,9 @@ def test_opsd_torchrun_full_logits_learns():
 OPSD_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2", "--numerics", "fast"]
 
 
+# In `make fuzz`, not `make test` (a 3-rank DeepSpeed launch is a minute of CPU): opsd.py runs under
+# torchrun on DeepSpeed above, with its default teacher.
+@pytest.mark.long
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_opsd_deepspeed_launcher_3_ranks_top_k_separate_teacher():
     """Under the DeepSpeed launcher at 3 ranks, the teacher's top-k only, and ``--teacher PATH``:
