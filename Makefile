@@ -58,7 +58,8 @@ fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz.py --n $(N) --seed0 $(SEED0) --json fuzz-summary.json
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "bigworld or long" tests/test_faults.py tests/test_journal_faults.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/test_soak.py tests/test_trl_tools.py tests/test_examples.py \
-		tests/test_examples_rl.py tests/test_cli_launcher.py tests/test_cli_demo.py tests/test_readme.py tests/test_cli.py
+		tests/test_examples_rl.py tests/test_cli_launcher.py tests/test_cli_demo.py tests/test_readme.py tests/test_cli.py \
+		tests/test_trl.py
 	$(BIN)/python tests/two_agents.py 10
 
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.

@@ -55,6 +55,7 @@ def test_subclass_trains_with_uneven_generation_calls(trlworld, backend):
     assert len(out[0]["logp_diff"]) == 2 and all(d < 1e-4 for d in out[0]["logp_diff"])
 
 
+@pytest.mark.long  # make fuzz: a third GRPO run of the world (the switch itself: test_invariant_numerics.py)
 def test_subclass_under_invariant_numerics(trlworld):
     """``shardgen_config={"numerics": "invariant"}``: TRL's forwards run under the switch too. TRL
     counts a left-padded row's positions from its first column, the engine from its first token:
