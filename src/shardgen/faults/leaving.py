@@ -19,10 +19,10 @@ raises the verdict's ``PeerFailedError`` from it instead, which names the rank t
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from shardgen.errors import EngineClosedError, ShardgenError
+from shardgen.faults import blame
 from shardgen.faults.liveness import is_comm_error
 
 
@@ -48,16 +48,16 @@ def leave(driver: Any, exc: BaseException, where: str, wait: bool = True) -> Bas
     if isinstance(exc, (GeneratorExit, ShardgenError, EngineClosedError)) or driver.live is None:
         return exc
     shared = driver.shared
-    if shared.failed is not None:
-        return shared.failed if is_comm_error(exc) else exc
     if is_comm_error(exc):
-        if not wait:
+        if shared.failed is None and not wait:
             return exc
-        deadline = time.monotonic() + driver.timeouts.attribution_grace
-        while shared.failed is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if shared.failed is not None:
-            return shared.failed
+        named = blame.attribute(
+            exc, lambda: shared.failed, driver.live, driver.timeouts.attribution_grace, lambda: None
+        )
+        if named is not exc:
+            return named
+    elif shared.failed is not None:
+        return exc
     live = driver.live
     live.report_error(exc, f"{summary(exc)} {where}")
     err = live.verdict.error(driver.rank) if live.verdict is not None else exc
