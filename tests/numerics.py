@@ -237,3 +237,24 @@ def _record(what: str, found: Agreement) -> None:
                 "diverged": found.diverged}  # fmt: skip
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def assert_rows_are_their_own_bits(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, label: Any = ""
+) -> None:
+    """Under ``shardgen.invariant_numerics()``: each row's logits in the left-padded batch ``ids``
+    are the bits of the row alone, and its last token's logits decoded from the KV cache of the
+    rest are the batch's. The promise of the switch, across shapes (tests/test_invariant_numerics.py,
+    and on CUDA tests/test_gpu.py)."""
+    import shardgen
+
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), shardgen.invariant_numerics():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        for i in range(len(ids)):
+            n = int(mask[i].sum())
+            row = ids[i : i + 1, -n:]
+            assert torch.equal(model(input_ids=row).logits[0], full[i, -n:]), (label, i)
+            head = model(input_ids=row[:, :-1], use_cache=True)
+            step = model(input_ids=row[:, -1:], cache=head.past_key_values).logits
+            assert torch.equal(step[0, -1], full[i, -1]), (label, i)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from models import batch, hf_generate, tiny_model
+from numerics import assert_rows_are_their_own_bits
 
 import shardgen
 
@@ -59,14 +60,4 @@ def test_invariant_numerics_on_cuda_rows_are_their_own_bits():
     logits batched, alone and decoded from the KV cache are the same bits, in bf16."""
     model = tiny_model("llama", seed=1, hidden_size=64, intermediate_size=128).cuda().to(torch.bfloat16)
     ids, mask = batch([5, 9, 3, 7], seed=0)
-    ids, mask = ids.cuda(), mask.cuda()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), shardgen.invariant_numerics():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        for i in range(len(ids)):
-            n = int(mask[i].sum())
-            row = ids[i : i + 1, -n:]
-            assert torch.equal(model(input_ids=row).logits[0], full[i, -n:]), i
-            head = model(input_ids=row[:, :-1], use_cache=True)
-            step = model(input_ids=row[:, -1:], cache=head.past_key_values).logits
-            assert torch.equal(step[0, -1], full[i, -1]), i
+    assert_rows_are_their_own_bits(model, ids.cuda(), mask.cuda())

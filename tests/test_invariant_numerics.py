@@ -13,6 +13,7 @@ import torch
 from arch_scenarios import ARCHS, make
 from invariant_scenarios import invariant_rollouts
 from models import batch, tiny_model
+from numerics import assert_rows_are_their_own_bits
 
 import shardgen
 from shardgen.numerics import ops
@@ -85,18 +86,8 @@ def test_a_row_is_the_same_bits_in_any_batch_and_padding_and_in_decode(arch):
     its last token decoded from a KV cache, in fp32 and bf16 (fp32 only beyond the five families
     the switch was built for: where this CPU's kernels vary most, and half the time)."""
     for dtype in (torch.float32, torch.bfloat16) if arch in SERVED[:5] else (torch.float32,):
-        model = _arch(arch).to(dtype)
         ids, mask = batch([5, 9, 3, 7, 12], seed=0, vocab=60)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad(), shardgen.invariant_numerics():
-            full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-            for i in range(len(ids)):
-                n = int(mask[i].sum())
-                row = ids[i : i + 1, -n:]
-                assert torch.equal(model(input_ids=row).logits[0], full[i, -n:]), (dtype, i)
-                head = model(input_ids=row[:, :-1], use_cache=True)
-                step = model(input_ids=row[:, -1:], cache=head.past_key_values).logits
-                assert torch.equal(step[0, -1], full[i, -1]), (dtype, i)
+        assert_rows_are_their_own_bits(_arch(arch).to(dtype), ids, mask, dtype)
 
 
 def test_attention_and_linear_agree_with_torch_within_rounding():
