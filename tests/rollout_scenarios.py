@@ -308,3 +308,97 @@ def engines_leave_the_model(mode: str, engines: int = 4) -> dict:
         "threads": (threads, len(os.listdir("/proc/self/task"))),
         "alive": [b() is not None for b in backends],
     }
+
+
+# ----------------------------------------------------------------------------- partial rollouts
+SHRINK = 0.97  # the "training step" inside each pause: every weight times this (exact on any shard)
+
+
+def shrink_weights(model, steps: int = 1) -> None:
+    """Every weight times ``SHRINK ** steps``, in place, on the shards of whatever holds it: an
+    FSDP2 DTensor's local shard, a ZeRO-3 parameter's partition, a plain tensor. Elementwise, so
+    an unsharded copy shrunk the same way has the same bits."""
+    with torch.no_grad():
+        for p in model.parameters():
+            for _ in range(steps):
+                (p.ds_tensor if hasattr(p, "ds_tensor") else p).mul_(SHRINK)
+
+
+def check_versions(b, ref, temperature: float, greedy: bool) -> int:
+    """Each response token against the weights of its version (``b.versions``; version v =
+    ``ref`` shrunk v times): its logprob (teacher forcing, one unpadded row) within 1e-5 and,
+    greedy, its being the argmax (near-ties aside): a row resumed after a step equals its prompt
+    plus prefix fed to the new weights. -> rows whose tokens span two versions."""
+    import copy
+
+    spans, models = 0, {}
+    p_width = b.prompt_width
+    for i in range(len(b)):
+        p, g = int(b.prompt_lengths[i]), int(b.response_lengths[i])
+        ids = b.input_ids[i, p_width - p : p_width + g][None]
+        vs = b.versions[i, :g].tolist()
+        assert vs == sorted(vs) and min(vs, default=0) >= 0, f"row {i}: versions {vs}"
+        spans += len(set(vs)) > 1
+        for v in sorted(set(vs)):
+            if v not in models:
+                models[v] = copy.deepcopy(ref)
+                shrink_weights(models[v], v)
+            with torch.no_grad():
+                logits = models[v](input_ids=ids).logits[0, p - 1 : p - 1 + g].float()
+            lp = torch.log_softmax(logits / temperature, -1)
+            for j in (j for j in range(g) if vs[j] == v):
+                tok = int(ids[0, p + j])
+                diff = abs(float(lp[j, tok]) - float(b.logprobs[i, j]))
+                assert diff < 1e-5, f"row {i} token {j} (version {v}): logprob {diff:.3g} off"
+                if greedy:
+                    gap = float(lp[j].max() - lp[j, tok])
+                    assert gap < 1e-4, f"row {i} token {j} (version {v}): not the argmax ({gap:.3g})"
+    return spans
+
+
+def partial_steps(backend: str, gather: str = "per-layer", greedy: bool = False, stale: str = "finish") -> dict:
+    """Partial rollouts over 3 steps, then a drain: each step asks for a quota of groups (rank r:
+    ``4 - r`` new prompts, a quota of 2, so held groups pile up unevenly; the last rank holds rows
+    while others hold none), then shrinks the weights inside ``paused()``. Each forward sleeps
+    3 ms so that rows are mid-answer when a pause parks them. -> per group served (prompt, step
+    submitted, step served, finish reasons), the rows spanning two versions, a check of every
+    token's version and logprob (``check_versions``), the held groups after the drain."""
+    import shardgen
+    from shardgen.generation.partial import held_groups
+
+    rank = dist.get_rank()
+    model, ref = _pair()
+    n, steps, temperature = 2, 3, 0.8
+    served, spans = [], 0
+    with shardgen.Engine(model, backend=backend, gather=gather, max_batch_size=6) as eng:
+        real = eng.backend.forward
+
+        def slow(plan, inputs):
+            time.sleep(0.003)
+            return real(plan, inputs)
+
+        eng.backend.forward = slow
+        born = {}
+        kw = dict(n=n, max_staleness=1, stale=stale, max_new_tokens=24, eos_token_id=EOS, temperature=temperature)
+        if greedy:
+            kw.update(do_sample=False)
+        for step in range(steps + 1):
+            last = step == steps
+            prompts = [] if last else id_prompts([3 + k for k in range(4 - rank)], seed=100 * rank + step)
+            for p in prompts:
+                born[tuple(p)] = step
+            waiting = [q for q in born if q not in {x[0] for x in served}]
+            if stale == "drop":  # groups past max_staleness are dropped, not served
+                waiting = [q for q in waiting if step - born[q] <= 1]
+            quota = len(waiting) if last else min(2, len(waiting))
+            b = eng.rollout(prompts, groups=quota, seed=step, **kw)
+            assert len(b) == n * len(b.prompts), f"rank {rank}: {len(b)} rows for {len(b.prompts)} groups"
+            spans += check_versions(b, ref, temperature, greedy)
+            for k, p in enumerate(b.prompts):
+                served.append((tuple(p), born[tuple(p)], step, b.finish_reasons[k * n : k * n + n]))
+                assert int(b.versions[k * n : k * n + n].max()) <= born[tuple(p)] + 1, "past max_staleness"
+            if not last:
+                with eng.paused():
+                    shrink_weights(model)
+        left = held_groups(eng)
+    return {"served": served, "born": [list(p) for p in born], "spans": spans, "left": left}

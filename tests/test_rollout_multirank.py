@@ -76,3 +76,39 @@ def test_engines_opened_and_closed_on_a_user_model_leave_nothing_on_it(ds_world2
         assert after == before, f"rank {r}: {after - before} hooks left on the model by closed engines"
         assert not any(res["alive"]), f"rank {r}: closed engines' backends still alive: {res['alive']}"
         assert res["threads"][1] == res["threads"][0], f"rank {r}: native threads {res['threads']}"
+
+
+def _served_once(out: list[dict], stale: str) -> int:
+    """Every prompt's group served once at most, whole (the scenario checks each batch), with
+    tokens of versions within max_staleness (1) of its step; ``finish``: every group served,
+    those held past max_staleness with their unfinished rows cut as ``stale``; ``drop``: a group
+    served within max_staleness of its step, or never. -> rows spanning two versions, all ranks."""
+    for r, res in enumerate(out):
+        got = [s[0] for s in res["served"]]
+        assert len(got) == len(set(got)), f"rank {r}: a group served twice: {got}"
+        assert res["left"] == 0, f"rank {r}: {res['left']} groups still held"
+        if stale == "finish":
+            assert sorted(got) == sorted(tuple(p) for p in res["born"]), f"rank {r}: served {got}"
+        for prompt, born, step, _ in res["served"]:
+            assert step >= born, f"rank {r}: {prompt} served at step {step}, before step {born}"
+            assert stale == "finish" or step - born <= 1, f"rank {r}: {prompt} of step {born} at {step}"
+    return sum(res["spans"] for res in out)
+
+
+@pytest.mark.parametrize(
+    "backend, gather, greedy, stale",
+    [
+        ("fsdp2", "per-layer", True, "finish"),
+        ("deepspeed", "per-layer", False, "drop"),
+        ("fsdp2", "once", False, "drop"),
+        ("deepspeed", "stationary", True, "finish"),
+    ],
+)
+def test_partial_rollouts_serve_every_group_once_and_resume_under_new_weights(
+    ds_world2, backend, gather, greedy, stale
+):
+    """Quota calls over 3 training steps, uneven prompts and held rows: every group served once,
+    whole; every token's logprob (and greedy, its argmax) that of the weights of its version, so
+    a row resumed after a step equals its prefix fed to the new weights; some rows span a step."""
+    out = ds_world2.run(sc.partial_steps, backend, gather, greedy, stale, timeout=240)
+    assert _served_once(out, stale) > 0, "no row was parked mid-answer and resumed"

@@ -48,6 +48,7 @@ from shardgen.faults import blame
 from shardgen.faults.liveness import Liveness
 from shardgen.faults.resume import ResumeBarrier
 from shardgen.faults.stalls import GatherCounter
+from shardgen.generation import parking
 from shardgen.generation.plan import ForwardPlan
 from shardgen.generation.requests import completion_of, resolve_future
 from shardgen.generation.scheduler import LocalWork
@@ -236,6 +237,15 @@ class Driver:
             new, closed, pause = sh.take_inbox()
             self.work.check_mode()  # a train()/eval() switch drops the prefix cache
             self.work.add(new)
+            # Partial rollouts' held rows (generation/parking.py): the quota calls begun (rows cut at
+            # their budget go back at the next one; closing, all do), parked for a pause everyone
+            # asked for (it then waits for the other rows only), requeued once it is not wanted.
+            self.work.releases = sh.quota_calls() + int(closed)
+            st = self.last_state
+            if pause and st is not None and st.all_pause:
+                parking.park_live(self.work)
+            elif self.work.parked:
+                parking.requeue(self.work)
             # One plan per outcome of the tick's admission, decided before it and carried in it.
             admitted, held = self.work.plan(True), self.work.plan(False)
             row = TickRow(
@@ -282,8 +292,9 @@ class Driver:
                 self._release_if_gathered()  # a training step inside would make the copies stale
                 self._drop_kept()
                 t0 = time.perf_counter()
-                self._pause_here()
+                version = self._pause_here()
                 self.timeline.since(t0, "paused")
+                parking.requeue(self.work, version)  # the held rows resume, re-prefilled
                 idle = 0
             else:
                 assert decision is Decision.EXIT
@@ -360,9 +371,10 @@ class Driver:
         """A score row is done: resolve its future."""
         resolve_future(req.future, result=row)
 
-    def _pause_here(self) -> None:
+    def _pause_here(self) -> int:
         """Every rank agreed to pause: no traffic until this rank's ``paused()`` block exits, and
-        then none until every rank's has (``faults/resume.py``: on the store, not a collective)."""
+        then none until every rank's has (``faults/resume.py``: on the store, not a collective).
+        Returns the pause's number: the weights' version from now on."""
         sh = self.shared
         self.phase = Phase.PAUSED
         self.backend.enter_pause()  # the model as the user set it up, for training
@@ -376,3 +388,4 @@ class Driver:
         self.backend.exit_pause()  # back to the generation settings before the next tick
         if self.resume is not None:
             self.resume.wait(pause, lambda: sh.failed)  # every rank has left its block (the store)
+        return pause

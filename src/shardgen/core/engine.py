@@ -44,6 +44,7 @@ from shardgen.core.shared import EngineStats, Failure, Shared
 from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
 from shardgen.faults import leaving
+from shardgen.generation import partial as partial_api
 from shardgen.generation import rollout as rollout_api
 from shardgen.generation import score as score_api
 from shardgen.generation.encdec import decoder_start
@@ -87,6 +88,7 @@ class Engine:
         self.config, self.tokenizer = cfg, tokenizer
         self.timeouts = derive(cfg.stall_timeout, cfg.init_timeout)
         self._shared = Shared()
+        self._held = partial_api.Held()  # partial rollouts' groups not yet returned
         self.rank, self.world = comm.rank_and_world(cfg.backend)
         self.ranks = groups.engine_ranks(group, model) if dist.is_initialized() else [self.rank]
         self.world = len(self.ranks)
@@ -305,6 +307,12 @@ class Engine:
         return self._driver.phase_word()
 
     @property
+    def version(self) -> int:
+        """The weights' version on this rank: the pauses it went through (``paused()`` blocks),
+        which every generated token records (``Completion.versions``, ``RolloutBatch.versions``)."""
+        return self._shared.version
+
+    @property
     def tick(self) -> int:
         return self._driver.tick
 
@@ -389,7 +397,9 @@ class Engine:
         overrides: dict[str, Any],
         as_requests: bool = False,
         inputs: Sequence[dict[str, Any] | None] | None = None,
+        holding: Any = None,
     ) -> list[Any]:
+        """``holding``: a partial rollout's rows (``sequence.Holding``), which may be parked."""
         self._check_usable()
         self._check_towers(inputs)
         reqs = build_requests(
@@ -401,6 +411,8 @@ class Engine:
             tokenizer=self.tokenizer,
             inputs=None if inputs is None else list(inputs),
         )
+        for r in reqs:
+            r.seq.holding = holding
         if not self._shared.enqueue(reqs):
             raise EngineClosedError(f"rank {self.rank}: engine is closed")
         return reqs if as_requests else [r.future for r in reqs]

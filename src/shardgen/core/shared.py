@@ -72,6 +72,7 @@ class Shared:
         self.changed = threading.Condition(self.lock)
         self.pauses_entered = 0  # driver: agreed pauses entered
         self.pauses_left = 0  # user thread: paused() blocks exited
+        self.quota = 0  # user threads: quota calls begun (rows parked at their budget go back)
 
     def enqueue(self, reqs: list[Request]) -> bool:
         """User thread: hand requests to the driver; False (nothing queued) once closed. Raises
@@ -113,6 +114,26 @@ class Shared:
                 self.changed.notify_all()
         if wanted:
             self.wake.set()
+
+    def begin_quota_call(self) -> int:
+        """User thread: a quota call (``generation/partial.py``) begins: rows parked at their
+        budget per call before it go back to decoding. Returns the call's number."""
+        with self.lock:
+            self.quota += 1
+            number = self.quota
+        self.wake.set()
+        return number
+
+    def quota_calls(self) -> int:
+        """Driver thread: the quota calls begun so far."""
+        with self.lock:
+            return self.quota
+
+    @property
+    def version(self) -> int:
+        """The weights' version: the pauses the driver has entered (any thread)."""
+        with self.lock:
+            return self.pauses_entered
 
     def wait_pause_entered(self, timeout: float) -> bool:
         """User thread: True once the driver entered a pause this thread has not left yet (or

@@ -43,6 +43,9 @@ class Completion:
     """The sampling seed used (sampled requests)."""
     rank: int = 0
     """The rank whose driver decoded it."""
+    versions: list[int] | None = None
+    """The weight version (the engine's pauses before it: ``Engine.version``) each generated token
+    was drawn under."""
 
 
 @dataclass(eq=False)  # identity semantics: requests live in sets
@@ -372,11 +375,12 @@ def completion_of(seq: SeqState, tokenizer: Any, rank: int) -> Completion:
     return Completion(
         token_ids=list(seq.tokens),
         finish_reason=seq.finish_reason or "length",
-        prompt_token_ids=list(seq.prompt_ids),
+        prompt_token_ids=list(seq.prompt),
         text=text,
         logprobs=list(seq.logprobs) if seq.params.logprobs else None,
         seed=seq.params.seed if seq.params.do_sample else None,
         rank=rank,
+        versions=list(seq.versions),
     )
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from shardgen.config import SAMPLING_RULES, SamplingParams
-from shardgen.generation import turns
+from shardgen.generation import partial, turns
 from shardgen.generation.requests import Completion
 from shardgen.generation.sequence import resolve_special_ids
 
@@ -66,7 +66,7 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor
     """[R] long: real (unpadded) prompt length of each row."""
     finish_reasons: list[str]
-    """Per row: ``eos``, ``stop`` or ``length``."""
+    """Per row: ``eos``, ``stop``, ``length``, or ``stale`` (a held row cut by ``max_staleness``)."""
     seeds: list[int | None]
     """Per row: the sampling seed of that sample (None for greedy rows)."""
     n: int = 1
@@ -78,6 +78,19 @@ class RolloutBatch:
     """The id in padded positions of ``input_ids``."""
     turns: list[int] = dataclasses.field(default_factory=list)
     """Per row: its model turns (multi-turn, ``env=``: 1 to ``max_turns``; single-turn: 1)."""
+    versions: torch.Tensor | None = None
+    """[R, G] long: the weight version (``Engine.version``: the pauses before it) each response
+    token was drawn under, so ``engine.version - versions`` is its staleness in steps; -1 where
+    no token was drawn (padding, an environment's tokens)."""
+    prompts: list[Any] = dataclasses.field(default_factory=list)
+    """Per group of ``n`` rows: its prompt as the call was given it (a partial rollout's groups
+    come from earlier calls too)."""
+
+    @property
+    def behaviour_logprobs(self) -> torch.Tensor:
+        """``logprobs``: each token's under the weights that drew it (``versions``), which is
+        what a decoupled or off-policy-corrected objective needs beside the trainer's own."""
+        return self.logprobs
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -128,9 +141,17 @@ def rollout(
     env: Any = None,
     max_turns: int | None = None,
     inputs: Sequence[dict[str, Any] | None] | None = None,
+    groups: int | None = None,
+    max_staleness: int | None = None,
+    stale: str = "drop",
+    tokens_per_call: int | None = None,
     **overrides: Any,
 ) -> RolloutBatch:
     """Generate ``n`` samples for each prompt and pack them as a ``RolloutBatch``. Not collective.
+
+    ``groups=K``: a partial rollout, returned once K groups are whole, the others held by the
+    engine for the next call (with ``max_staleness``, ``stale``, ``tokens_per_call``:
+    ``generation/partial.py``).
 
     ``params`` defaults to ``ROLLOUT_DEFAULTS`` (sampling, temperature 1); ``overrides`` are
     ``SamplingParams`` fields (``seed`` may be a list, one per prompt). Logprobs are always
@@ -140,6 +161,12 @@ def rollout(
     model's own forward inputs beside its ids (a VLM's images; ``Engine.submit``), shared by its
     ``n`` rows (one prefill); single-turn rollouts only.
     """
+    quota = partial.Quota.of(groups, max_staleness, stale, tokens_per_call)
+    if quota is not None:
+        served = [
+            g for _, g in _quota(engine, prompts, params, n, overrides, quota, (env, max_turns, inputs))
+        ]
+        return concat(served, n=n) if served else _Plan(engine, [], params, n, {}).pack([], range(0))
     plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
     if talks is not None:
         groups = dict(talks)
@@ -158,8 +185,12 @@ def rollout_iter(
     env: Any = None,
     max_turns: int | None = None,
     inputs: Sequence[dict[str, Any] | None] | None = None,
+    groups: int | None = None,
+    max_staleness: int | None = None,
+    stale: str = "drop",
+    tokens_per_call: int | None = None,
     **overrides: Any,
-) -> Iterator[tuple[int, RolloutBatch]]:
+) -> Iterator[tuple[int | None, RolloutBatch]]:
     """``rollout()``, streamed: ``(i, group)`` for each prompt as soon as its ``n`` samples are
     done, in the order groups finish: ``i`` is the prompt's index in ``prompts`` (``prompts[i]``),
     ``group`` a ``RolloutBatch`` of that prompt's n rows, padded on its own (its prompt, its
@@ -171,7 +202,13 @@ def rollout_iter(
     not cancel the rest: the engine still decodes them (their results are dropped). With
     ``env``, a group is prompt ``i``'s n conversations once every one has ended; leaving the loop
     early starts no further turns.
+
+    ``groups=K``: the first K groups to be whole, held groups of earlier calls first (``i`` None
+    for those: ``group.prompts[0]`` says which); leaving the loop early holds the rest.
     """
+    quota = partial.Quota.of(groups, max_staleness, stale, tokens_per_call)
+    if quota is not None:
+        return _quota(engine, prompts, params, n, overrides, quota, (env, max_turns, inputs))
     plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
     if talks is not None:
         return talks
@@ -179,6 +216,17 @@ def rollout_iter(
     for k, f in enumerate(plan.futures):
         f.add_done_callback(lambda _f, i=k // n: done.put(i))  # runs in the driver: only a put
     return _groups(plan, done)
+
+
+def _quota(
+    engine: Any, prompts: Any, params: Any, n: int, overrides: dict[str, Any], quota: Any, extra: Any
+) -> Iterator[tuple[int | None, RolloutBatch]]:
+    """A partial rollout's groups as they are served (``partial.py``)."""
+
+    def submit(holding: Any) -> _Plan:
+        return _Plan(engine, prompts, params, n, overrides, holding=holding)
+
+    return partial.quota_groups(engine, prompts, n, quota, extra, submit)
 
 
 def _multi_turn(
@@ -217,10 +265,11 @@ def _groups(plan: _Plan, done: queue.SimpleQueue[int]) -> Iterator[tuple[int, Ro
             yield i, plan.pack([plan.futures[r].result() for r in rows], rows)
 
 
-def concat(groups: Sequence[RolloutBatch]) -> RolloutBatch:
+def concat(groups: Sequence[RolloutBatch], pad_id: int = 0, n: int = 1) -> RolloutBatch:
     """One batch of ``groups``' rows, in order, re-padded to their common widths: ``concat`` of
-    ``rollout_iter``'s groups in prompt order equals ``rollout()``'s batch, tensor for tensor."""
-    done, seeds, masks, turns = [], [], [], []
+    ``rollout_iter``'s groups in prompt order equals ``rollout()``'s batch, tensor for tensor.
+    ``pad_id``, ``n``: zero groups' (else the first group's)."""
+    done, seeds, masks, turns, prompts = [], [], [], [], []
     for g in groups:  # single-turn masks are all ones: passing them on changes nothing
         p_width = g.prompt_width
         for i in range(len(g)):
@@ -233,15 +282,17 @@ def concat(groups: Sequence[RolloutBatch]) -> RolloutBatch:
                     prompt_token_ids=g.input_ids[i, p_width - p : p_width].tolist(),
                     text=None if g.texts is None else g.texts[i],
                     logprobs=g.logprobs[i, :r].tolist(),
+                    versions=None if g.versions is None else g.versions[i, :r].tolist(),
                 )
             )
         seeds += g.seeds
         turns += g.turns
+        prompts += g.prompts
     first = groups[0] if groups else None
     device = first.input_ids.device if first is not None else "cpu"
-    pad = first.pad_id if first is not None else 0
-    n = first.n if first is not None else 1
-    return pack(done, pad_id=pad, n=n, seeds=seeds, device=device, masks=masks, turns=turns)
+    pad = first.pad_id if first is not None else pad_id
+    n = first.n if first is not None else n
+    return pack(done, pad_id=pad, n=n, seeds=seeds, device=device, masks=masks, turns=turns, prompts=prompts)
 
 
 class _Plan:
@@ -257,7 +308,9 @@ class _Plan:
         n: int,
         overrides: dict[str, Any],
         inputs: Sequence[dict[str, Any] | None] | None = None,
+        holding: Any = None,
     ) -> None:
+        """``holding``: a partial rollout's rows (``sequence.Holding``)."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
@@ -298,14 +351,24 @@ class _Plan:
             )
         each = None if inputs is None else [x for x in inputs for _ in range(n)]  # one dict per prompt's rows
         self.inputs = each  # a multi-turn row's next turns carry its prompt's images again
-        if rows:
+        self.seqs: list[Any] = []  # a partial rollout's rows, whose parking its call watches
+        if rows and holding is not None:
+            reqs = engine._submit_many(
+                rows, None, {**options, "seed": self.seeds}, inputs=each, holding=holding, as_requests=True
+            )
+            self.futures, self.seqs = [r.future for r in reqs], [r.seq for r in reqs]
+        elif rows:
             self.futures = engine.submit_many(rows, None, inputs=each, seed=self.seeds, **options)
         self.n, self.prompts, self.device = n, len(prompts), engine.device
+        self.given = prompts  # as the call gave them: each group's batch names its own
         _, self.pad = resolve_special_ids(base, gen_config, engine.tokenizer)
 
     def pack(self, done: list[Completion], rows: range, **multi_turn: Any) -> RolloutBatch:
         seeds = [self.seeds[r] for r in rows]
-        return pack(done, pad_id=self.pad, n=self.n, seeds=seeds, device=self.device, **multi_turn)
+        prompts = [self.given[r // self.n] for r in rows[:: self.n]]
+        return pack(
+            done, pad_id=self.pad, n=self.n, seeds=seeds, device=self.device, prompts=prompts, **multi_turn
+        )
 
     def seed_of(self, row: int, turn: int, prompt_ids: list[int]) -> int | None:
         """The seed of a multi-turn row's turn ``turn`` (its first: the row's own seed), keyed by
@@ -323,10 +386,12 @@ def pack(
     device: torch.device | str = "cpu",
     masks: list[list[int]] | None = None,
     turns: list[int] | None = None,
+    prompts: list[Any] | None = None,
 ) -> RolloutBatch:
     """Completions -> padded tensors (prompt left-padded, response right-padded). ``masks``: per
     row, the response mask of its tokens (multi-turn: 0 on the environment's); None: all 1.
-    ``turns``: per row, its model turns; None: 1 each. Zero rows give ``[0, 0]`` tensors and
+    ``turns``: per row, its model turns; None: 1 each. ``prompts``: per group, its prompt as given.
+    Zero rows give ``[0, 0]`` tensors and
     empty lists, never None: a rank with no prompts runs the same code as the others."""
     rows = len(done)
     p_width = max((len(c.prompt_token_ids) for c in done), default=0)
@@ -335,6 +400,7 @@ def pack(
     attn = torch.zeros((rows, p_width + g_width), dtype=torch.long)
     resp = torch.zeros((rows, g_width), dtype=torch.long)
     lps = torch.zeros((rows, g_width), dtype=torch.float32)
+    versions = torch.full((rows, g_width), -1, dtype=torch.long)
     plen = torch.zeros((rows,), dtype=torch.long)
     for i, c in enumerate(done):
         p, g = len(c.prompt_token_ids), len(c.token_ids)
@@ -347,6 +413,8 @@ def pack(
             resp[i, :g] = 1 if masks is None else torch.tensor(masks[i], dtype=torch.long)
             assert c.logprobs is not None and len(c.logprobs) == g, "rollout rows carry logprobs"
             lps[i, :g] = torch.tensor(c.logprobs, dtype=torch.float32)
+            if c.versions is not None and len(c.versions) == g:
+                versions[i, :g] = torch.tensor(c.versions, dtype=torch.long)
     texts = [c.text for c in done] if all(c.text is not None for c in done) else None
     batch = RolloutBatch(
         input_ids=ids,
@@ -360,5 +428,7 @@ def pack(
         texts=texts,
         pad_id=pad_id,
         turns=[1] * rows if turns is None else list(turns),
+        versions=versions,
+        prompts=[] if prompts is None else list(prompts),
     )
     return batch.to(device)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from shardgen.config import EngineConfig
+from shardgen.generation import parking
 from shardgen.generation.batch import Batch
 from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, is_encoder_decoder
 from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, ScorePlan, Work
@@ -63,6 +64,9 @@ class LocalWork:
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.encdec = is_encoder_decoder(model)  # the prompt is the encoder's input (encdec.py)
         self._training = bool(getattr(model, "training", False))  # the mode the cache was filled in
+        self.parked: list[tuple[Request, int]] = []  # held rows out of the batch (``parking.py``)
+        self.releases = 0  # the quota calls whose start the driver has seen
+        self.version = 0  # the weights' version: the pauses so far
 
     def forget_prefixes(self) -> None:
         """Drop the prefix cache: the weights may change (a pause, ``close()``). Driver thread."""
@@ -301,18 +305,21 @@ class LocalWork:
         """Row ``i`` (just finished) to the prefix cache: the KV of its prompt and its tokens but the
         last (never fed: the next turn's prompt computes it)."""
         cache = self.prefixes
-        length = len(s.prompt_ids) + len(s.tokens) - 1
+        fresh = s.tokens[s.fed :]  # a resumed row's prompt_ids hold its earlier tokens
+        length = len(s.prompt_ids) + len(fresh) - 1
         keys = s.cache_keys  # an image row's: its ids salted by its images
         if keys is None or not cache.keeps(length) or not batch.cacheable():
             return
         assert batch.cache.layers[0].keys.shape[-2] == batch.input_ids.shape[1] - 1, "cache and ids apart"
         evicted = cache.evictions
-        cache.add([*keys, *s.tokens[:-1]], batch.row_kv(i, length))
+        cache.add([*keys, *fresh[:-1]], batch.row_kv(i, length))
         self.stats.prefix_cache_evictions += cache.evictions - evicted
 
     def _take(self, n: int) -> list[Request]:
         take = [self.pending.popleft() for _ in range(n)]
-        self.stats.requests += len(take)
+        self.stats.requests += sum(1 for r in take if not r.seq.tokens)  # a resumed row counted once
+        for r in take:  # its next tokens are drawn under these weights; its budget counts from here
+            r.seq.version, r.seq.admitted_at = self.version, len(r.seq.tokens)
         return take
 
     def _free(self, batch: Batch) -> int:
@@ -333,8 +340,9 @@ class LocalWork:
         batch = self.batch
         if batch is None:
             return
+        parking.park_spent(self, batch)
         for i, s in enumerate(batch.seqs):
-            if s.finished and not s.tag.future.done():
+            if s.finished and not s.parked and not s.tag.future.done():
                 self.stats.generated_tokens += len(s.tokens)
                 self._keep(batch, i, s)
                 self.on_finished(s)

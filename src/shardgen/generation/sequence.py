@@ -15,12 +15,26 @@ import torch
 from shardgen.config import SamplingParams
 
 #: Why a sequence ended: an EOS id was generated, a stop string appeared in the decoded
-#: text, or ``max_new_tokens`` was reached.
-FINISH_REASONS = ("eos", "stop", "length")
+#: text, ``max_new_tokens`` was reached, or (a partial rollout's held row) it outlived its
+#: ``max_staleness`` and was cut where it stood.
+FINISH_REASONS = ("eos", "stop", "length", "stale")
 
 StopCheck = Callable[[list[int]], bool]
 """Given the generated ids so far, True when a stop string has just appeared (the tokenizer
 lives with the caller: this module never decodes text)."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """How a partial rollout's row may be held (``generation/partial.py``): it is parked (dropped
+    from the batch, its tokens kept) when every rank asks to pause, or once it drew ``budget``
+    tokens since it was last admitted, and resumes from its prompt plus its tokens so far. It was
+    submitted under weight version ``born``; a resumption at a version more than ``max_staleness``
+    past it finishes it as ``"stale"`` instead (None: never)."""
+
+    born: int
+    max_staleness: int | None = None
+    budget: int | None = None
 
 
 @dataclass(eq=False)
@@ -49,6 +63,20 @@ class SeqState:
     forced_bos: int | None = None
     forced_eos: int | None = None
     start_length: int = 0
+    #: The weight version (pauses the engine went through) of each generated token, and the one the
+    #: row draws under now (set when it is admitted).
+    versions: list[int] = field(default_factory=list)
+    version: int = 0
+    #: A partial rollout's row (``Holding``); None: a row that decodes to its end.
+    holding: Holding | None = None
+    #: Parked: out of the batch (the batch sees it finished and pads it), its tokens kept.
+    parked: bool = False
+    #: How many of ``tokens`` were fed back as prompt when it resumed (``prompt_ids`` holds them
+    #: then), and ``len(tokens)`` when it was last admitted (its budget counts from there).
+    fed: int = 0
+    admitted_at: int = 0
+    cut_in: int = -1  # parked at its budget: in which quota call (-1: not, or for a pause)
+    _parked_rng: Any = None  # the generator's state when parked: a padded row still draws
 
     def forced_token(self) -> int | None:
         """The token the next step must take, as HF's forced-token processors decide it: EOS at the
@@ -89,11 +117,38 @@ class SeqState:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """Ended, or parked: either way the batch pads it and never appends to it."""
+        return self.finish_reason is not None or self.parked
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt as submitted (``prompt_ids`` also holds the fed-back tokens of a resumed row)."""
+        return self.prompt_ids[: len(self.prompt_ids) - self.fed]
+
+    def park(self) -> None:
+        """Out of the batch, its tokens kept. The batch keeps drawing for a padded row: the
+        generator's state is kept, so its draws go on from there when it resumes."""
+        assert not self.finished, "a finished row parked"
+        self.parked = True
+        if self.generator is not None:
+            self._parked_rng = self.generator.get_state()
+
+    def resume(self) -> None:
+        """Ready to be admitted again: its prompt is now the prompt and every token so far (one
+        prefill recomputes their KV, under the weights of then), its draws go on where they were."""
+        assert self.parked, "resume() of a row not parked"
+        self.parked = False
+        if self._parked_rng is not None:
+            assert self.generator is not None
+            self.generator.set_state(self._parked_rng)
+            self._parked_rng = None
+        self.prompt_ids = self.prompt_ids + self.tokens[self.fed :]
+        self.fed = len(self.tokens)
 
     def append(self, token: int, logprob: float | None) -> None:
         assert not self.finished, "token appended to a finished sequence"
         self.tokens.append(token)
+        self.versions.append(self.version)
         if logprob is not None:
             self.logprobs.append(logprob)
         if token in self.eos_ids:

@@ -45,6 +45,7 @@ class _Row:
         self.tokens: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []  # -1 on the environment's tokens
         self.turns = 0
         self.finish = "length"
 
@@ -54,6 +55,7 @@ class _Row:
         self.tokens += c.token_ids
         self.mask += [1] * len(c.token_ids)
         self.logprobs += list(c.logprobs or [0.0] * len(c.token_ids))
+        self.versions += list(c.versions or [-1] * len(c.token_ids))
         self.finish = c.finish_reason
         self.turns += 1
 
@@ -61,12 +63,13 @@ class _Row:
         self.tokens += reply
         self.mask += [0] * len(reply)
         self.logprobs += [0.0] * len(reply)
+        self.versions += [-1] * len(reply)
 
     def completion(self) -> Completion:
         assert self.prompt is not None
         return Completion(
             token_ids=self.tokens, finish_reason=self.finish, prompt_token_ids=self.prompt,
-            logprobs=self.logprobs,
+            logprobs=self.logprobs, versions=self.versions,
         )  # fmt: skip
 
 

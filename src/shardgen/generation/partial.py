@@ -1,0 +1,206 @@
+"""Partial rollouts: a rollout that returns on a quota of whole groups and holds the rest.
+
+    batch = engine.rollout(prompts, n=4, groups=8, max_staleness=1, max_new_tokens=512)
+    # the first 8 whole groups (held groups of earlier calls first); the others stay in the engine
+    with engine.paused():   # held rows park (no wait for them), resume after it under the new weights
+        train(batch)        # batch.versions [R, G]: each token's weight version; batch.logprobs its
+                            # logprob under those weights (the behaviour policy's)
+
+In RL a rollout's wall time is that of its longest rows; answer lengths are long-tailed. With
+``groups=K`` a call returns once K prompts' groups are whole (all ``n`` samples each: a group
+comes back whole, exactly once, or not at all); the groups still decoding are held by the engine,
+go on decoding in the background, and are served first by the next quota call (they count
+toward its K before its new prompts do). Each rank's quota and held groups are its own.
+
+A held row does not hold up a training step: when every rank asks to pause, held rows are
+parked (``parking.py``: out of the batch, KV dropped, prompt and tokens kept), and after the
+pause they resume from their prompt plus their tokens, prefilled again under the new weights,
+their draws going on from their own generator's state. ``max_staleness`` (steps, i.e. pauses):
+a held group whose call began more than that many pauses ago is not served: ``stale="drop"``
+drops it, ``stale="finish"`` returns it with its unfinished rows cut where they stood
+(finish reason ``"stale"``; their tokens are all of versions within ``max_staleness`` of the
+group's first). ``tokens_per_call`` (Kimi k1.5's budget): a row that drew that many tokens since
+the call that (re)started it parks until the next quota call, which resumes it from its tokens;
+a call then returns once K groups are whole or every group it waits on is cut.
+
+Not collective, like every rollout. Refused by name: ``env=`` (a held conversation would resume
+mid-turn), ``inputs=`` (images) and encoder-decoder models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from shardgen.generation.sequence import Holding
+
+#: What ``stale=`` takes: what becomes of a held group past ``max_staleness``.
+STALE_CHOICES = ("drop", "finish")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quota:
+    """A partial rollout's checked settings."""
+
+    groups: int
+    max_staleness: int | None
+    stale: str
+    budget: int | None
+
+    @staticmethod
+    def of(groups: Any, max_staleness: Any, stale: Any, tokens_per_call: Any) -> Quota | None:
+        """The settings, checked (``ValueError`` with the values); None without ``groups``."""
+        if groups is None:
+            given = [
+                f"{k}={v!r}"
+                for k, v in (("max_staleness", max_staleness), ("tokens_per_call", tokens_per_call))
+                if v is not None
+            ] + ([f"stale={stale!r}"] if stale != "drop" else [])
+            if given:
+                raise ValueError(f"{', '.join(given)} go with groups=K (a partial rollout)")
+            return None
+        for name, v, low in (("groups", groups, 0), ("max_staleness", max_staleness, 0),
+                             ("tokens_per_call", tokens_per_call, 1)):  # fmt: skip
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        if stale not in STALE_CHOICES:
+            raise ValueError(f"stale must be one of {STALE_CHOICES}, got {stale!r}")
+        return Quota(groups, max_staleness, stale, tokens_per_call)
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's ``n`` rows of a partial rollout: rows ``index * n ..`` of ``plan``, submitted
+    at weight version ``born`` (``Engine.version``)."""
+
+    plan: Any  # rollout._Plan
+    index: int
+    born: int
+
+    @property
+    def rows(self) -> range:
+        return range(self.index * self.plan.n, (self.index + 1) * self.plan.n)
+
+    def batch(self) -> Any:
+        """Its rows packed (every future is done)."""
+        return self.plan.pack([self.plan.futures[r].result() for r in self.rows], self.rows)
+
+    def cut(self, call: int) -> bool:
+        """Every row not finished is parked at its budget in quota call ``call`` or later: none
+        can finish before the next call. Read from the user thread while the driver writes
+        (single fields: a stale read only delays the answer to the next look)."""
+        seqs = [self.plan.seqs[r] for r in self.rows]
+        live = [s for s in seqs if s.finish_reason is None]
+        return bool(live) and all(s.parked and s.cut_in >= call for s in live)
+
+
+class Held:
+    """An engine's held groups, oldest first. A quota call takes them all and gives back those
+    it did not serve (a call running meanwhile in another thread sees none of them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: list[Group] = []
+
+    def take(self) -> list[Group]:
+        with self._lock:
+            out, self._groups = self._groups, []
+            return out
+
+    def give_back(self, groups: list[Group]) -> None:
+        with self._lock:
+            self._groups = groups + self._groups
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._groups)
+
+
+def quota_groups(
+    engine: Any,
+    prompts: Any,
+    n: int,
+    quota: Quota,
+    extra: tuple[Any, Any, Any],
+    submit: Callable[[Holding], Any],
+) -> Iterator[tuple[int | None, Any]]:
+    """``(i, group)`` for the first ``quota.groups`` groups to be whole, held groups first
+    (``i`` None for those, else the prompt's index in ``prompts``). Checks, then submits the new
+    rows now (``submit(holding)``: the call's ``rollout._Plan``); the groups it does not yield
+    stay held. Not collective."""
+    env, max_turns, inputs = extra
+    said = "groups= (a partial rollout)"
+    if env is not None or max_turns is not None:
+        raise ValueError(f"{said} does not take env= yet: a held conversation would resume mid-turn")
+    if inputs is not None:
+        raise ValueError(f"{said} does not take inputs= (images): a resumed row re-prefills its ids only")
+    if getattr(engine.model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{said} needs a decoder-only model: a resumed row re-prefills prompt and tokens")
+    if isinstance(prompts, str):
+        raise ValueError("rollout() takes a list of prompts (strings or token-id lists), not one prompt")
+    version, held = engine.version, engine._held
+    old = held.take()
+    kept = []
+    for g in old:
+        if g.plan.n != n:
+            held.give_back(old)
+            raise ValueError(f"held groups have n={g.plan.n} samples, this call n={n}: keep n the same")
+        too_old = quota.max_staleness is not None and version - g.born > quota.max_staleness
+        if not (too_old and quota.stale == "drop"):  # the driver cut its rows at the pause
+            kept.append(g)
+    if quota.groups > len(kept) + len(prompts):
+        held.give_back(kept)
+        raise ValueError(
+            f"groups={quota.groups}, but this rank holds {len(kept)} groups and was given "
+            f"{len(prompts)} prompts: at most {len(kept) + len(prompts)} groups can be returned"
+        )
+    try:
+        call = engine._shared.begin_quota_call()
+        holding = Holding(version, quota.max_staleness, quota.budget)
+        plan = submit(holding)
+    except BaseException:
+        held.give_back(kept)
+        raise
+    new = [Group(plan, i, version) for i in range(len(prompts))]
+    return _serve(held, kept + new, len(kept), quota, call)
+
+
+def _serve(
+    held: Held, groups: list[Group], carried: int, quota: Quota, call: int
+) -> Iterator[tuple[int | None, Any]]:
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for k, g in enumerate(groups):  # a held group already whole is first in the queue
+        for r in g.rows:
+            g.plan.futures[r].add_done_callback(lambda _f, k=k: done.put(k))  # in the driver: a put
+    count, left, served = [0] * len(groups), set(range(len(groups))), 0
+    try:
+        while served < quota.groups and left:
+            try:
+                k = done.get(timeout=0.02 if quota.budget is not None else None)
+            except queue.Empty:  # with a budget, the groups left may all be cut for this call
+                if all(groups[j].cut(call) for j in left):
+                    return
+                continue
+            count[k] += 1
+            g = groups[k]
+            if count[k] < g.plan.n:
+                continue
+            left.discard(k)
+            batch = g.batch()
+            if quota.stale == "drop" and "stale" in batch.finish_reasons:
+                continue  # cut by a pause while this call ran
+            served += 1
+            yield (None if k < carried else g.index), batch
+    finally:  # the groups not served stay held, in their order
+        held.give_back([groups[k] for k in sorted(left)])
+
+
+def held_groups(engine: Any) -> int:
+    """How many groups this rank's engine holds for its next quota call. Any thread."""
+    return len(engine._held)
+
+
+__all__: Sequence[str] = ("Quota", "Held", "quota_groups", "held_groups", "STALE_CHOICES")
