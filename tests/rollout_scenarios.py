@@ -356,7 +356,9 @@ def check_versions(b, ref, temperature: float, greedy: bool) -> int:
     return spans
 
 
-def partial_steps(backend: str, gather: str = "per-layer", greedy: bool = False, stale: str = "finish") -> dict:
+def partial_steps(
+    backend: str, gather: str = "per-layer", greedy: bool = False, stale: str = "finish"
+) -> dict:
     """Partial rollouts over 3 steps, then a drain: each step asks for a quota of groups (rank r:
     ``4 - r`` new prompts, a quota of 2, so held groups pile up unevenly; the last rank holds rows
     while others hold none), then shrinks the weights inside ``paused()``. Each forward sleeps
@@ -379,7 +381,9 @@ def partial_steps(backend: str, gather: str = "per-layer", greedy: bool = False,
 
         eng.backend.forward = slow
         born = {}
-        kw = dict(n=n, max_staleness=1, stale=stale, max_new_tokens=24, eos_token_id=EOS, temperature=temperature)
+        kw = dict(
+            n=n, max_staleness=1, stale=stale, max_new_tokens=24, eos_token_id=EOS, temperature=temperature
+        )
         if greedy:
             kw.update(do_sample=False)
         for step in range(steps + 1):

@@ -20,8 +20,9 @@ a held group whose call began more than that many pauses ago is not served: ``st
 drops it, ``stale="finish"`` returns it with its unfinished rows cut where they stood
 (finish reason ``"stale"``; their tokens are all of versions within ``max_staleness`` of the
 group's first). ``tokens_per_call`` (Kimi k1.5's budget): a row that drew that many tokens since
-the call that (re)started it parks until the next quota call, which resumes it from its tokens;
-a call then returns once K groups are whole or every group it waits on is cut.
+the call that (re)started it parks until the next quota call, which resumes it from its tokens
+(a row keeps the budget of the call that submitted it); a call returns once K groups are whole
+or every group it waits on is cut.
 
 Not collective, like every rollout. Refused by name: ``env=`` (a held conversation would resume
 mid-turn), ``inputs=`` (images) and encoder-decoder models.
@@ -179,8 +180,8 @@ def _serve(
     try:
         while served < quota.groups and left:
             try:
-                k = done.get(timeout=0.02 if quota.budget is not None else None)
-            except queue.Empty:  # with a budget, the groups left may all be cut for this call
+                k = done.get(timeout=0.02)
+            except queue.Empty:  # rows with a budget (held ones: their own call's) may all be cut
                 if all(groups[j].cut(call) for j in left):
                     return
                 continue
