@@ -138,6 +138,13 @@ def user_raises(engine, rank: int, victim: int, where: str) -> None:
     with engine:
         engine.generate_ids(ids, attention_mask=mask, max_new_tokens=6)
         event("generated")
+        if where == "holding":  # a quota of one group: the others stay held, still decoding
+            prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+            engine.rollout(prompts, n=2, groups=1, max_new_tokens=100, eos_token_id=[2])
+            event("holding")
+            if rank == victim:
+                event("raising")
+                raise ValueError(f"user code failed {where}")
         if where == "before_paused" and rank == victim:
             event("raising")
             raise ValueError(f"user code failed {where}")

@@ -112,3 +112,17 @@ def test_partial_rollouts_serve_every_group_once_and_resume_under_new_weights(
     a row resumed after a step equals its prefix fed to the new weights; some rows span a step."""
     out = ds_world2.run(sc.partial_steps, backend, gather, greedy, stale, timeout=240)
     assert _served_once(out, stale) > 0, "no row was parked mid-answer and resumed"
+
+
+@pytest.fixture(scope="module")
+def ds_world3():
+    with sc.ds_world(3) as world:
+        yield world
+
+
+@pytest.mark.parametrize("backend, greedy", [("fsdp2", False), ("deepspeed", True)])
+def test_partial_rollouts_at_3_ranks(ds_world3, backend, greedy):
+    """The same at 3 ranks: 4, 3 and 2 new prompts a step for a quota of 2, so held groups pile
+    up unevenly (the last rank's quota takes every group it can: it holds fewer)."""
+    out = ds_world3.run(sc.partial_steps, backend, "per-layer", greedy, "finish", timeout=240)
+    assert _served_once(out, "finish") > 0, "no row was parked mid-answer and resumed"

@@ -16,7 +16,7 @@ from test_faults import named
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 BOUND_S = 10.0  # every peer has raised and exited within this of the victim's raise
-WHERES = ["before_paused", "in_step", "before_close", "uncaught"]
+WHERES = ["before_paused", "in_step", "before_close", "uncaught", "holding"]  # holding: with held rows
 
 
 CASES = [(w, b) for w in WHERES for b in ("fsdp2", "deepspeed") if (w, b) != ("uncaught", "deepspeed")]
