@@ -24,6 +24,7 @@ import torch
 
 from shardgen.config import EngineConfig
 from shardgen.generation.batch import Batch
+from shardgen.generation.drafts import DraftStore
 from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, is_encoder_decoder
 from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, ScorePlan, Work
 from shardgen.generation.prefix_cache import PrefixCache
@@ -31,6 +32,7 @@ from shardgen.generation.requests import Request
 from shardgen.generation.score import RowScore, ScoreRequest
 from shardgen.generation.scoring import ScoreRun
 from shardgen.generation.sequence import SeqState
+from shardgen.generation.verify import verify_step
 
 
 class LocalWork:
@@ -63,6 +65,9 @@ class LocalWork:
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.encdec = is_encoder_decoder(model)  # the prompt is the encoder's input (encdec.py)
         self._training = bool(getattr(model, "training", False))  # the mode the cache was filled in
+        # Speculative decoding's n-gram indexes: kept for the engine's life (a pause or a new
+        # policy only makes a draft stale, which lowers the acceptance and changes no row).
+        self.drafts = DraftStore(config.speculate_history_tokens, config.speculate)
 
     def forget_prefixes(self) -> None:
         """Drop the prefix cache: the weights may change (a pause, ``close()``). Driver thread."""
@@ -163,8 +168,34 @@ class LocalWork:
             sp = ScorePlan.of(prompts, responses, share, budget)
             return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp, towers=towers)
         if batch is not None:
+            drafts = self._drafts(batch)
+            if drafts is not None:
+                tokens = len(batch.seqs) * (max(len(d) for d in drafts) + 1)
+                return ForwardPlan(Work.VERIFY, 0, None, tokens, tokens, drafts=drafts)
             return ForwardPlan(Work.DECODE, 0, None, len(batch.seqs), len(batch.seqs))
         return IDLE_PLAN
+
+    def _drafts(self, batch: Batch) -> tuple[tuple[int, ...], ...] | None:
+        """Each row's draft for the next decode step (``DraftStore.draft``), or None: no row has
+        one, speculation is off, or the batch's rows cannot be verified (``Batch.can_verify``).
+        A draft reaches no further than the row's ``max_new_tokens`` allows, and the forward's
+        tokens stay within ``max_prefill_tokens``. Local; changes no row."""
+        cfg = self.config
+        if not cfg.speculate or self.encdec or not batch.can_verify():
+            return None
+        width = cfg.speculate
+        if cfg.max_prefill_tokens is not None:
+            width = min(width, cfg.max_prefill_tokens // len(batch.seqs) - 1)
+        if width <= 0:
+            return None
+        # A draft reaching past max_new_tokens could only be cut: the last allowed token is drawn.
+        drafts = tuple(
+            ()
+            if s.finished
+            else tuple(self.drafts.draft(s, min(width, s.params.max_new_tokens - len(s.tokens) - 1)))
+            for s in batch.seqs
+        )
+        return drafts if any(drafts) else None
 
     def step(self, plan: ForwardPlan) -> bool:
         """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since, then
@@ -192,14 +223,38 @@ class LocalWork:
                 self.stats.refills += 1
             self._start(self._take(plan.take), plan.prefill, forward)
         else:
-            assert plan.kind is Work.DECODE and self.batch is not None and self.prefilling is None
+            assert plan.kind in (Work.DECODE, Work.VERIFY), plan.kind
+            assert self.batch is not None and self.prefilling is None
             self.phase = Work.DECODE
-            self.batch.step(forward)
-            self.stats.decode_steps += 1
+            self._decode(plan, forward)
         self.stats.forwards += 1
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
+
+    def _decode(self, plan: ForwardPlan, forward: Callable[..., Any]) -> None:
+        """A decode step, or (``VERIFY``) one feeding the plan's drafts; its counters."""
+        batch, st = self.batch, self.stats
+        assert batch is not None
+        live = [s for s in batch.seqs if not s.finished]
+        before = sum(len(s.tokens) for s in live)
+        if plan.kind is Work.VERIFY:
+            assert plan.drafts is not None
+            done = verify_step(batch, forward, plan.drafts)
+            for s, d, a in zip(batch.seqs, plan.drafts, done.accepted, strict=True):
+                self.drafts.observe(s, len(d), a)
+            st.verify_forwards += 1
+            st.drafted += done.drafted
+            st.accepted += sum(done.accepted)
+            st.forwards_saved += max(done.committed) - 1
+        else:
+            batch.step(forward)
+            if self.config.speculate:
+                for s in live:
+                    self.drafts.observe(s, 0, 0)
+        st.decode_steps += 1
+        st.decode_row_steps += len(live)
+        st.decode_tokens += sum(len(s.tokens) for s in live) - before
 
     def _score_forward(self, plan: ForwardPlan, forward: Callable[..., Any]) -> None:
         """The first forward of a new score run (``plan.score``), or the next of the one under way;
@@ -336,6 +391,7 @@ class LocalWork:
         for i, s in enumerate(batch.seqs):
             if s.finished and not s.tag.future.done():
                 self.stats.generated_tokens += len(s.tokens)
+                self.drafts.finish(s)
                 self._keep(batch, i, s)
                 self.on_finished(s)
         if batch.done:

@@ -49,6 +49,9 @@ class SeqState:
     forced_bos: int | None = None
     forced_eos: int | None = None
     start_length: int = 0
+    #: The row's speculative-decoding state (``drafts.RowDraft``: its place in its prompt's
+    #: n-gram index, its adaptive draft length); None: it has not drafted.
+    draft: Any = None
 
     def forced_token(self) -> int | None:
         """The token the next step must take, as HF's forced-token processors decide it: EOS at the
