@@ -188,11 +188,11 @@ class LocalWork:
             width = min(width, cfg.max_prefill_tokens // len(batch.seqs) - 1)
         if width <= 0:
             return None
-        # A draft reaching past max_new_tokens could only be cut: the last allowed token is drawn.
+        # No draft reaches past max_new_tokens: what lay beyond could only be cut.
         drafts = tuple(
             ()
             if s.finished
-            else tuple(self.drafts.draft(s, min(width, s.params.max_new_tokens - len(s.tokens) - 1)))
+            else tuple(self.drafts.draft(s, min(width, s.params.max_new_tokens - len(s.tokens))))
             for s in batch.seqs
         )
         return drafts if any(drafts) else None
