@@ -274,10 +274,11 @@ class EngineConfig:
     draft length adapts to its acceptance; a verify forward's tokens stay within
     ``max_prefill_tokens``. Rows of an encoder-decoder, an M-RoPE VLM or a model whose cache is
     not plain per column (sliding windows, recurrent states) decode plainly. 0: off."""
-    speculate_history_tokens: int = 100_000
-    """With ``speculate``: tokens of finished rollouts kept per rank to draft from (indexed by
-    prompt, least recently used prompt out), kept across calls and training steps (a stale
-    draft only lowers the acceptance). 0: drafts from the live rows only."""
+    speculate_history_tokens: int = 50_000
+    """With ``speculate``: tokens of finished rollouts kept per rank to draft from, indexed by
+    prompt (least recently used prompt out) and across prompts (the latest), kept across calls
+    and training steps (a stale draft only lowers the acceptance; about 200 bytes a token per
+    index). 0: drafts from the live rows only."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming every field its rule refuses (``ENGINE_RULES``, the same

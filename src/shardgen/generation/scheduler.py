@@ -189,13 +189,8 @@ class LocalWork:
         if width <= 0:
             return None
         # No draft reaches past max_new_tokens: what lay beyond could only be cut.
-        drafts = tuple(
-            ()
-            if s.finished
-            else tuple(self.drafts.draft(s, min(width, s.params.max_new_tokens - len(s.tokens))))
-            for s in batch.seqs
-        )
-        return drafts if any(drafts) else None
+        limits = [min(width, s.params.max_new_tokens - len(s.tokens)) for s in batch.seqs]
+        return self.drafts.drafts(batch.seqs, limits)
 
     def step(self, plan: ForwardPlan) -> bool:
         """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since, then
@@ -238,6 +233,7 @@ class LocalWork:
         assert batch is not None
         live = [s for s in batch.seqs if not s.finished]
         before = sum(len(s.tokens) for s in live)
+        rows, t0 = len(batch.seqs), time.perf_counter()
         if plan.kind is Work.VERIFY:
             assert plan.drafts is not None
             done = verify_step(batch, forward, plan.drafts)
@@ -252,6 +248,9 @@ class LocalWork:
             if self.config.speculate:
                 for s in live:
                     self.drafts.observe(s, 0, 0)
+        if self.config.speculate:  # what a forward of this width costs here (Pacer)
+            width = 1 + (max(len(d) for d in plan.drafts) if plan.drafts else 0)
+            self.drafts.pacer.timed(width, rows, time.perf_counter() - t0)
         st.decode_steps += 1
         st.decode_row_steps += len(live)
         st.decode_tokens += sum(len(s.tokens) for s in live) - before
