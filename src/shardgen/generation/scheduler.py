@@ -68,6 +68,7 @@ class LocalWork:
         # Speculative decoding's n-gram indexes: kept for the engine's life (a pause or a new
         # policy only makes a draft stale, which lowers the acceptance and changes no row).
         self.drafts = DraftStore(config.speculate_history_tokens, config.speculate)
+        self._drafted: tuple[Any, tuple[tuple[int, ...], ...] | None] = (None, None)  # (batch state, drafts)
 
     def forget_prefixes(self) -> None:
         """Drop the prefix cache: the weights may change (a pause, ``close()``). Driver thread."""
@@ -188,9 +189,13 @@ class LocalWork:
             width = min(width, cfg.max_prefill_tokens // len(batch.seqs) - 1)
         if width <= 0:
             return None
-        # No draft reaches past max_new_tokens: what lay beyond could only be cut.
-        limits = [min(width, s.params.max_new_tokens - len(s.tokens)) for s in batch.seqs]
-        return self.drafts.drafts(batch.seqs, limits)
+        # The driver plans each tick twice (admitted or held) over the same batch: drafted once.
+        key = (id(batch), batch.steps, width, tuple(map(id, batch.seqs)))
+        if self._drafted[0] != key:
+            # No draft reaches past max_new_tokens: what lay beyond could only be cut.
+            limits = [min(width, s.params.max_new_tokens - len(s.tokens)) for s in batch.seqs]
+            self._drafted = (key, self.drafts.drafts(batch.seqs, limits))
+        return self._drafted[1]
 
     def step(self, plan: ForwardPlan) -> bool:
         """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since, then
