@@ -238,3 +238,21 @@ def test_bad_settings_are_refused_with_the_numbers(field, value, said):
 def test_verify_step_refuses_no_draft():
     with pytest.raises(AssertionError, match="no draft"):
         verify.verify_step(type("B", (), {"seqs": [None], "device": torch.device("cpu")})(), None, ((),))
+
+
+def test_encoder_decoder_and_sliding_window_rows_decode_plainly(monkeypatch):
+    """Kinds a verify forward cannot serve (an encoder-decoder's rows; a sliding window's cache,
+    which cannot hold holes) decode plainly with ``speculate`` on, though every row has a draft:
+    the same rows, no verify forward (a plain Llama, the control, verifies)."""
+    from encdec_models import tiny_t5
+
+    monkeypatch.setattr(DraftStore, "draft", lambda self, seq, limit: (self.row(seq), [5, 6][:limit])[1])
+    ids, _ = batch([7, 7], seed=3, vocab=40)
+    prompts = [row.tolist() for row in ids]
+    for model, verifies in ((tiny_t5(), False), (tiny_model("mistral", seed=1), False), (tiny_model(), True)):
+        got = {}
+        for spec in (0, 4):
+            with shardgen.Engine(model, backend="local", speculate=spec) as eng:
+                got[spec] = [c.token_ids for c in eng.generate(prompts, max_new_tokens=8, eos_token_id=[])]
+                assert (eng.stats()["verify_forwards"] > 0) == (verifies and spec > 0), type(model).__name__
+        assert got[0] == got[4]
