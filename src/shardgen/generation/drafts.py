@@ -4,8 +4,8 @@ A row's draft is the continuation of an earlier occurrence of its last n tokens 
 ``MAX_NGRAM`` down to ``MIN_NGRAM``: prompt lookup), searched in one n-gram index per prompt
 that holds the prompt itself, the rows of this engine decoding it now (the row itself and its
 group: the other samples of its prompt) and earlier rollouts of it (earlier calls, epochs,
-training steps), then, where that offers less, in one index of every prompt's latest rollouts
-(the text prompts share, as SuffixDecoding's global tree). A conversation's next turn is a new
+training steps), then, where that offers less, in one index of every prompt's live rows and
+latest rollouts (the text prompts share, as SuffixDecoding's global tree). A conversation's next turn is a new
 prompt holding the conversation so far, which the index holds as its prompt. A stale or wrong
 draft only lowers the acceptance: the verify forward keeps exactly the tokens the plain engine
 draws (``verify.py``). Whether a verify forward pays, and how wide, the ``Pacer`` decides.
@@ -162,6 +162,8 @@ class RowDraft:
     misses: int = 0
     cooldown: int = 0
     rate: float = 0.5  # how often a draft token of it is accepted (a moving average)
+    across: NgramIndex | None = None  # the index across prompts that holds its sequence
+    aid: int = -1  # its id there
 
     def observe(self, drafted: int, accepted: int, max_k: int) -> None:
         """After a verify forward: grow the length while drafts are taken whole, shrink it to what
@@ -192,8 +194,8 @@ class DraftStore:
         self.pacer = Pacer()
         self.kept = 0  # finished rollouts' tokens held
         self.evictions = 0
-        # Every prompt's latest finished rollouts (within the budget), for the text that prompts
-        # share (a format, quoted context, the same steps of another task).
+        # Every prompt's live rows and latest finished rollouts (within the budget), for the text
+        # that prompts share (a format, quoted context, the same steps of another task).
         self.recent = NgramIndex()
         self._recent: deque[list[int]] = deque()
         self._recent_tokens = 0
@@ -222,7 +224,7 @@ class DraftStore:
         self._sync(state, seq)
         context = [*seq.prompt_ids[-MAX_NGRAM:], *seq.tokens][-MAX_NGRAM:]
         own = state.entry.index.lookup(context, k)
-        if len(own) < k and self._recent:  # other prompts' rollouts, where they offer more
+        if len(own) < k:  # other prompts' rows, where they offer more
             other = self.recent.lookup(context, k)
             if len(other) > len(own):
                 return other
@@ -257,7 +259,7 @@ class DraftStore:
             entry.index.catch_up(state.sid, whole=True)
         entry.live -= 1
         entry.finished.append(state.seq)
-        self._remember(state.seq)
+        self._remember(state)
         self.kept += len(state.seq)
         if len(entry.finished) > 2 * ROLLOUTS_PER_PROMPT:
             dropped = sum(len(s) for s in entry.finished[:-ROLLOUTS_PER_PROMPT])
@@ -265,13 +267,18 @@ class DraftStore:
             entry.rebuild([])  # its live rows re-index on their next draft
         self._evict()
 
-    def _remember(self, seq: list[int]) -> None:
-        """A finished rollout into the index across prompts; past the budget, the older half out."""
+    def _remember(self, state: RowDraft) -> None:
+        """A finished rollout kept in the index across prompts; past the budget, the older half
+        out (the live rows come back in at their next draft)."""
         if not self.budget:
             return
+        seq = state.seq
         self._recent.append(seq)
         self._recent_tokens += len(seq)
-        self.recent.add(seq, whole=True)
+        if state.across is self.recent:
+            self.recent.catch_up(state.aid, whole=True)
+        else:
+            self.recent.add(seq, whole=True)
         if self._recent_tokens > self.budget:
             while self._recent and self._recent_tokens > self.budget // 2:
                 self._recent_tokens -= len(self._recent.popleft())
@@ -288,6 +295,12 @@ class DraftStore:
             state.sid = index.add(state.seq)  # the index was rebuilt since
         else:
             index.catch_up(state.sid)
+        if not self.budget:
+            return
+        if state.across is not self.recent:  # (again) into the index across prompts
+            state.across, state.aid = self.recent, self.recent.add(state.seq)
+        else:
+            self.recent.catch_up(state.aid)
 
     def _evict(self) -> None:
         """Least recently used prompts out, until the finished rollouts fit the budget."""
