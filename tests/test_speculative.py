@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import shardgen
 from shardgen import toy
 from shardgen.config import EngineConfig
+from shardgen.generation import scheduler as sch
 from shardgen.generation import verify
 from shardgen.generation.drafts import UNMEASURED_COLUMN_COST, DraftStore, NgramIndex, Pacer
 
@@ -171,6 +172,21 @@ def test_refill_and_prefix_cache_take_rows_with_holes(toy_pair, monkeypatch):
     ]
     stats = _same_as_plain(model, tok, calls, max_batch_size=4)
     assert stats["refills"] > 0 and stats["cached_prompt_tokens"] > 0 and stats["accepted"] > 0, stats
+
+
+def test_verify_forward_stays_within_max_prefill_tokens(toy_pair, monkeypatch):
+    model, tok = toy_pair
+    real, widths = verify.verify_step, []
+
+    def spy(batch, forward, drafts):
+        widths.append(len(batch.seqs) * (1 + max(len(d) for d in drafts)))
+        return real(batch, forward, drafts)
+
+    monkeypatch.setattr(sch, "verify_step", spy)
+    ids = _ids(tok, ["count from 3 to 24 :"], 4)
+    calls = [dict(ids=ids, max_new_tokens=30) for _ in range(2)]
+    _same_as_plain(model, tok, calls, max_prefill_tokens=12)  # 4 rows: drafts of 2 at most
+    assert widths and max(widths) <= 12, widths
 
 
 def test_no_draft_no_verify_forward(toy_pair):
