@@ -107,3 +107,41 @@ def _rollouts(backend: str, gather: str, dtype: str) -> dict:
         count("cached", all(_same(cached, batched, r, r)))
     out["cache_hits"] = [int(hits > 0) if prompts else 1, 1]
     return out
+
+
+def speculative_rollouts(backend: str, gather: str, dtype: str) -> dict:
+    """-> {what: [rows equal, rows compared]} for this rank: two epochs over its prompts with
+    ``speculate`` on, every row (tokens, logprobs bits) the plain engine's; every other draft
+    has its last token made wrong, so that both acceptance and rejection happen; ``drafts``:
+    some drafts accepted and some rejected on this rank."""
+    import shardgen
+    from shardgen.generation import drafts
+
+    real, cost = drafts.DraftStore.draft, drafts.Pacer.cost
+    calls = [0]
+
+    def draft(self, seq, limit):  # every other draft's last token wrong
+        d = real(self, seq, limit)
+        calls[0] += 1
+        return [*d[:-1], (d[-1] + 5) % 96] if d and calls[0] % 2 else d
+
+    rank = dist.get_rank()
+    prompts = id_prompts({0: [21, 34, 18], 1: [27], 2: [19, 40]}[rank % 3], seed=20 + rank)
+    base = dict(backend=backend, gather=gather, numerics="invariant", max_batch_size=4, prefix_cache_tokens=0)
+    runs, stats = {}, {}
+    drafts.DraftStore.draft = draft  # type: ignore[method-assign]
+    # Columns priced as before any is measured: which drafts run does not hang on timings.
+    drafts.Pacer.cost = lambda self, width: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
+    try:
+        for spec in (0, 4):
+            with shardgen.Engine(_model(dtype), **base, speculate=spec) as eng:
+                runs[spec] = [eng.rollout(prompts, **KW) for _ in range(2)]
+                stats = eng.stats()
+    finally:
+        drafts.DraftStore.draft, drafts.Pacer.cost = real, cost  # type: ignore[method-assign]
+    out: dict[str, list[int]] = {}
+    for epoch, (a, b) in enumerate(zip(runs[0], runs[4], strict=True)):
+        same = [all(_same(a, b, r, r)) for r in range(len(a))]
+        out[f"epoch{epoch}"] = [sum(same), len(same)]
+    out["drafts"] = [int(0 < stats["accepted"] < stats["drafted"]), 1]
+    return out

@@ -52,7 +52,9 @@ CLI_SAMPLING = {
     "temperature": "--temperature",
 }  # fmt: skip  (temperature: JobConfig's flag)
 CLI_ENGINE = {"backend": "--backend", "gather": "--gather", "max_batch_size": "--batch-size",
-              "stall_timeout": "--stall-timeout", "max_prefill_tokens": "--max-prefill-tokens"}  # fmt: skip
+              "stall_timeout": "--stall-timeout", "max_prefill_tokens": "--max-prefill-tokens",
+              "speculate": "--speculate",
+              "speculate_history_tokens": "--speculate-history-tokens"}  # fmt: skip
 ROLLOUT_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k")  # SamplingConfig's fields
 
 EDGES = [0, 1, -1, 2, 0.0, -0.0, 0.5, 1.0, 1.5, 2.5, 71, 72, 10**30, 10**400, 1e-300, 1e300,

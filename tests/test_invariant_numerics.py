@@ -2,7 +2,8 @@
 forward inside ``shardgen.invariant_numerics()`` gives the rollout's logprobs bit for bit.
 
 Multi-rank: uneven prompts per rank, sampled with a seed, on FSDP2 and DeepSpeed, every gather
-mode, bf16 and fp32 (tests/invariant_scenarios.py). The control runs the same scenario with the
+mode, bf16 and fp32 (tests/invariant_scenarios.py); with speculative decoding, the rows of the
+plain engine. The control runs the same scenario with the
 switch's op replacements removed: it must then fall short, or these tests could not fail.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_scenarios import ARCHS, make
-from invariant_scenarios import invariant_rollouts
+from invariant_scenarios import invariant_rollouts, speculative_rollouts
 from models import batch, tiny_model
 from numerics import assert_rows_are_their_own_bits
 
@@ -52,6 +53,21 @@ def ds_world3():
 @pytest.mark.parametrize(("backend", "dtype"), [("fsdp2", "bfloat16"), ("deepspeed", "float32")])
 def test_every_row_is_its_own_bits_at_3_ranks(ds_world3, backend, dtype):
     _all_equal(ds_world3.run(invariant_rollouts, backend, "per-layer", dtype, timeout=300))
+
+
+SPECULATIVE = [("fsdp2", "per-layer"), ("fsdp2", "once"), ("fsdp2", "stationary"), ("deepspeed", "per-layer")]
+
+
+@pytest.mark.parametrize(("backend", "gather"), SPECULATIVE)
+def test_speculative_rows_are_the_plain_engines_at_2_ranks(ds_world2, backend, gather):
+    """``speculate``: drafts accepted and rejected, uneven rows per rank (each rank's verify forward
+    its own shape), every row's tokens and logprobs the plain engine's bits."""
+    _all_equal(ds_world2.run(speculative_rollouts, backend, gather, "float32", timeout=300))
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_speculative_rows_are_the_plain_engines_at_3_ranks(ds_world3, backend):
+    _all_equal(ds_world3.run(speculative_rollouts, backend, "per-layer", "float32", timeout=300))
 
 
 CONTROLS = [CASES[0], CASES[2], CASES[5]]  # fp32 and bf16, both backends, three gather modes

@@ -266,6 +266,19 @@ class EngineConfig:
     of a conversation) or shares a prefix with one (a system prompt) prefills only the rest.
     Dropped whenever the weights may change (``paused()``, a ``train()``/``eval()`` switch,
     ``close()``). None: a quarter of ``memory_budget_gb`` left beside the batch's KV cache; 0: off."""
+    speculate: int = 0
+    """Speculative decoding from history (``generation/drafts.py``, ``verify.py``): a decode step
+    may feed each row's draft of up to this many tokens, taken from text the engine has seen (its
+    prompt, the other samples of its prompt, earlier rollouts of it), and keep the tokens the
+    plain engine draws (the same rows: bit for bit under ``numerics="invariant"``). Each row's
+    draft length adapts to its acceptance; a verify forward's tokens stay within
+    ``max_prefill_tokens``. Rows of an encoder-decoder, an M-RoPE VLM or a model whose cache is
+    not plain per column (sliding windows, recurrent states) decode plainly. 0: off."""
+    speculate_history_tokens: int = 50_000
+    """With ``speculate``: tokens of finished rollouts kept per rank to draft from, indexed by
+    prompt (least recently used prompt out) and across prompts (the latest), kept across calls
+    and training steps (a stale draft only lowers the acceptance; about 200 bytes a token per
+    index). 0: drafts from the live rows only."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming every field its rule refuses (``ENGINE_RULES``, the same
@@ -297,6 +310,8 @@ class EngineConfig:
         }
 
 
+#: Most draft tokens a verify forward feeds per row (longer drafts are rarely all accepted).
+MAX_SPECULATE = 16
 SECONDS = number(0, above=True)  # finite: nothing waits without a bound
 ENGINE_RULES: dict[str, Rule] = {
     "backend": one_of(BACKEND_NAMES).optional(),  # None: Engine(...) picks it from the model
@@ -318,6 +333,8 @@ ENGINE_RULES: dict[str, Rule] = {
     "max_prefill_tokens": integer(1).optional(),
     "prefix_cache_tokens": integer(0).optional(),
     "numerics": one_of(NUMERICS),
+    "speculate": integer(0, MAX_SPECULATE),
+    "speculate_history_tokens": integer(0),
 }
 """One rule per ``EngineConfig`` field, the same at every door (None: unset, where allowed)."""
 

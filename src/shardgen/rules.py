@@ -49,10 +49,12 @@ def _is_finite(v: Any) -> bool:  # NaN passes no comparison: "x > 0" alone would
         return False
 
 
-def integer(low: int | None = None) -> Rule:
-    """An integer (bools excluded), at least ``low`` when given."""
+def integer(low: int | None = None, high: int | None = None) -> Rule:
+    """An integer (bools excluded), at least ``low`` and at most ``high`` when given."""
     if low is None:
         return Rule("an integer", _is_int)
+    if high is not None:
+        return Rule(f"an integer in {low}..{high}", lambda v: _is_int(v) and low <= v <= high)
     return Rule(f"an integer >= {low}", lambda v: _is_int(v) and v >= low)
 
 

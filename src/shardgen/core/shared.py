@@ -30,7 +30,13 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache instead (counted alike)
     prefix_cache_evictions: int = 0  # entries the prefix cache's bound pushed out
     prefix_cache_drops: int = 0  # entries dropped because the weights may have changed
-    decode_steps: int = 0
+    decode_steps: int = 0  # decode forwards, verify forwards included
+    decode_row_steps: int = 0  # live rows summed over decode forwards
+    decode_tokens: int = 0  # tokens those forwards committed (decode_row_steps without drafts)
+    verify_forwards: int = 0  # decode forwards that fed drafts (EngineConfig.speculate)
+    drafted: int = 0  # draft tokens fed
+    accepted: int = 0  # draft tokens the rows kept
+    forwards_saved: int = 0  # per verify forward, the furthest row's tokens beyond one
     shadow_forwards: int = 0
     idle_ticks: int = 0
     requests: int = 0
@@ -40,7 +46,12 @@ class EngineStats:
     busy_s: float = 0.0  # time in real forwards only
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The counters and ``tokens_per_forward``: tokens a live row commits per decode forward
+        (1.0 without drafts)."""
+        out = asdict(self)
+        rows = self.decode_row_steps
+        out["tokens_per_forward"] = self.decode_tokens / rows if rows else 0.0
+        return out
 
 
 class Shared:

@@ -51,6 +51,7 @@ class Work(str, enum.Enum):
     REFILL = "refill"  # a prefill joining a running batch
     CHUNK = "chunk"  # the next chunk of the prefill under way (the phase stays the prefill's)
     DECODE = "decode"
+    VERIFY = "verify"  # a decode step feeding drafts (``verify.py``; the phase stays decode)
     SCORE = "score"  # a forward of a score run (teacher forcing: a prefill with the head on responses)
 
     def __str__(self) -> str:
@@ -66,11 +67,13 @@ class ForwardPlan:
     ``PREFILL`` / ``REFILL`` (the first ``take`` pending requests start a prefill, by
     ``prefill``), ``CHUNK`` (the next forward of the prefill under way), ``DECODE``, ``SCORE``
     (with ``score``: the first ``take`` waiting score rows start a run by that plan; without:
-    the next forward of the run under way).
+    the next forward of the run under way), ``VERIFY`` (a decode step feeding each row's last
+    token and ``drafts[i]``, every row at the width of the longest draft plus one).
     ``tokens``, ``head_rows``: what every layer's input and the LM head's input hold (rows x
     columns, padding included; one position per head row, or every row at the last chunk of a
-    shared prefill): the tick carries them. ``towers``: the model's towers (a bit each,
-    ``backends/towers.py``) this forward's own inputs run, which the tick carries.
+    shared prefill, or every position of a verify forward): the tick carries them. ``towers``:
+    the model's towers (a bit each, ``backends/towers.py``) this forward's own inputs run,
+    which the tick carries.
 
     Set by ``agreed``, from the agreed state, and all the backend reads (``Backend.forward``):
     ``access`` (None until then: a plan the tick has not agreed runs no forward), ``shapes``
@@ -84,6 +87,7 @@ class ForwardPlan:
     head_rows: int = 0
     score: ScorePlan | None = None
     towers: int = 0
+    drafts: tuple[tuple[int, ...], ...] | None = None
     access: Access | None = None
     shapes: Shapes | None = None
     run_towers: int = 0

@@ -71,14 +71,31 @@ class BatchRows:
             type(layer) in (DynamicLayer, ReservedLayer) and layer.is_initialized for layer in layers
         )
 
+    def can_verify(self) -> bool:
+        """A verify forward (``verify.py``) can run: plain cache layers (a rejected draft leaves a
+        hole, which a sliding window's or a recurrent state's cache cannot hold) and plain
+        positions (an M-RoPE model's are not the mask's count)."""
+        return self.steps > 0 and self.rope_deltas is None and self.cacheable()
+
     def row_kv(self, i: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of row ``i``'s KV for its last ``length`` computed columns (its real tokens: a
-        row's columns are left padding, then its tokens, with no gap), per layer ``[H, length, D]``."""
+        row's columns are left padding, then its tokens, with no gap but the holes of rejected
+        drafts, mask 0, which are left out), per layer ``[H, length, D]``."""
+        layers = self._layers()
+        t = layers[0].keys.shape[-2] if layers else 0
+        assert length <= t, f"row {i}: {length} tokens kept of {t} columns"
+        cols: torch.Tensor | None = None  # None: the last ``length`` columns, no hole among them
+        if self.attention_mask is not None:
+            seen = self.attention_mask[i, :t].nonzero().flatten()[-length:]
+            assert len(seen) == length, f"row {i}: {length} tokens kept of {len(seen)} seen columns"
+            cols = seen if int(seen[0]) != t - length else None
         out = []
-        for layer in self._layers():
-            t = layer.keys.shape[-2]
-            assert length <= t, f"row {i}: {length} tokens kept of {t} columns"
-            out.append((layer.keys[i, :, t - length :].clone(), layer.values[i, :, t - length :].clone()))
+        for layer in layers:
+            if cols is None:
+                out.append((layer.keys[i, :, t - length :].clone(), layer.values[i, :, t - length :].clone()))
+            else:
+                at = cols.to(layer.keys.device)
+                out.append((layer.keys[i].index_select(-2, at), layer.values[i].index_select(-2, at)))
         return out
 
     @property

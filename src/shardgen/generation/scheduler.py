@@ -25,6 +25,7 @@ import torch
 from shardgen.config import EngineConfig
 from shardgen.generation import parking
 from shardgen.generation.batch import Batch
+from shardgen.generation.drafts import DraftStore
 from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, is_encoder_decoder
 from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, ScorePlan, Work
 from shardgen.generation.prefix_cache import PrefixCache
@@ -32,6 +33,7 @@ from shardgen.generation.requests import Request
 from shardgen.generation.score import RowScore, ScoreRequest
 from shardgen.generation.scoring import ScoreRun
 from shardgen.generation.sequence import SeqState
+from shardgen.generation.verify import verify_step
 
 
 class LocalWork:
@@ -67,6 +69,10 @@ class LocalWork:
         self.parked: list[tuple[Request, int]] = []  # held rows out of the batch (``parking.py``)
         self.releases = 0  # the quota calls whose start the driver has seen
         self.version = 0  # the weights' version: the pauses so far
+        # Speculative decoding's n-gram indexes: kept for the engine's life (a pause or a new
+        # policy only makes a draft stale, which lowers the acceptance and changes no row).
+        self.drafts = DraftStore(config.speculate_history_tokens, config.speculate)
+        self._drafted: tuple[Any, tuple[tuple[int, ...], ...] | None] = (None, None)  # (batch state, drafts)
 
     def forget_prefixes(self) -> None:
         """Drop the prefix cache: the weights may change (a pause, ``close()``). Driver thread."""
@@ -167,8 +173,33 @@ class LocalWork:
             sp = ScorePlan.of(prompts, responses, share, budget)
             return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp, towers=towers)
         if batch is not None:
+            drafts = self._drafts(batch)
+            if drafts is not None:
+                tokens = len(batch.seqs) * (max(len(d) for d in drafts) + 1)
+                return ForwardPlan(Work.VERIFY, 0, None, tokens, tokens, drafts=drafts)
             return ForwardPlan(Work.DECODE, 0, None, len(batch.seqs), len(batch.seqs))
         return IDLE_PLAN
+
+    def _drafts(self, batch: Batch) -> tuple[tuple[int, ...], ...] | None:
+        """Each row's draft for the next decode step (``DraftStore.draft``), or None: no row has
+        one, speculation is off, or the batch's rows cannot be verified (``Batch.can_verify``).
+        A draft reaches no further than the row's ``max_new_tokens`` allows, and the forward's
+        tokens stay within ``max_prefill_tokens``. Local; changes no row."""
+        cfg = self.config
+        if not cfg.speculate or self.encdec or not batch.can_verify():
+            return None
+        width = cfg.speculate
+        if cfg.max_prefill_tokens is not None:
+            width = min(width, cfg.max_prefill_tokens // len(batch.seqs) - 1)
+        if width <= 0:
+            return None
+        # The driver plans each tick twice (admitted or held) over the same batch: drafted once.
+        key = (id(batch), batch.steps, width, tuple(map(id, batch.seqs)))
+        if self._drafted[0] != key:
+            # No draft reaches past max_new_tokens: what lay beyond could only be cut.
+            limits = [min(width, s.params.max_new_tokens - len(s.tokens)) for s in batch.seqs]
+            self._drafted = (key, self.drafts.drafts(batch.seqs, limits))
+        return self._drafted[1]
 
     def step(self, plan: ForwardPlan) -> bool:
         """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since, then
@@ -196,14 +227,42 @@ class LocalWork:
                 self.stats.refills += 1
             self._start(self._take(plan.take), plan.prefill, forward)
         else:
-            assert plan.kind is Work.DECODE and self.batch is not None and self.prefilling is None
+            assert plan.kind in (Work.DECODE, Work.VERIFY), plan.kind
+            assert self.batch is not None and self.prefilling is None
             self.phase = Work.DECODE
-            self.batch.step(forward)
-            self.stats.decode_steps += 1
+            self._decode(plan, forward)
         self.stats.forwards += 1
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
+
+    def _decode(self, plan: ForwardPlan, forward: Callable[..., Any]) -> None:
+        """A decode step, or (``VERIFY``) one feeding the plan's drafts; its counters."""
+        batch, st = self.batch, self.stats
+        assert batch is not None
+        live = [s for s in batch.seqs if not s.finished]
+        before = sum(len(s.tokens) for s in live)
+        rows, t0 = len(batch.seqs), time.perf_counter()
+        if plan.kind is Work.VERIFY:
+            assert plan.drafts is not None
+            done = verify_step(batch, forward, plan.drafts)
+            for s, d, a in zip(batch.seqs, plan.drafts, done.accepted, strict=True):
+                self.drafts.observe(s, len(d), a)
+            st.verify_forwards += 1
+            st.drafted += done.drafted
+            st.accepted += sum(done.accepted)
+            st.forwards_saved += max(done.committed) - 1
+        else:
+            batch.step(forward)
+            if self.config.speculate:
+                for s in live:
+                    self.drafts.observe(s, 0, 0)
+        if self.config.speculate:  # what a forward of this width costs here (Pacer)
+            width = 1 + (max(len(d) for d in plan.drafts) if plan.drafts else 0)
+            self.drafts.pacer.timed(width, rows, time.perf_counter() - t0)
+        st.decode_steps += 1
+        st.decode_row_steps += len(live)
+        st.decode_tokens += sum(len(s.tokens) for s in live) - before
 
     def _score_forward(self, plan: ForwardPlan, forward: Callable[..., Any]) -> None:
         """The first forward of a new score run (``plan.score``), or the next of the one under way;
@@ -344,6 +403,7 @@ class LocalWork:
         for i, s in enumerate(batch.seqs):
             if s.finished and not s.parked and not s.tag.future.done():
                 self.stats.generated_tokens += len(s.tokens)
+                self.drafts.finish(s)
                 self._keep(batch, i, s)
                 self.on_finished(s)
         if batch.done:

@@ -1,0 +1,164 @@
+"""Speculative decoding from history (``EngineConfig.speculate``) against the plain engine.
+
+    python benchmarks/speculative.py                       # toy model, FSDP2, 2 gloo ranks
+    python benchmarks/speculative.py --gathers once --modes sampled --speculate 6 --rounds 3
+
+The RL rollout pattern: the shipped toy model, each rank its own prompts (uneven: 16 on rank 0,
+11 on the others), ``n`` samples each, ``max_new_tokens`` new tokens; three epochs over the same
+prompts, then one over new ones (drafts only from the live rows and the prompts then). For each
+gather mode and each of greedy and sampled (temperature 1, a seed per epoch), a fresh engine
+with ``speculate`` off and one with it on run the four epochs; rounds alternate them. Every
+row of the speculative engine is asserted equal to the plain engine's (tokens; and logprobs
+bit for bit under ``--numerics invariant``). Reports useful tokens/s (every generated token,
+EOS included) of each, the speedup, the acceptance (draft tokens kept / fed), tokens per
+forward (a live row's tokens per decode forward) and decode forwards, per epoch kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import run_as_ranks, script_args, write_json  # noqa: E402
+
+COUNTERS = ("drafted", "accepted", "decode_steps", "verify_forwards", "decode_tokens", "decode_row_steps")
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import shardgen
+    from shardgen.toy import make_prompts, toy_model_path
+
+    torch.set_num_threads(1)
+    shardgen.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = toy_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    count = args.prompts if rank == 0 else args.prompts_other
+    same = [p["prompt"] for p in make_prompts(count, seed=rank)]
+    new = [p["prompt"] for p in make_prompts(count, seed=1000 + rank)]
+    epochs = [same, same, same, new]
+
+    def build(gather: str, spec: int):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        return shardgen.Engine(
+            model, tok, backend="fsdp2", gather=gather, max_batch_size=args.batch, speculate=spec,
+            numerics=args.numerics,
+        )  # fmt: skip
+
+    def run(eng, mode: str) -> tuple[list, list[dict], float]:
+        outs, deltas, wall = [], [], 0.0
+        for e, prompts in enumerate(epochs):
+            kw = dict(max_new_tokens=args.max_new_tokens, n=args.n)
+            if mode == "sampled":
+                kw.update(temperature=1.0, seed=e)
+            else:
+                kw.update(do_sample=False)
+            before = eng.stats()
+            dist.barrier()
+            t0 = time.perf_counter()
+            got = eng.rollout(prompts, **kw)
+            dist.barrier()
+            wall += time.perf_counter() - t0
+            after = eng.stats()
+            deltas.append({k: after[k] - before[k] for k in COUNTERS})
+            rows = []
+            for r in range(len(got)):
+                m = got.response_mask[r].bool()
+                rows.append((got.response_ids[r][m].tolist(), got.logprobs[r][m]))
+            outs.append(rows)
+        return outs, deltas, wall
+
+    results: dict = {}
+    for gather in args.gathers.split(","):
+        for mode in args.modes.split(","):
+            wall = {0: 0.0, args.speculate: 0.0}
+            first: dict = {}
+            stats: dict = {}
+            for rnd in range(args.rounds):
+                for spec in (0, args.speculate) if rnd % 2 == 0 else (args.speculate, 0):
+                    eng = build(gather, spec)
+                    outs, deltas, w = run(eng, mode)
+                    eng.close()
+                    wall[spec] += w
+                    first.setdefault(spec, outs)
+                    stats.setdefault(spec, deltas)
+            useful = sum(len(t) for ep in first[0] for t, _ in ep)
+            for e, (a, b) in enumerate(zip(first[0], first[args.speculate], strict=True)):
+                for r, ((ta, la), (tb, lb)) in enumerate(zip(a, b, strict=True)):
+                    assert ta == tb, f"rank {rank} {gather} {mode} epoch {e} row {r}: {tb} != plain {ta}"
+                    if args.numerics == "invariant":
+                        assert torch.equal(la, lb), f"rank {rank} {gather} {mode} epoch {e} row {r}: logprobs"
+            total = torch.tensor([float(useful)], dtype=torch.float64)
+            dist.all_reduce(total)
+            walls = torch.tensor([wall[0], wall[args.speculate]], dtype=torch.float64)
+            dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+            counters = torch.tensor(
+                [[d[k] for k in COUNTERS] for d in stats[args.speculate]], dtype=torch.float64
+            )  # [epoch, counter]: summed over ranks
+            dist.all_reduce(counters)
+            results[f"{gather}/{mode}"] = _summary(args, total.item(), walls.tolist(), counters)
+    if rank == 0:
+        print(f"\ntoy model, FSDP2, {world} ranks, prompts {args.prompts}/{args.prompts_other}, n={args.n}, "
+              f"{args.max_new_tokens} new tokens, speculate={args.speculate}, numerics={args.numerics}, "
+              f"{args.rounds} rounds")  # fmt: skip
+        for key, r in results.items():
+            print(
+                f"{key:20s} plain {r['plain_tok_s']:8.1f} tok/s  speculative {r['spec_tok_s']:8.1f} tok/s  "
+                f"{r['speedup']:5.2f}x   same prompts: accept {r['same']['acceptance']:.2f} "
+                f"tok/fwd {r['same']['tokens_per_forward']:.2f}   new prompts: accept "
+                f"{r['new']['acceptance']:.2f} tok/fwd {r['new']['tokens_per_forward']:.2f}",
+                flush=True,
+            )
+        write_json(args.json, {"results": results, "world": world, "config": vars(args)})
+    dist.destroy_process_group()
+
+
+def _summary(args: argparse.Namespace, useful: float, walls: list[float], counters) -> dict:
+    """Useful tokens/s of each engine and the speculative one's counters, for the three epochs
+    over the same prompts and the one over new ones."""
+
+    def part(rows) -> dict:
+        c = dict(zip(COUNTERS, rows.sum(0).tolist(), strict=True))
+        return {
+            "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
+            "tokens_per_forward": c["decode_tokens"] / c["decode_row_steps"]
+            if c["decode_row_steps"]
+            else 0.0,
+            "decode_forwards": c["decode_steps"],
+            "verify_forwards": c["verify_forwards"],
+        }
+
+    plain, spec = args.rounds * useful / walls[0], args.rounds * useful / walls[1]
+    return {"plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
+            "same": part(counters[:3]), "new": part(counters[3:])}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="gloo ranks to spawn")
+    p.add_argument("--prompts", type=int, default=16, help="prompts on rank 0")
+    p.add_argument("--prompts-other", type=int, default=11, help="prompts on every other rank")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=64, help="max_batch_size")
+    p.add_argument("--speculate", type=int, default=4, help="the speculative engine's EngineConfig.speculate")
+    p.add_argument("--gathers", default="per-layer,once")
+    p.add_argument("--modes", default="greedy,sampled")
+    p.add_argument("--numerics", choices=["fast", "invariant"], default="fast")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each engine (alternating)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(script_args())
+    if not 1 <= args.speculate <= 16:
+        p.error(f"--speculate must be in 1..16, got {args.speculate}")
+    run_as_ranks(__file__, args.world, rank_main, args)
+
+
+if __name__ == "__main__":
+    main()

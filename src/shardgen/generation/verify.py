@@ -1,0 +1,141 @@
+"""The verify forward of speculative decoding: one decode forward where row i feeds its last token
+and its draft (``drafts[i]``, k_i tokens), every row at the width K + 1 of the longest draft, the
+LM head on every position; then each row keeps what the plain engine would have drawn.
+
+Acceptance walks a row's positions in order and draws each position's token exactly as the
+plain engine's step would draw it there (``select_tokens`` with the row's own generator: one
+draw per committed token, as in plain decoding; greedy rows take the argmax), commits it through
+``SeqState.append`` (so EOS, a stop string and ``max_new_tokens`` end the row exactly where one
+token at a time would), and goes on while the token equals the draft's. The first token that
+differs (or the one after a wholly accepted draft) is the last committed. A row's tokens are
+then the plain engine's whenever its logits at each position are the one-token step's: always
+the same bits under ``numerics="invariant"`` (its attention takes each row's visible keys in
+order, whatever the columns between them), up to the last bits of the kernels otherwise.
+
+The columns of rejected positions stay in the cache as holes: attention mask 0 (no later query
+sees them), ``position_ids`` counting the kept tokens only, as left padding is. Columns that are
+holes in every row are cropped off the cache at once. No ``torch.distributed``: ``forward`` is
+the backend's, bound to the tick's ``VERIFY`` plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardgen.generation.sampling import chosen_logprobs, select_tokens
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one verify forward did: draft tokens fed, those accepted, tokens committed per row."""
+
+    drafted: int
+    accepted: list[int]
+    committed: list[int]
+
+
+def verify_step(batch: Any, forward: Callable[..., Any], drafts: tuple[tuple[int, ...], ...]) -> Verified:
+    """ONE forward of ``batch`` (a prefilled ``Batch`` of plain cache layers) feeding each row's
+    last token and ``drafts[i]``; commits each row's tokens as described in the module docstring."""
+    seqs = batch.seqs
+    B, dev = len(seqs), batch.device
+    assert len(drafts) == B, f"{len(drafts)} drafts for {B} rows"
+    K = max(len(d) for d in drafts)
+    assert K > 0, "a verify forward with no draft"
+    W = K + 1
+    ids_d = torch.tensor([[*d, *[s.pad_id] * (K - len(d))] for s, d in zip(seqs, drafts, strict=True)],
+                         dtype=torch.long)  # fmt: skip
+    fed = torch.tensor([[1] * len(d) + [0] * (K - len(d)) for d in drafts], dtype=torch.long)
+    ids_d, fed = ids_d.to(dev), fed.to(dev)
+    last = batch.position_ids[:, -1:]
+    pos_d = (last + fed.cumsum(-1)).masked_fill(fed == 0, 0)
+    mask = torch.cat([batch._full_mask(), fed], dim=-1)
+    ids = torch.cat([batch.input_ids, ids_d], dim=-1)
+    kw: dict[str, Any] = {batch._cache_kw: batch.cache, "use_cache": True, "attention_mask": mask}
+    if batch._takes_positions:
+        kw["position_ids"] = torch.cat([batch.position_ids, pos_d], dim=-1)
+    if batch._takes_logits_to_keep:
+        kw["logits_to_keep"] = W
+    inputs = batch.hf_model.prepare_inputs_for_generation(ids, next_sequence_length=W, **kw)
+    outputs = forward(**inputs, return_dict=True)
+    logits = outputs.logits[:, -W:].to(dtype=torch.float32)  # [B, W, V]
+    returned = getattr(outputs, batch._cache_kw, None)
+    if returned is not None:
+        batch.cache = returned
+    del outputs
+    committed, accepted = _accept(seqs, logits, drafts)
+    _keep_columns(batch, ids, mask, pos_d, committed, K)
+    return Verified(sum(len(d) for d in drafts), accepted, committed)
+
+
+def _accept(
+    seqs: list[Any], logits: torch.Tensor, drafts: tuple[tuple[int, ...], ...]
+) -> tuple[list[int], list[int]]:
+    """Walk the positions in order, every row still going at once: draw, commit, compare.
+    -> (tokens committed, draft tokens accepted) per row."""
+    B = len(seqs)
+    going = [not s.finished for s in seqs]
+    committed, accepted = [0] * B, [0] * B
+    for j in range(logits.shape[1]):
+        rows = [i for i in range(B) if going[i]]
+        if not rows:
+            break
+        idx = torch.tensor(rows, device=logits.device)
+        sub = logits[:, j].index_select(0, idx)  # [R, V]: each row's draw depends on its row alone
+        params = [seqs[i].params for i in rows]
+        tokens = select_tokens(sub, params, [seqs[i].generator for i in rows])
+        forced = [(r, t) for r, i in enumerate(rows) if (t := seqs[i].forced_token()) is not None]
+        if forced:  # HF's forced tokens, as the plain step takes them
+            tokens = tokens.clone()
+            for r, t in forced:
+                tokens[r] = t
+        lps = None
+        if any(p.logprobs for p in params):
+            lps = chosen_logprobs(sub, tokens, params).tolist()
+        for r, (i, t) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            s, d = seqs[i], drafts[i]
+            s.append(t, lps[r] if (lps is not None and s.params.logprobs) else None)
+            committed[i] += 1
+            hit = j < len(d) and t == d[j]
+            accepted[i] += hit
+            if s.finished or not hit:
+                going[i] = False
+    return committed, accepted
+
+
+def _keep_columns(
+    batch: Any, ids: torch.Tensor, mask: torch.Tensor, pos_d: torch.Tensor, committed: list[int], K: int
+) -> None:
+    """The batch after the forward: the draft columns kept where accepted (holes elsewhere), those
+    that are holes in every row cropped (ids, mask, positions and cache), then each row's last
+    committed token as the next column to feed (a finished row's: its pad, as the plain step)."""
+    B, dev = len(batch.seqs), batch.device
+    T = batch.input_ids.shape[1]
+    keep = [max(0, c - 1) for c in committed]  # accepted draft columns kept per row
+    width = max(keep)
+    kept = torch.tensor([[1] * k + [0] * (K - k) for k in keep], dtype=torch.long, device=dev)
+    mask = mask.clone()
+    mask[:, T:] *= kept
+    ids = ids.clone()
+    pad = torch.tensor([s.pad_id for s in batch.seqs], dtype=torch.long, device=dev)[:, None]
+    ids[:, T:] = torch.where(kept == 1, ids[:, T:], pad)
+    pos_d = pos_d * kept
+    cut = K - width  # draft columns that are holes in every row
+    if cut:
+        ids, mask, pos_d = ids[:, : T + width], mask[:, : T + width], pos_d[:, :width]
+        for layer in batch._layers():
+            n = layer.keys.shape[-2] - cut
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+    last = [s.tokens[-1] if c else s.pad_id for s, c in zip(batch.seqs, committed, strict=True)]
+    step = torch.tensor([max(1, c) for c in committed], dtype=torch.long, device=dev)[:, None]
+    nxt = torch.tensor(last, dtype=torch.long, device=dev)[:, None]
+    batch.input_ids = torch.cat([ids, nxt], dim=-1)
+    batch.position_ids = torch.cat([batch.position_ids, pos_d, batch.position_ids[:, -1:] + step], dim=-1)
+    full = torch.cat([mask, mask.new_ones((B, 1))], dim=-1)
+    batch.attention_mask = None if bool((full == 1).all()) else full  # HF drops an all-ones mask
+    batch.steps += 1
+    batch._reserve()
