@@ -8,7 +8,7 @@ interleaved and rotated per repetition:
 
 - ``before``: the tree given by ``--before-src`` (its backends fix glibc's mmap threshold at
   128 KiB when created on a CPU, process-wide);
-- ``after``: this tree (no allocator setting; gathers into kept buffers, ``backends/pool.py``);
+- ``after``: this tree (no allocator setting; gathers into kept buffers, ``backends/buffer_pool.py``);
 - ``after+setting``: this tree with the old setting applied by the benchmark at start
   (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``): what the setting alone does to it.
 

@@ -145,7 +145,7 @@ def _forward_checked(backend, ref, lengths, seed):
 
 def gathers(calls: list[tuple], world: int | None = None) -> int:
     """Parameter gathers among recorded ``calls``: an all-gather each, or, written in place into a
-    pooled buffer (CPU, ``pool.gather_in_place``), one broadcast per rank of the group (of
+    pooled buffer (CPU, ``buffer_pool.gather_in_place``), one broadcast per rank of the group (of
     ``world`` ranks, default this rank's world)."""
     world = world if world is not None else dist.get_world_size()
     broadcasts = sum(1 for c in calls if c[0] == "broadcast")
@@ -206,7 +206,7 @@ def logits_match(arch: str = "llama", offload: bool = False) -> dict:
     diff, calls = _forward_checked(backend, ref, [5, 3], seed=dist.get_rank())
     backend.use_buckets(8192)  # several small buckets: tied weights and leaves across buckets
     diff_small, calls_small = _forward_checked(backend, ref, [4, 6], seed=dist.get_rank())
-    n_small = len(backend.plan)
+    n_small = len(backend.buckets)
     backend.gather_all()  # the plain replica: tied weights, buffers, MoE experts
     diff_replica, calls_replica = _forward_checked(backend, ref, [2, 5], seed=dist.get_rank())
     backend.close()
@@ -237,8 +237,8 @@ def lockstep_uneven(bucket_bytes: int | None = None) -> dict:
     model, ref = _pair("llama")
     backend = _create(model, group, **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     n_units = len(backend.units())
-    n_buckets = len(backend.plan) if backend.plan is not None else None
-    prefetch = backend.plan.prefetch if backend.plan is not None else None
+    n_buckets = len(backend.buckets) if backend.buckets is not None else None
+    prefetch = backend.buckets.prefetch if backend.buckets is not None else None
     seqs, diffs = [], []
     plan = ["real", "real", "real"] if rank == 0 else ["shadow", "real", "shadow"]
     shapes = [[5, 3], [7], [2, 6, 4]]

@@ -78,7 +78,7 @@ def reset_peak() -> float:
     be reused without raising the peak."""
     import gc
 
-    from shardgen.backends.pool import trim_heap
+    from shardgen.backends.buffer_pool import trim_heap
 
     gc.collect()
     trim_heap()

@@ -1,4 +1,4 @@
-"""Scenarios for the gather-buffer pools (backends/pool.py); they run inside gloo ranks of a World."""
+"""Scenarios for the gather-buffer pools (backends/buffer_pool.py); they run inside gloo ranks of a World."""
 
 from __future__ import annotations
 
@@ -146,19 +146,19 @@ def check_pools(r: int, res: dict) -> None:
         (sa1, su1, _), (sa2, su2, _) = res["first"]["storages"], res["second"]["storages"]
         assert sa1 > 0 and sa2 == sa1 and su2 > su1, (r, res)
         assert res["paused"]["storages"][2] == 0 and res["closed"]["storages"][2] == 0, (r, res)
-    # Pooled gathers are written in place, by broadcasts (pool.gather_in_place): gloo's all-gather
+    # Pooled gathers are written in place, by broadcasts (buffer_pool.gather_in_place): gloo's all-gather
     # would allocate an output-sized temporary per call, which glibc's per-thread arenas keep.
     gathers = {k: v for k, v in res["calls"].items() if k != "broadcast"}
     assert res["calls"].get("broadcast", 0) > 0 and not any(gathers.values()), (r, res["calls"])
 
 
 def gather_in_place_matches_all_gather() -> list[bool]:
-    """``pool.gather_in_place`` against ``all_gather_into_tensor``: on the default group and on a
+    """``buffer_pool.gather_in_place`` against ``all_gather_into_tensor``: on the default group and on a
     group of every other rank (its global ranks not its group ranks), with the input a separate
     tensor and this rank's own slice of the output, in several dtypes. Every rank runs it."""
     import torch.distributed as dist
 
-    from shardgen.backends.pool import gather_in_place
+    from shardgen.backends.buffer_pool import gather_in_place
 
     world, me = dist.get_world_size(), dist.get_rank()
     evens = list(range(0, world, 2))

@@ -74,7 +74,7 @@ def greedy_matches_hf(archs: list[str], backend: str, gather: str = "stationary"
             "stats": st,
             "chosen": dict(eng._driver.mode.chosen),
             "policy": eng.gather_policy,
-            "plan": eng.backend.stationary.plan.describe() if eng.backend.stationary is not None else None,
+            "plan": eng.backend.stationary.layout.describe() if eng.backend.stationary is not None else None,
             "cut": bool(eng.backend.stationary.cut.shards) if eng.backend.stationary is not None else None,
         }
         assert_lockstep([st] if world_size() == 1 else _gathered(st))
@@ -134,7 +134,7 @@ def collectives_real_vs_shadow(arch: str, backend: str) -> dict:
             else:
                 b.shadow_forward(IDLE_PLAN.agreed(Access.STATIONARY, shapes))
         seqs.append(rec.calls)
-        cost = stationary_cost(b.stationary.plan, shapes, me)
+        cost = stationary_cost(b.stationary.layout, shapes, me)
         plans.append((cost.collectives, cost.elements))
     b.close()
     return {
@@ -179,7 +179,7 @@ def user_sharded_greedy(kind: str, name: str = "llama-odd") -> dict:
     eng = shardgen.Engine(target, backend=backend, gather="stationary")
     calls = _uneven_greedy(eng, ref, vocab=ref.config.vocab_size)
     eng.close()
-    return {"calls": calls, "stats": eng.stats(), "plan": eng.backend.stationary.plan.describe()}
+    return {"calls": calls, "stats": eng.stats(), "plan": eng.backend.stationary.layout.describe()}
 
 
 def mixed_precision_greedy(kind: str, gather: str, name: str = "llama-odd") -> dict:

@@ -201,7 +201,7 @@ def test_stationary_plan_sizes_the_encoder_at_the_call_and_gates_the_cross_atten
     locally; a real forward calling it without the agreed encoder is a RuntimeError."""
     import torch
 
-    from shardgen.backends.encdec import shadow_inputs
+    from shardgen.backends.seq2seq_inputs import shadow_inputs
     from shardgen.backends.stationary import Source, Stationary
     from shardgen.backends.stationary import shards as sh
     from shardgen.backends.towers import towers_of
@@ -214,7 +214,7 @@ def test_stationary_plan_sizes_the_encoder_at_the_call_and_gates_the_cross_atten
 
     model = tiny(kind)
     mode = Stationary.create(model, Whole(None, 0, 1, torch.device("cpu")), towers_of(model))
-    plan = mode.plan
+    plan = mode.layout
     gated = [s for s in plan.linears.values() if s.gated]
     assert len(gated) == 4 and plan.describe()["fallbacks"] == {}, plan.describe()
     encoder = {

@@ -55,7 +55,7 @@ def test_shardgen_computes_its_row_block_products_through_f_linear():
     """The stationary exchange and the chunked head multiply row blocks with ``F.linear`` looked
     up at call time, so the switch (which replaces ``torch.nn.functional.linear``) reaches them."""
     from shardgen.backends import chunked
-    from shardgen.backends.stationary import mode
+    from shardgen.backends.stationary import runner as mode
 
     assert mode.F is torch.nn.functional and chunked.F is torch.nn.functional
 

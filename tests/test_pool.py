@@ -1,4 +1,4 @@
-"""Gather buffers kept across forwards (backends/pool.py) instead of a process-wide allocator setting.
+"""Gather buffers kept across forwards (backends/buffer_pool.py) instead of a process-wide allocator setting.
 
 In-process: the pools' reuse rules. On 2 gloo ranks (FSDP2 here, DeepSpeed in
 test_deepspeed_backend.py): an engine leaves glibc's mmap threshold alone, a second forward
@@ -11,7 +11,7 @@ import pool_scenarios as sc
 import pytest
 import torch
 
-from shardgen.backends.pool import BufferPool, StoragePool, trim_heap
+from shardgen.backends.buffer_pool import BufferPool, StoragePool, trim_heap
 
 
 # ----------------------------------------------------------------------------- in-process

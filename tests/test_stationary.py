@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import shardgen.backends.stationary.shards as sh
-from shardgen.backends.stationary.plan import Source
+from shardgen.backends.stationary.layout import Source
 from shardgen.core.protocol import TickRow, TickState
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -374,13 +374,13 @@ def test_embedding_subclasses_look_up_from_the_shards_unless_they_read_their_wei
         with torch.no_grad():
             exp = net(ids)
         mode = Stationary.create(net, _Whole(None, 0, 1, torch.device("cpu")))
-        plan = mode.plan.describe()
+        plan = mode.layout.describe()
         if why is None:
             assert plan["embeddings"] == ["emb"] and plan["fallbacks"] == {}, plan
-            assert [(s.subclass, s.calls) for s in mode.plan.embeddings.values()] == [(True, calls)]
+            assert [(s.subclass, s.calls) for s in mode.layout.embeddings.values()] == [(True, calls)]
         else:
             assert plan["embeddings"] == [] and why in plan["fallbacks"]["emb"], plan
-            assert [s.calls for s in mode.plan.fallbacks.values()] == [calls]
+            assert [s.calls for s in mode.layout.fallbacks.values()] == [calls]
         with torch.no_grad():
             for p in net.parameters():
                 p.zero_()
@@ -388,13 +388,13 @@ def test_embedding_subclasses_look_up_from_the_shards_unless_they_read_their_wei
 
 
 def test_a_stationary_forward_on_the_cpu_gives_the_freed_heap_back(monkeypatch):
-    """Each stationary forward on the CPU ends with ``pool.trim_heap`` (glibc's ``malloc_trim``,
+    """Each stationary forward on the CPU ends with ``buffer_pool.trim_heap`` (glibc's ``malloc_trim``,
     looked up once): its temporaries would otherwise stay on a fragmented heap (PERFORMANCE 15)."""
     from torch import nn
 
-    import shardgen.backends.pool as pool
+    import shardgen.backends.buffer_pool as buffer_pool
     from shardgen.backends.stationary import Stationary
-    from shardgen.backends.stationary import mode as mode_module
+    from shardgen.backends.stationary import runner as mode_module
 
     class Net(nn.Module):
         def __init__(self):
@@ -412,9 +412,10 @@ def test_a_stationary_forward_on_the_cpu_gives_the_freed_heap_back(monkeypatch):
     for n in range(1, 4):
         mode.forward([(10, 10)], lambda: net(ids))
         assert len(calls) == n
-    assert pool.trim_heap() is True  # glibc here
-    hits = pool._malloc_trim.cache_info().hits
-    assert all(pool.trim_heap() for _ in range(100)) and pool._malloc_trim.cache_info().hits == hits + 100
+    assert buffer_pool.trim_heap() is True  # glibc here
+    hits = buffer_pool._malloc_trim.cache_info().hits
+    assert all(buffer_pool.trim_heap() for _ in range(100))
+    assert buffer_pool._malloc_trim.cache_info().hits == hits + 100
 
 
 def test_cost_model_decodes_stationary_and_gathers_for_a_long_prefill():
@@ -431,7 +432,7 @@ def test_cost_model_decodes_stationary_and_gathers_for_a_long_prefill():
     mode = Stationary.create(model, _Whole(None, 0, 2, torch.device("cpu")))
     full = sum(p.numel() * 4 for p in model.parameters())
     per_layer = gathered_cost(4, full, 2).seconds(link_for("cpu"))  # a layer, embeddings, head, root
-    decode = stationary_cost(mode.plan, [(8, 1), (8, 1)], 0)
+    decode = stationary_cost(mode.layout, [(8, 1), (8, 1)], 0)
     assert decode.collectives == 8 + 2 + 2  # q/k/v, o, gate/up, down: 2 each; embedding; head
     assert decode.seconds(link_for("cpu")) < per_layer
-    assert stationary_cost(mode.plan, [(1, 4096), (1, 4096)], 0).seconds(link_for("cpu")) > per_layer
+    assert stationary_cost(mode.layout, [(1, 4096), (1, 4096)], 0).seconds(link_for("cpu")) > per_layer

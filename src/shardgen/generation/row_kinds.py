@@ -27,7 +27,7 @@ from shardgen.generation.batch import Batch
 from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, is_encoder_decoder
 from shardgen.generation.plan import ForwardPlan, PrefillPlan, ScorePlan, Work
 from shardgen.generation.score import ScoreRequest
-from shardgen.generation.scoring import ScoreRun
+from shardgen.generation.score_run import ScoreRun
 from shardgen.generation.sequence import SeqState
 
 #: The towers one forward's own inputs run (``Backend.tower_mask``).

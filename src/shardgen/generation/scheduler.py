@@ -29,7 +29,7 @@ from shardgen.generation.prefix_cache import PrefixCache
 from shardgen.generation.requests import Request
 from shardgen.generation.row_kinds import row_kind
 from shardgen.generation.score import RowScore, ScoreRequest
-from shardgen.generation.scoring import ScoreRun
+from shardgen.generation.score_run import ScoreRun
 from shardgen.generation.sequence import SeqState
 
 
@@ -122,14 +122,20 @@ class LocalWork:
                 hit = matches[0][1] > 0
                 n = next((i for i, (_, c) in enumerate(matches) if (c > 0) != hit), n)
                 seqs, matches = seqs[:n], matches[:n]
-            mask = self.backend.tower_mask
-            return self.kind.prefill(kind, seqs, matches, cfg.share_prefill, cfg.max_prefill_tokens, mask)
+            return self.kind.prefill(
+                kind, seqs, matches, cfg.share_prefill, cfg.max_prefill_tokens, self._towers
+            )
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
             rows = [self.scoring[i] for i in range(self._score_take())]
-            return self.kind.score(rows, cfg.share_prefill, cfg.max_prefill_tokens, self.backend.tower_mask)
+            return self.kind.score(rows, cfg.share_prefill, cfg.max_prefill_tokens, self._towers)
         if batch is not None:
             return ForwardPlan(Work.DECODE, 0, None, len(batch.seqs), len(batch.seqs))
         return IDLE_PLAN
+
+    def _towers(self, inputs: dict[str, Any]) -> int:
+        """The towers a forward's own ``inputs`` run (the backend's, looked up when asked: a
+        forward of text rows asks nothing)."""
+        return self.backend.tower_mask(inputs)
 
     def step(self, plan: ForwardPlan) -> bool:
         """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since, then

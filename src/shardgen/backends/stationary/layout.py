@@ -1,4 +1,4 @@
-"""The weight-stationary plan of one model: what each module does in a stationary forward.
+"""The weight-stationary layout of one model: what each module does in a stationary forward.
 
 Built once per engine from the module structure and one local probe forward, the same on
 every rank (no data, no rank's history goes in):
@@ -98,7 +98,7 @@ class LinearSpec:
     weight: Ref
     bias: Ref | None = None
     rule: str = "body"  # which agreed token count its input holds: "body", "rows" or "free"
-    group: int = -1  # index into Plan.groups
+    group: int = -1  # index into Layout.groups
     calls: int = 0  # calls per forward (probe)
     gated: bool = False  # an encoder-decoder's cross-attention key / value: run with the encoder
 
@@ -132,7 +132,7 @@ class FallbackSpec:
 
 
 @dataclass
-class Plan:
+class Layout:
     linears: dict[int, LinearSpec] = field(default_factory=dict)  # id(module) -> spec
     embeddings: dict[int, EmbeddingSpec] = field(default_factory=dict)
     fallbacks: dict[int, FallbackSpec] = field(default_factory=dict)
@@ -162,9 +162,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def classify(model: nn.Module, source: Source) -> Plan:
+def classify(model: nn.Module, source: Source) -> Layout:
     """Sort the model's modules (see the module docstring). Local; raises ``Unsupported``."""
-    plan = Plan()
+    layout = Layout()
     refs: dict[Any, Ref] = {}
 
     def ref(module: nn.Module, pname: str) -> Ref:
@@ -177,7 +177,7 @@ def classify(model: nn.Module, source: Source) -> Plan:
     inside = {id(c) for _, m in roots for c in m.modules()}
     for name, m in roots:
         places = [ref(sub, p) for sub in m.modules() for p, v in sub._parameters.items() if v is not None]
-        plan.fallbacks[id(m)] = FallbackSpec(name, m, list(dict.fromkeys(places)), "mixture of experts")
+        layout.fallbacks[id(m)] = FallbackSpec(name, m, list(dict.fromkeys(places)), "mixture of experts")
     kept: dict[int, Ref] = {}
     for name, m in model.named_modules():
         own = [p for p, v in m._parameters.items() if v is not None]
@@ -188,18 +188,18 @@ def classify(model: nn.Module, source: Source) -> Plan:
         weight = shards.get("weight")
         if kind is nn.Linear and weight is not None and len(weight.shard.shape) == 2:
             bias = shards.get("bias")
-            plan.linears[id(m)] = LinearSpec(name, m, weight, bias)
+            layout.linears[id(m)] = LinearSpec(name, m, weight, bias)
             if bias is not None:
                 kept[id(bias)] = bias
         elif issubclass(kind, nn.Embedding) and m.max_norm is None and set(own) == {"weight"}:
-            plan.embeddings[id(m)] = EmbeddingSpec(name, m, weight, subclass=kind is not nn.Embedding)
+            layout.embeddings[id(m)] = EmbeddingSpec(name, m, weight, subclass=kind is not nn.Embedding)
         elif all(len(r.shard.shape) <= 1 for r in shards.values()):
             kept.update((id(r), r) for r in shards.values())
         else:
             why = f"{type(m).__name__}: not a plain nn.Linear / nn.Embedding"
-            plan.fallbacks[id(m)] = FallbackSpec(name, m, list(shards.values()), why)
-    plan.kept = list(kept.values())
-    return plan
+            layout.fallbacks[id(m)] = FallbackSpec(name, m, list(shards.values()), why)
+    layout.kept = list(kept.values())
+    return layout
 
 
 @contextlib.contextmanager
@@ -257,8 +257,8 @@ def hooks_aside(modules: list[nn.Module], ids: set[int]) -> Iterator[None]:
             setattr(m, attr, d)
 
 
-def probe(model: nn.Module, plan: Plan, source: Source, towers: tuple[Tower, ...] = ()) -> None:
-    """Run the probe forward (and each of ``towers`` on its shadow input) and finish ``plan``:
+def probe(model: nn.Module, layout: Layout, source: Source, towers: tuple[Tower, ...] = ()) -> None:
+    """Run the probe forward (and each of ``towers`` on its shadow input) and finish ``layout``:
     token rules, exchange groups, call counts; linears and embeddings fed an unpredictable token
     count become fallbacks (a model with towers: ``"free"``). Local."""
     # (spec, input, tokens, in a tower); inputs kept alive
@@ -320,14 +320,14 @@ def probe(model: nn.Module, plan: Plan, source: Source, towers: tuple[Tower, ...
 
     places = [
         (m, n, torch.zeros(r.shard.shape, dtype=r.shard.dtype, device=dev))
-        for r in plan.kept
+        for r in layout.kept
         for m, n in r.places
     ]
-    for fb in plan.fallbacks.values():
+    for fb in layout.fallbacks.values():
         fb.calls = 0
-    forwards = [(s.module, linear(s)) for s in plan.linears.values()]
-    forwards += [(s.module, embedding(s)) for s in plan.embeddings.values()]
-    forwards += [(s.module, fallback(s)) for s in plan.fallbacks.values()]
+    forwards = [(s.module, linear(s)) for s in layout.linears.values()]
+    forwards += [(s.module, embedding(s)) for s in layout.embeddings.values()]
+    forwards += [(s.module, fallback(s)) for s in layout.fallbacks.values()]
     encdec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     with torch.no_grad(), source.aside(), swapped(places), overridden(forwards):
         where["tower"] = True
@@ -335,7 +335,7 @@ def probe(model: nn.Module, plan: Plan, source: Source, towers: tuple[Tower, ...
             t.shadow(module_at(model, t.path), dev)
         where["tower"] = False
         model(**_probe_inputs(model, dev, encdec))
-    _finish(plan, calls, bad, entered, bool(towers), encdec)
+    _finish(layout, calls, bad, entered, bool(towers), encdec)
 
 
 def _probe_inputs(model: nn.Module, dev: torch.device, encdec: bool) -> dict[str, Any]:
@@ -360,7 +360,7 @@ def _probe_inputs(model: nn.Module, dev: torch.device, encdec: bool) -> dict[str
 
 
 def _finish(
-    plan: Plan,
+    layout: Layout,
     calls: list[tuple[Any, torch.Tensor, int, bool]],
     bad: dict[int, str],
     entered: dict[int, int],
@@ -388,27 +388,27 @@ def _finish(
             spec.gated = encdec and isinstance(spec, LinearSpec) and cross
         else:
             odd[id(spec)] = f"fed {sorted(set(counts))} tokens for a {PROBE_ROWS}x{PROBE_WIDTH} batch"
-    for table in (plan.linears, plan.embeddings):  # never called in the probe: sized at the call
+    for table in (layout.linears, layout.embeddings):  # never called in the probe: sized at the call
         for spec in table.values():
             if towers and id(spec) not in seen:
                 spec.rule = "free"
     odd.update(bad)
-    for table in (plan.linears, plan.embeddings):
+    for table in (layout.linears, layout.embeddings):
         for key, spec in list(table.items()):
             if id(spec) not in odd:
                 continue
             del table[key]
             refs = [r for r in (spec.weight, spec.bias) if r is not None]
-            plan.kept = [r for r in plan.kept if r is not spec.bias]
+            layout.kept = [r for r in layout.kept if r is not spec.bias]
             n = entered.get(id(spec), spec.calls)  # a fallback gathers per call of the module
-            plan.fallbacks[key] = FallbackSpec(spec.name, spec.module, refs, odd[id(spec)], n)
+            layout.fallbacks[key] = FallbackSpec(spec.name, spec.module, refs, odd[id(spec)], n)
     # Groups: consecutive calls of linears called once in the probe on the very same input tensor.
     once = {id(spec) for spec, _, total in seen.values() if total == 1}
     groups: list[list[LinearSpec]] = []
     prev: tuple[Any, torch.Tensor] | None = None
     gated: int | None = None  # the last gated group, until the next other linear follows it
     for spec, x, _, _ in calls:
-        if not isinstance(spec, LinearSpec) or id(spec.module) not in plan.linears:
+        if not isinstance(spec, LinearSpec) or id(spec.module) not in layout.linears:
             prev = None
             continue
         if spec.group >= 0:  # called again: its own exchange per call
@@ -428,14 +428,14 @@ def _finish(
         else:
             groups.append([spec])
             if gated is not None and not spec.gated:
-                plan.followers.setdefault(id(spec.module), []).append(gated)
+                layout.followers.setdefault(id(spec.module), []).append(gated)
                 gated = None
             if spec.gated:
                 gated = len(groups) - 1
         spec.group = len(groups) - 1
         prev = (spec, x)
-    for spec in plan.linears.values():
+    for spec in layout.linears.values():
         if spec.group < 0:  # never called in the probe: an exchange of its own if it ever is
             groups.append([spec])
             spec.group = len(groups) - 1
-    plan.groups = groups
+    layout.groups = groups

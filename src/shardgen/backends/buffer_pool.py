@@ -234,7 +234,7 @@ def off_heap_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def trim_heap() -> bool:
     """Give the process's free heap memory back to the OS now (glibc's ``malloc_trim(0)``). An
     action, not a setting: called at close, after loading, and after each stationary forward on
-    the CPU (``stationary/mode.py``: there no weight is gathered, so what a forward frees is its
+    the CPU (``stationary/runner.py``: there no weight is gathered, so what a forward frees is its
     exchanges' and activations' temporaries, which glibc's raised mmap threshold otherwise leaves
     on the heap, fragmented: docs/PERFORMANCE.md section 8; about a microsecond when there is
     nothing to give back). Not per per-layer forward: the pools above keep its gathers, and the

@@ -1,7 +1,7 @@
 """Weight-stationary forwards: no weight of a stationary linear, embedding or head ever moves.
 
-:class:`Stationary` runs one of shardgen's forwards (real or shadow) with the plan of
-``plan.py``: the backend's gathering hooks set aside (``Source.aside``), each stationary
+:class:`Stationary` runs one of shardgen's forwards (real or shadow) with the layout of
+``layout.py``: the backend's gathering hooks set aside (``Source.aside``), each stationary
 module's ``forward`` replaced by its exchange (``exchange.py``), the kept parameters swapped in
 (gathered once, kept until :meth:`Stationary.invalidate`: a pause may change the weights), and
 each fallback module gathered for its call and released after. Nothing is materialized beyond
@@ -27,7 +27,7 @@ the batch), so a 1x1 shadow issues what any real forward does.
 A model with towers (``backends/towers.py``): the towers a forward runs are agreed in the tick
 (``towers``), and every rank runs each of them (on its shadow input where its own inputs lack
 it), so their modules' calls match too. A tower's token counts are not in ``shapes``: a module
-of rule ``"free"`` (``plan.py``) holds whatever its input holds, and its exchange first
+of rule ``"free"`` (``layout.py``) holds whatever its input holds, and its exchange first
 all-gathers every rank's count (one more collective, ``exchange.gather_counts``: three per
 exchange group, three per embedding call). An encoder-decoder's gated linears (cross-attention
 keys and values) exchange in every forward that runs the encoder: a rank whose decoder reads
@@ -43,14 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardgen.backends.buffer_pool import trim_heap
 from shardgen.backends.lookups import looking_up, own_forward, stand_in
-from shardgen.backends.pool import trim_heap
 from shardgen.backends.stationary import exchange as ex
-from shardgen.backends.stationary.plan import (
+from shardgen.backends.stationary.layout import (
     EmbeddingSpec,
     FallbackSpec,
+    Layout,
     LinearSpec,
-    Plan,
     Source,
     classify,
     overridden,
@@ -78,18 +78,18 @@ class _Forward:
 class Stationary:
     """The weight-stationary mode of one sharded model. Built by a backend (``create``)."""
 
-    def __init__(self, model: nn.Module, source: Source, plan: Plan) -> None:
-        self.model, self.source, self.plan = model, source, plan
+    def __init__(self, model: nn.Module, source: Source, layout: Layout) -> None:
+        self.model, self.source, self.layout = model, source, layout
         self.cut = CutRows(
-            [s.shard for s in plan.linears.values()] + [s.shard for s in plan.embeddings.values()]
+            [s.shard for s in layout.linears.values()] + [s.shard for s in layout.embeddings.values()]
         )
-        self.kept: list[torch.Tensor] | None = None  # full values of plan.kept, while kept
-        self._kept_at = {id(r): i for i, r in enumerate(plan.kept)}
+        self.kept: list[torch.Tensor] | None = None  # full values of layout.kept, while kept
+        self._kept_at = {id(r): i for i, r in enumerate(layout.kept)}
         world = source.world
         # Per group: the widths of each rank's columns of each of its linears.
         self._parts = [
             [[b - a for a, b in (s.shard.row_ranges()[r] for s in g)] for r in range(world)]
-            for g in plan.groups
+            for g in layout.groups
         ]
         self._fw: _Forward | None = None
         self.forwards = 0
@@ -98,16 +98,16 @@ class Stationary:
     @classmethod
     def create(cls, model: nn.Module, source: Source, towers: tuple[Tower, ...] = ()) -> Stationary:
         """Classify and probe ``model`` with its ``towers`` (local, no collective); log what falls back."""
-        plan = classify(model, source)
-        probe(model, plan, source, towers)
-        d = plan.describe()
+        layout = classify(model, source)
+        probe(model, layout, source, towers)
+        d = layout.describe()
         log.info(
             "shardgen: gather='stationary': %d linears in %d exchanges (shared: %s), embeddings %s, "
             "%d small parameters kept (%.2f MB); fallback per module: %s; sized at the call: %d",
             d["linears"], d["exchanges"], d["groups"] or "none", d["embeddings"] or "none",
             d["kept"], d["kept_bytes"] / 2**20, d["fallbacks"] or "none", len(d["free"]),
         )  # fmt: skip
-        return cls(model, source, plan)
+        return cls(model, source, layout)
 
     # ------------------------------------------------------------------ kept state
     def invalidate(self) -> None:
@@ -125,7 +125,7 @@ class Stationary:
         """Collective on the parameter group when nothing is kept (see the module docstring)."""
         src = self.source
         if self.kept is None:
-            self.kept = gather_full([r.shard for r in self.plan.kept], src.group, src.device)
+            self.kept = gather_full([r.shard for r in self.layout.kept], src.group, src.device)
         self.cut.ensure(src.group, src.device)
 
     # ------------------------------------------------------------------ the forward
@@ -134,15 +134,15 @@ class Stationary:
         (``(tokens, head_rows)`` per rank; ``(0, 0)`` for a shadow) and ``towers`` (the agreed bits:
         those every rank's forward runs). Collective on the parameter group (see the module
         docstring): every rank, the same tick."""
-        plan = self.plan
+        layout = self.layout
         assert len(shapes) == self.source.world, (shapes, self.source.world)
         with torch.no_grad(), self.source.aside():
             self._ensure()
             assert self.kept is not None
-            places = [(m, n, t) for r, t in zip(plan.kept, self.kept, strict=True) for m, n in r.places]
-            forwards = [(s.module, self._linear_fn(s)) for s in plan.linears.values()]
-            forwards += [(s.module, self._embedding_fn(s)) for s in plan.embeddings.values()]
-            forwards += [(s.module, self._fallback_fn(s)) for s in plan.fallbacks.values()]
+            places = [(m, n, t) for r, t in zip(layout.kept, self.kept, strict=True) for m, n in r.places]
+            forwards = [(s.module, self._linear_fn(s)) for s in layout.linears.values()]
+            forwards += [(s.module, self._embedding_fn(s)) for s in layout.embeddings.values()]
+            forwards += [(s.module, self._fallback_fn(s)) for s in layout.fallbacks.values()]
             self._fw = _Forward(shapes, self.source.rank, towers)
             try:
                 with swapped(places), overridden(forwards):
@@ -150,7 +150,7 @@ class Stationary:
                 assert not self._fw.pending, f"grouped outputs never used: {list(self._fw.pending)}"
                 self.forwards += 1
                 if self.source.device.type == "cpu":
-                    trim_heap()  # the forward's freed temporaries back to the OS (pool.trim_heap)
+                    trim_heap()  # the forward's freed temporaries back to the OS (buffer_pool.trim_heap)
                 return out
             finally:
                 self._fw = None
@@ -173,7 +173,7 @@ class Stationary:
         return counts, mine == 0
 
     def _linear_fn(self, spec: LinearSpec) -> Any:
-        group = self.plan.groups[spec.group]
+        group = self.layout.groups[spec.group]
         if group[0] is not spec:
             return lambda x, *_a, **_k: self._member(spec, x)
         return lambda x, *_a, **_k: self._exchange(group, x)
@@ -186,7 +186,7 @@ class Stationary:
         if got is None or got[0] is not x:
             raise RuntimeError(
                 f"{spec.name} was called on another input than the linears it shares an exchange with "
-                f"({[s.name for s in self.plan.groups[spec.group]]}); the probe saw them read one input"
+                f"({[s.name for s in self.layout.groups[spec.group]]}); the probe saw them read one input"
             )
         return got[1]
 
@@ -196,10 +196,10 @@ class Stationary:
         it, the exchanges of the gated groups it follows that this rank's decoder skipped."""
         src, lead, fw = self.source, group[0], self._fw
         assert fw is not None
-        for g in self.plan.followers.get(id(lead.module), ()):
+        for g in self.layout.followers.get(id(lead.module), ()):
             if fw.towers and g not in fw.gated:  # read from the cache here: no rows, same exchange
                 fw.gated.add(g)
-                gl = self.plan.groups[g]
+                gl = self.layout.groups[g]
                 self._run(gl, x.new_zeros((0, int(gl[0].shard.shape[1]))))
         cols = int(lead.shard.shape[1])
         if lead.gated:
