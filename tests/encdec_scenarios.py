@@ -70,7 +70,7 @@ def stationary_stats(st: Any) -> dict | None:
     the call (a tower's, the cross-attention's), and which modules fall back (gathered per call)."""
     if st is None:
         return None
-    d = st.plan.describe()
+    d = st.layout.describe()
     return {"forwards": st.forwards, "free_exchanges": st.free_exchanges, "fallbacks": sorted(d["fallbacks"]),
             "free": d["free"], "gated": d["gated"]}  # fmt: skip
 

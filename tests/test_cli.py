@@ -104,28 +104,24 @@ def test_sigkill_mid_run_then_resume(workdir: Path, reference: list[dict]) -> No
 # ---------------------------------------------------------------- Ctrl-C and SIGTERM: one line, then --resume
 
 
-def _interrupt(workdir: Path, name: str, send) -> tuple[Job, list[str], Path]:
-    """A 2-rank job of prompts.jsonl, ``send(job, out)`` once it journaled 4 results; returns the
-    job (ended), its args and its ``--out``."""
-    out = workdir / f"{name}.jsonl"
-    args = ["run", "--prompts", "prompts.jsonl", "--out", str(out), "--nproc", "2", "--quiet"]
-    job = Job([*args, "--batch-size", "1"], workdir, name=name)
-    wait_for_journals(job, out, 4)
+def _interrupt(args: list[str], workdir: Path, name: str, out: Path, at: int, send) -> Job:
+    """A 2-rank job ``shardgen ARGS``, ``send(job, out)`` once ``at`` results are journaled; returns
+    the job (ended)."""
+    job = Job(args, workdir, name=name)
+    wait_for_journals(job, out, at)
     send(job, out)
     job.wait(90)
     assert_no_orphans(out)
     assert not out.exists(), "the job finished before it was interrupted: give it more prompts"
-    return job, [*args, "--batch-size", "1"], out
+    return job
 
 
-def _assert_one_line_then_resume(
-    job: Job, args: list[str], out: Path, workdir: Path, reference: list[dict], signame: str
-) -> None:
+def _one_line(job: Job, args: list[str], out: Path, reference: list[dict], signame: str) -> int:
     """stderr is one line: the signal, how many prompts are journaled, the exact ``--resume``
-    command; that command answers the rest, each prompt once, none twice."""
+    command (the job's own, ``--resume`` once); returns the number journaled."""
     lines = [x for x in job.stderr.splitlines() if x.strip()]
     assert len(lines) == 1, job.output()
-    resume = "shardgen " + " ".join(args) + " --resume"
+    resume = "shardgen " + " ".join([*args, *([] if "--resume" in args else ["--resume"])])
     m = re.fullmatch(
         rf"shardgen run: interrupted by {signame}: (\d+) of {len(reference)} prompts are journaled, "
         rf"the journals are intact; resume with: {re.escape(resume)}",
@@ -133,16 +129,29 @@ def _assert_one_line_then_resume(
     )
     assert m, job.output()
     journaled = int(m.group(1))
-    assert journaled >= 4 and journaled == journal_lines(out), job.output()
-    again = run([*resume.split()[1:], "--json-summary", f"{out.name}.summary.json"], workdir, timeout=240)
-    assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
-    summary = json.loads((workdir / f"{out.name}.summary.json").read_text())
-    assert (summary["resumed"], summary["completed"]) == (journaled, len(reference) - journaled)
+    assert journaled == journal_lines(out), job.output()
+    return journaled
 
 
-def test_ctrl_c_is_one_line_then_resume(workdir: Path, reference: list[dict]) -> None:
+def test_ctrl_c_then_sigterm_are_one_line_each_then_resume(workdir: Path, reference: list[dict]) -> None:
     """SIGINT to the job's process group and to every rank at once (a terminal's Ctrl-C, where the
-    ranks share its group): exit code 130, one line, no traceback; --resume finishes the job."""
+    ranks share its group): exit code 130, one line, no traceback. Its ``--resume``, stopped by
+    SIGTERM to the ``shardgen run`` process alone (a scheduler's stop): exit code 143, the same
+    line. The next ``--resume`` answers the rest, each prompt once, none twice. (One job
+    interrupted twice: two launches fewer than a job per signal.)"""
+    out = workdir / "interrupted.jsonl"
+    args = [
+        "run",
+        "--prompts",
+        "prompts.jsonl",
+        "--out",
+        str(out),
+        "--nproc",
+        "2",
+        "--quiet",
+        "--batch-size",
+        "1",
+    ]
 
     def ctrl_c(job: Job, out: Path) -> None:
         ranks = processes_mentioning(str(out))
@@ -151,19 +160,26 @@ def test_ctrl_c_is_one_line_then_resume(workdir: Path, reference: list[dict]) ->
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGINT)
 
-    job, args, out = _interrupt(workdir, "ctrl-c", ctrl_c)
+    job = _interrupt(args, workdir, "ctrl-c", out, 4, ctrl_c)
     assert job.proc.returncode == 130, job.output()
-    _assert_one_line_then_resume(job, args, out, workdir, reference, "SIGINT")
+    first = _one_line(job, args, out, reference, "SIGINT")
+    assert first >= 4, job.output()
 
-
-def test_sigterm_to_the_launcher_is_one_line_then_resume(workdir: Path, reference: list[dict]) -> None:
-    """SIGTERM to the ``shardgen run`` process alone (a scheduler's stop): exit code 143, the same."""
-    job, args, out = _interrupt(workdir, "sigterm", lambda job, out: os.kill(job.proc.pid, signal.SIGTERM))
+    resume = [*args, "--resume"]
+    term = lambda job, out: os.kill(job.proc.pid, signal.SIGTERM)  # noqa: E731
+    job = _interrupt(resume, workdir, "sigterm", out, first + 4, term)
     assert job.proc.returncode == 143, job.output()
-    _assert_one_line_then_resume(job, args, out, workdir, reference, "SIGTERM")
+    journaled = _one_line(job, resume, out, reference, "SIGTERM")
+    assert journaled >= first + 4, job.output()
+
+    again = run([*resume, "--json-summary", "interrupted.summary.json"], workdir, timeout=240)
+    assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
+    summary = json.loads((workdir / "interrupted.summary.json").read_text())
+    assert (summary["resumed"], summary["completed"]) == (journaled, len(reference) - journaled)
 
 
-# In `make fuzz`, not `make test`: a third interrupted launch (the two above are in `make test`).
+# In `make fuzz`, not `make test`: a third interrupted launch (the job above, interrupted twice, is
+# in `make test`).
 @pytest.mark.long
 def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(workdir: Path) -> None:
     """Under torchrun its agent gets the Ctrl-C and passes it on: the ranks say one line (rank 0,
@@ -182,17 +198,6 @@ def test_ctrl_c_under_torchrun_is_one_line_from_the_ranks(workdir: Path) -> None
     assert len(ours) == 1 and ours[0].endswith(want), job.output()
     for noise in ("KeyboardInterrupt", "terminate called", "[rank"):
         assert noise not in job.stderr, job.output()
-
-
-def test_python_m_shardgen_under_torchrun(workdir: Path, reference: list[dict]) -> None:
-    """``torchrun ... -m shardgen run`` (the package's __main__) is the shardgen command."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    args = ["-m", "shardgen", "run", "--prompts", "prompts.jsonl", "--out", "torchrun.jsonl", "--quiet"]
-    job = Job([*args, "--timeline", "timeline.png"], workdir, "torchrun", command=torchrun)
-    assert job.wait(120) == 0, job.output()
-    assert_results_agree(read_results(workdir / "torchrun.jsonl"), reference, "under torchrun")
-    png = (workdir / "timeline.png").read_bytes()  # --timeline: one row per rank
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_python_m_shardgen_help(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -29,31 +29,9 @@ TOL = 1e-5
 SEED_HANG_S = 20.0  # the seed script finishes in ~2 s when it does not hang
 
 
-class _DSWorld:
-    """A 2-rank World for this module, restarted if a failed test left it broken."""
-
-    def __init__(self) -> None:
-        self._world: World | None = None
-
-    def run(self, fn, *args, timeout: float = 60.0):
-        if self._world is None or self._world.broken:
-            if self._world is not None:
-                self._world.close()
-            self._world = World(2, env=ENV, start_timeout=120.0)
-            # DeepSpeed's first comm init JIT-builds an op (~1 min, cached in ~/.cache/torch_extensions)
-            self._world.run(sc.warm_up, timeout=300)
-        return self._world.run(fn, *args, timeout=timeout)
-
-    def close(self) -> None:
-        if self._world is not None:
-            self._world.close()
-
-
 @pytest.fixture(scope="module")
-def dsworld():
-    handle = _DSWorld()
-    yield handle
-    handle.close()
+def dsworld(world2):
+    return world2
 
 
 # ----------------------------------------------------------------------------- in-process

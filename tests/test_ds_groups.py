@@ -11,17 +11,14 @@ import pytest
 pytest.importorskip("deepspeed")
 
 import group_scenarios as sc  # noqa: E402
-from world import World  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 SLEEP = 6.0
 
 
 @pytest.fixture(scope="module")
-def dsworld4():
-    world = World(4, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, start_timeout=120.0)
-    yield world
-    world.close()
+def dsworld4(world4):
+    return world4
 
 
 @pytest.mark.parametrize("kind", ["mpu", "zero_init"])

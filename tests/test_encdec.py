@@ -320,25 +320,24 @@ def test_whisper_score_two_ranks(ds_world2, backend, bucket_mb):
 
 
 @pytest.mark.multirank
-def test_three_ranks_uneven_and_a_rank_holding_none():
+def test_three_ranks_uneven_and_a_rank_holding_none(ds_world3):
     """Rank 2 holds no request: its shadows run the encoder whenever a peer starts one. FSDP2
     per-layer, once and stationary; DeepSpeed with a bucket per unit and module by module (its
     own hooks)."""
-    from rollout_scenarios import ds_world
 
-    with ds_world(3) as world:
-        for kind, backend, gather, bucket_mb in [
-            ("t5", "fsdp2", "per-layer", None), ("bart", "fsdp2", "per-layer", None),
-            ("bart", "fsdp2", "once", None), ("t5", "deepspeed", "per-layer", 0.001),
-            ("bart", "deepspeed", "per-layer", 0), ("bart", "fsdp2", "stationary", None),
-        ]:  # fmt: skip
-            out = world.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
-            for r, res in enumerate(out):
-                assert res["bad"] == [], f"{kind} {backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
-                if gather == "stationary":
-                    assert_stationary(res, kind)
-            if gather != "once":
-                assert out[2]["shadows"] > 0
+    world = ds_world3
+    for kind, backend, gather, bucket_mb in [
+        ("t5", "fsdp2", "per-layer", None), ("bart", "fsdp2", "per-layer", None),
+        ("bart", "fsdp2", "once", None), ("t5", "deepspeed", "per-layer", 0.001),
+        ("bart", "deepspeed", "per-layer", 0), ("bart", "fsdp2", "stationary", None),
+    ]:  # fmt: skip
+        out = world.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
+        for r, res in enumerate(out):
+            assert res["bad"] == [], f"{kind} {backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
+            if gather == "stationary":
+                assert_stationary(res, kind)
+        if gather != "once":
+            assert out[2]["shadows"] > 0
 
 
 @pytest.mark.multirank

@@ -43,6 +43,10 @@ def test_basic_torchrun():
         assert reason == "eos" and toy.check_answer(prompt, text), f"{prompt!r} -> {text!r} ({reason})"
 
 
+# In `make fuzz`, not `make test` (a launch is half a minute of CPU there): the same script runs under the
+# DeepSpeed launcher below, and the shardgen-partitioned DeepSpeed model it builds here runs through the
+# engine in tests/test_deepspeed_backend.py.
+@pytest.mark.long
 def test_zero_inference_torchrun():
     _check_zero_inference(*run(torchrun("zero_inference.py", *ZI_ARGS))[:2])
 

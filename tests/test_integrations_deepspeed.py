@@ -26,33 +26,6 @@ ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 HANG_S = 20.0  # the same step through ShardgenRollout returns in about a second
 
 
-class _Worlds:
-    """A World per size for this module, restarted if a test left it broken."""
-
-    def __init__(self) -> None:
-        self._worlds: dict[int, World] = {}
-
-    def get(self, n: int) -> World:
-        world = self._worlds.get(n)
-        if world is None or world.broken:
-            if world is not None:
-                world.close()
-            world = self._worlds[n] = World(n, env=ENV, start_timeout=120.0)
-            world.run(sc.warm_up, timeout=300)  # so that no bound below includes a JIT build
-        return world
-
-    def close(self) -> None:
-        for world in self._worlds.values():
-            world.close()
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    handle = _Worlds()
-    yield handle
-    handle.close()
-
-
 # ----------------------------------------------------------------------------- in-process
 def test_missing_deepspeed_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.rollout", None)

@@ -41,14 +41,6 @@ def test_every_row_is_its_own_bits_at_2_ranks(ds_world2, backend, gather, dtype)
     _all_equal(ds_world2.run(invariant_rollouts, backend, gather, dtype, timeout=300))
 
 
-@pytest.fixture(scope="module")
-def ds_world3():
-    from rollout_scenarios import ds_world
-
-    with ds_world(3) as world:
-        yield world
-
-
 @pytest.mark.parametrize(("backend", "dtype"), [("fsdp2", "bfloat16"), ("deepspeed", "float32")])
 def test_every_row_is_its_own_bits_at_3_ranks(ds_world3, backend, dtype):
     _all_equal(ds_world3.run(invariant_rollouts, backend, "per-layer", dtype, timeout=300))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import score_scenarios as sc
-from rollout_scenarios import ds_world
 
 pytestmark = pytest.mark.multirank
 
@@ -68,11 +67,11 @@ def test_two_engines_at_once(ds_world2, backend):
     assert out[0]["groups"][0] != out[0]["groups"][1]  # each engine has its own keys and groups
 
 
-def test_score_three_ranks_both_backends():
+def test_score_three_ranks_both_backends(ds_world3):
     """3 ranks: rank 0 scores, rank 1 has no rows and generates, rank 2 scores from a thread
     beside its own generate(); FSDP2 per layer with chunks, DeepSpeed stationary."""
-    with ds_world(3) as world:
-        for backend, gather, chunk in (("fsdp2", "per-layer", 5), ("deepspeed", "stationary", None)):
-            out = world.run(sc.score_uneven, backend, gather, chunk, timeout=180)
-            assert all(res["diff"] < TOL for res in out), (backend, [res["diff"] for res in out])
-            assert out[1]["gen"] == 12 and out[2]["gen"] == 6
+    world = ds_world3
+    for backend, gather, chunk in (("fsdp2", "per-layer", 5), ("deepspeed", "stationary", None)):
+        out = world.run(sc.score_uneven, backend, gather, chunk, timeout=180)
+        assert all(res["diff"] < TOL for res in out), (backend, [res["diff"] for res in out])
+        assert out[1]["gen"] == 12 and out[2]["gen"] == 6

@@ -1,6 +1,10 @@
 """``examples/slurm.sbatch`` as Slurm runs it, on this machine: stand-ins for ``srun`` (runs its
 command) and ``scontrol`` (one host), a job of one node and 2 ranks; then a requeue (the job
-killed mid-run and started again from the top) that resumes from the journals."""
+killed mid-run and started again from the top) that resumes from the journals.
+
+The script runs ``python -m torch.distributed.run ... -m shardgen run``: this is also the test of
+the package's ``__main__`` under torchrun (``--timeline`` included), its results against an
+uninterrupted ``shardgen run``'s."""
 
 from __future__ import annotations
 
@@ -9,7 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_jobs import ENV, Job, assert_no_orphans, read_results, wait_for_journals, write_toy_prompts
+from cli_jobs import (
+    ENV,
+    Job,
+    assert_no_orphans,
+    assert_results_agree,
+    read_results,
+    reference_results,
+    wait_for_journals,
+    write_toy_prompts,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
@@ -44,9 +57,13 @@ def test_sbatch_script_runs_and_a_requeue_resumes(tmp_path):
     wait_for_journals(first, out, 6)
     first.kill()  # Slurm requeues: the whole job step is killed
     assert not out.exists()
-    again = Job(args, tmp_path, "slurm-2", command=script, env={**env, "PORT": str(free_port())})
+    requeued = [*args, "--timeline", "timeline.png"]
+    again = Job(requeued, tmp_path, "slurm-2", command=script, env={**env, "PORT": str(free_port())})
     assert again.wait(240) == 0, again.output()
     assert "journals of" in again.stderr and "resuming" in again.stderr, again.output()
     rows = read_results(out)
     assert len(rows) == 66 and len({r["id"] for r in rows}) == 66, again.output()  # each prompt once
     assert_no_orphans(out)
+    assert_results_agree(rows, reference_results(tmp_path), f"requeued\n{again.output()}")
+    png = (tmp_path / "timeline.png").read_bytes()  # --timeline: one row per rank
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

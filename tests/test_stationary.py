@@ -155,32 +155,19 @@ def test_forward_plan_predicts_what_each_step_feeds(share, max_prefill_tokens, m
 
 
 # ----------------------------------------------------------------------------- gloo ranks
-class _Worlds:
-    def __init__(self) -> None:
-        self._worlds: dict = {}
+class _BySize:
+    """The session's Worlds (conftest), run by size."""
+
+    def __init__(self, handles: dict) -> None:
+        self.handles = handles
 
     def run(self, n: int, fn, *args, timeout: float = 120.0):
-        from ds_scenarios import warm_up
-        from world import World
-
-        w = self._worlds.get(n)
-        if w is None or w.broken:
-            if w is not None:
-                w.close()
-            w = self._worlds[n] = World(n, env=ENV, start_timeout=120.0)
-            w.run(warm_up, timeout=300)
-        return w.run(fn, *args, timeout=timeout)
-
-    def close(self) -> None:
-        for w in self._worlds.values():
-            w.close()
+        return self.handles[n].run(fn, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    handle = _Worlds()
-    yield handle
-    handle.close()
+def worlds(worlds):
+    return _BySize(worlds)
 
 
 ALL = ["llama-odd", "llama-tied", "qwen2", "gpt2", "mixtral", "opt", "gemma"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import tied_scenarios as sc
 from torch import nn
-from world import World
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 CHUNK_MB = 1.5 / 1024  # 6 rows of 32 fp32 per rank per chunk: 8 gathers for 48 rows
@@ -69,29 +68,9 @@ def test_embedding_subclasses_are_chunked_when_they_only_look_up():
 
 
 # ----------------------------------------------------------------------------- 2 ranks
-class _TiedWorld:
-    """One World of 2 ranks for the module, restarted if a failed test left it broken."""
-
-    def __init__(self) -> None:
-        self.world: World | None = None
-
-    def run(self, fn, *args, timeout: float = 120.0, **kwargs):
-        if self.world is None or self.world.broken:
-            if self.world is not None:
-                self.world.close()
-            self.world = World(2, env=ENV, start_timeout=120.0)
-        return self.world.run(fn, *args, timeout=timeout, **kwargs)
-
-    def close(self) -> None:
-        if self.world is not None:
-            self.world.close()
-
-
 @pytest.fixture(scope="module")
-def tworld():
-    handle = _TiedWorld()
-    yield handle
-    handle.close()
+def tworld(world2):
+    return world2
 
 
 def _check(runs: list[dict], **want) -> None:
@@ -103,7 +82,7 @@ def _check(runs: list[dict], **want) -> None:
 
 @pytest.mark.multirank
 def test_fsdp2_tied_plain_embedding_and_head_chunked_in_one_unit(tworld):
-    runs = tworld.run(sc.generate, "engine", tied=True, plain=True, chunk_mb=CHUNK_MB)
+    runs = tworld.run(sc.generate, "engine", tied=True, plain=True, chunk_mb=CHUNK_MB, timeout=120)
     _check(runs, tied=True, own_units=[True, True], same_unit=True, sharded=[True, True])
     assert all(r["chunks"] == {"model.embed_tokens": 8, "lm_head": 8} for r in runs), runs
 
@@ -113,7 +92,7 @@ def test_fsdp2_tied_plain_embedding_and_head_chunked_in_one_unit(tworld):
 def test_fsdp2_tied_scaled_embedding_chunked_in_one_unit(tworld, chunk_mb):
     # The scaled embedding runs its own forward with its lookups from row chunks (lookups.py), so
     # the tied unit is chunked like a plain one; with chunk_mb=0 the unit is gathered whole.
-    runs = tworld.run(sc.generate, "engine", tied=True, chunk_mb=chunk_mb)
+    runs = tworld.run(sc.generate, "engine", tied=True, chunk_mb=chunk_mb, timeout=120)
     chunks = {"model.embed_tokens": 8, "lm_head": 8} if chunk_mb else {}
     _check(runs, tied=True, own_units=[True, True], same_unit=True, sharded=[True, True], chunks=chunks)
 
@@ -121,7 +100,7 @@ def test_fsdp2_tied_scaled_embedding_chunked_in_one_unit(tworld, chunk_mb):
 @pytest.mark.multirank
 def test_fsdp2_untied_scaled_embedding_is_a_unit_of_its_own(tworld):
     # In its own unit (in the root it would stay gathered between forwards), chunked.
-    runs = tworld.run(sc.generate, "engine", tied=False, chunk_mb=CHUNK_MB)
+    runs = tworld.run(sc.generate, "engine", tied=False, chunk_mb=CHUNK_MB, timeout=120)
     _check(runs, tied=False, own_units=[True, True], same_unit=False, sharded=[True, True])
     assert all(r["chunks"] == {"model.embed_tokens": 8, "lm_head": 8} for r in runs), runs
 
@@ -130,7 +109,7 @@ def test_fsdp2_untied_scaled_embedding_is_a_unit_of_its_own(tworld):
 @pytest.mark.parametrize("path", ["user", "user-unit"])
 def test_fsdp2_user_sharded_tied_scaled_embedding(tworld, path):
     # The user's units are kept as they are: the tied weight in the root, or in a unit of the two.
-    runs = tworld.run(sc.generate, path, tied=True, chunk_mb=CHUNK_MB)
+    runs = tworld.run(sc.generate, path, tied=True, chunk_mb=CHUNK_MB, timeout=120)
     _check(runs, tied=True, own_units=[path == "user-unit"] * 2, same_unit=True, chunks={})
 
 
@@ -140,7 +119,9 @@ def test_from_pretrained_tied_scaled_embedding(tworld, tmp_path_factory, backend
     if backend == "deepspeed":
         pytest.importorskip("deepspeed")
     ckpt = str(tmp_path_factory.mktemp(f"gemma-{backend}"))
-    runs = tworld.run(sc.generate, "pretrained", backend, tied=True, ckpt=ckpt, chunk_mb=CHUNK_MB)
+    runs = tworld.run(
+        sc.generate, "pretrained", backend, tied=True, ckpt=ckpt, chunk_mb=CHUNK_MB, timeout=120
+    )
     both = {"model.embed_tokens": 8, "lm_head": 8}
     if backend == "fsdp2":
         _check(runs, tied=True, own_units=[True, True], same_unit=True, sharded=[True, True], chunks=both)
@@ -151,5 +132,5 @@ def test_from_pretrained_tied_scaled_embedding(tworld, tmp_path_factory, backend
 @pytest.mark.multirank
 def test_deepspeed_tied_scaled_embedding(tworld):
     pytest.importorskip("deepspeed")
-    runs = tworld.run(sc.generate, "engine", "deepspeed", tied=True, chunk_mb=CHUNK_MB)
+    runs = tworld.run(sc.generate, "engine", "deepspeed", tied=True, chunk_mb=CHUNK_MB, timeout=120)
     _check(runs, tied=True, chunks={"model.embed_tokens": 8, "lm_head": 8})

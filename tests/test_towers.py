@@ -255,35 +255,34 @@ def assert_stationary(res: dict, rank: int) -> None:
 
 
 @pytest.mark.multirank
-def test_vlm_three_ranks_text_only_and_none():
+def test_vlm_three_ranks_text_only_and_none(ds_world3):
     """Rank 0 images, rank 1 text only, rank 2 nothing; batches of 2 (refills); FSDP2, and
     DeepSpeed with each unit a bucket and module by module (its own hooks), and stationary; then
     LLaVA-NeXT, Idefics3 and Qwen3-VL on FSDP2 per layer."""
-    from rollout_scenarios import ds_world
 
-    with ds_world(3) as world:
-        for backend, gather, bucket_mb in [
-            ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("deepspeed", "per-layer", 0.001),
-            ("deepspeed", "per-layer", 0), ("deepspeed", "stationary", None),
-        ]:  # fmt: skip
-            out = world.run(sc.vlm_equal, backend, gather, 2, bucket_mb, timeout=300)
-            for r, res in enumerate(out):
-                assert res["bad"] == [], f"{backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
-                if gather == "stationary":
-                    assert_stationary(res, r)
-            if gather != "once":
-                assert out[1]["tower_runs"] > 0 and out[2]["tower_runs"] > 0  # no image on either
-        for backend, bucket_mb, gather in [
-            ("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("fsdp2", None, "stationary"),
-        ]:  # LLaVA: rank 2 none  # fmt: skip
-            got = world.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240)
-            assert got == [[], [], []], (backend, gather)
-        for family in ("llava_next", "idefics3"):  # rank 2 none: its shadows run the tower alone
-            out = world.run(sc.family_equal, family, "fsdp2", "per-layer", timeout=240)
-            assert [res["bad"] for res in out] == [[], [], []], family
-            assert out[2]["tower_runs"] > 0, family
-        out = world.run(sc.vlm_equal, "fsdp2", "per-layer", 2, None, None, "qwen3_vl", timeout=240)
-        assert [res["bad"] for res in out] == [[], [], []] and out[2]["tower_runs"] > 0
+    world = ds_world3
+    for backend, gather, bucket_mb in [
+        ("fsdp2", "per-layer", None), ("fsdp2", "once", None), ("deepspeed", "per-layer", 0.001),
+        ("deepspeed", "per-layer", 0), ("deepspeed", "stationary", None),
+    ]:  # fmt: skip
+        out = world.run(sc.vlm_equal, backend, gather, 2, bucket_mb, timeout=300)
+        for r, res in enumerate(out):
+            assert res["bad"] == [], f"{backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"
+            if gather == "stationary":
+                assert_stationary(res, r)
+        if gather != "once":
+            assert out[1]["tower_runs"] > 0 and out[2]["tower_runs"] > 0  # no image on either
+    for backend, bucket_mb, gather in [
+        ("fsdp2", None, "per-layer"), ("deepspeed", 0.001, "per-layer"), ("fsdp2", None, "stationary"),
+    ]:  # LLaVA: rank 2 none  # fmt: skip
+        got = world.run(sc.llava_equal, backend, bucket_mb, gather, timeout=240)
+        assert got == [[], [], []], (backend, gather)
+    for family in ("llava_next", "idefics3"):  # rank 2 none: its shadows run the tower alone
+        out = world.run(sc.family_equal, family, "fsdp2", "per-layer", timeout=240)
+        assert [res["bad"] for res in out] == [[], [], []], family
+        assert out[2]["tower_runs"] > 0, family
+    out = world.run(sc.vlm_equal, "fsdp2", "per-layer", 2, None, None, "qwen3_vl", timeout=240)
+    assert [res["bad"] for res in out] == [[], [], []] and out[2]["tower_runs"] > 0
 
 
 @pytest.mark.multirank

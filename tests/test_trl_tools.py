@@ -8,13 +8,10 @@ calls ``add`` 0, 1 or 2 times depending on the question, then answers."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import tool_model as tm
 import trl_tool_scenarios as sc
-from rollout_scenarios import ds_world
 from world import WorldError, WorldHang
 
 pytestmark = [
@@ -41,12 +38,6 @@ EVEN = [["What is 3 plus 4 plus 5?", "Say hi."], ["What is 1 plus 2 plus 6?", "W
 @pytest.fixture(scope="module")
 def model_path() -> str:
     return tm.shipped()
-
-
-@pytest.fixture(scope="module")
-def worlds() -> Iterator[dict[int, Any]]:
-    with ds_world(2) as w2, ds_world(3) as w3:
-        yield {2: w2, 3: w3}
 
 
 def tool_calls(text: str) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import turns_scenarios as ts
-from rollout_scenarios import ds_world
 from test_turns import assert_conversations
 
 pytestmark = pytest.mark.multirank
@@ -35,11 +34,11 @@ def test_conversations_uneven_turns_2_ranks(ds_world2, backend, gather, max_pref
     assert turns[0] != turns[1], turns  # ranks took different numbers of turns
 
 
-def test_conversations_3_ranks_both_backends():
+def test_conversations_3_ranks_both_backends(ds_world3):
     """Rank 2 has no prompt: it joins every tick, pause included, with no conversation."""
-    with ds_world(3) as world:
-        for backend, gather in (("fsdp2", "per-layer"), ("deepspeed", "stationary")):
-            out = world.run(ts.conversations, backend, gather, 7, timeout=240)
-            for res in out[:2]:
-                assert_conversations(res)
-            assert out[2]["on"]["greedy"] == [] and out[2]["on"]["computed"] == 0
+    world = ds_world3
+    for backend, gather in (("fsdp2", "per-layer"), ("deepspeed", "stationary")):
+        out = world.run(ts.conversations, backend, gather, 7, timeout=240)
+        for res in out[:2]:
+            assert_conversations(res)
+        assert out[2]["on"]["greedy"] == [] and out[2]["on"]["computed"] == 0
