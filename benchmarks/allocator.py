@@ -14,7 +14,7 @@ interleaved and rotated per repetition:
 
 Each arm measures, in one process:
 
-1. memory (the bound of ``tests/test_loading.py::test_sharded_loading_memory_and_outputs``): per
+1. memory (the bound of ``tests/multirank/test_loading.py::test_sharded_loading_memory_and_outputs``): per
    backend, a warm-up engine on a tiny checkpoint, then garbage collection, ``malloc_trim`` and
    a reset of VmHWM (``clear_refs``); ``Engine.from_pretrained`` of the test's ~340 MB fp32
    checkpoint (40 layers, vocabulary 32000) and a 5-token generation of 3 prompts; VmHWM

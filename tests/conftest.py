@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-SRC_DIR = os.path.join(os.path.dirname(TESTS_DIR), "src")
+TESTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")  # the helpers, importable
+SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(TESTS_DIR)), "src")
 
 
 def _setup_paths() -> None:
@@ -180,7 +180,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture
 def ranks_factory():
-    """Fault-injection worlds (tests/fault_ranks.py), each rank process killed at teardown."""
+    """Fault-injection worlds (tests/helpers/fault_ranks.py), each rank process killed at teardown."""
     from fault_ranks import Ranks
 
     made: list[Ranks] = []

@@ -2,7 +2,7 @@
 
 For a stationary forward (:func:`stationary_cost`) the count is exact, computed from the layout
 and the agreed token counts: collectives issued, elements in their output buffers on a rank
-(what a recorder of ``torch.distributed`` calls sees: tests/test_stationary.py checks it), and
+(what a recorder of ``torch.distributed`` calls sees: tests/multirank/test_stationary.py checks it), and
 bytes each rank receives from others. A model with towers: the exchanges sized at the call (a
 tower's, an encoder-decoder's cross-attention) are left out, their counts not being agreed.
 A per-layer forward moves every unit's full weights (the backends' ``per_layer_cost``).
