@@ -28,17 +28,17 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 # Three workers on 2 cores, one test file each at a time (a file keeps its spawned worlds on one
-# worker; the test ranks are forked from a server that imported torch once, tests/world.py). The
+# worker; the test ranks are forked from a server that imported torch once, tests/helpers/world.py). The
 # suite is CPU-bound: on one clean clone, 3 workers took 677 s and 4 workers 761 s, so its time
 # comes down only by computing less (the heaviest launched jobs whose paths other tests cover
 # run in `make fuzz`, marked `long`).
 # The longest files (launched jobs, examples, multi-tower models: 40-150 s each) go first, in this
 # order, so no worker starts one at the end (xdist's own order puts files with few tests last).
-LONGEST := tests/test_cli_demo.py tests/test_examples_rl.py tests/test_examples.py tests/test_cli.py \
-	tests/test_trl_tools.py tests/test_slurm_example.py tests/test_towers.py \
-	tests/test_cli_launcher.py tests/test_engine_multirank.py tests/test_readme.py tests/test_soak.py \
-	tests/test_stationary.py tests/test_clean_exit.py tests/test_faults.py tests/test_bench.py tests/test_liveness.py \
-	tests/test_encdec.py tests/test_invariant_numerics.py tests/test_user_faults.py tests/test_doc_snippets.py
+LONGEST := tests/multirank/test_cli_demo.py tests/multirank/test_examples_rl.py tests/multirank/test_examples.py tests/multirank/test_cli.py \
+	tests/multirank/test_trl_tools.py tests/multirank/test_slurm_example.py tests/multirank/test_towers.py \
+	tests/multirank/test_cli_launcher.py tests/multirank/test_engine_multirank.py tests/multirank/test_readme.py tests/multirank/test_soak.py \
+	tests/multirank/test_stationary.py tests/multirank/test_clean_exit.py tests/multirank/test_faults.py tests/multirank/test_bench.py tests/multirank/test_liveness.py \
+	tests/multirank/test_encdec.py tests/multirank/test_invariant_numerics.py tests/multirank/test_user_faults.py tests/multirank/test_doc_snippets.py
 test: $(STAMP) lint
 	SHARDGEN_TEST_SMALL_ROWS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 \
 		-m "not bigworld and not long" $(LONGEST) tests
@@ -46,21 +46,21 @@ test: $(STAMP) lint
 demo: $(STAMP)
 	$(BIN)/shardgen demo
 
-# Every input surface with 10,000 examples each (tests/test_input_fuzz.py); random schedules on
-# 2-4 ranks (tests/fuzz.py), N from seed SEED0; the fault cases at 5-8 ranks and the long
-# reliability cases (journal faults; the soaks of tests/test_soak.py: 20,000 prompts, 5,000
+# Every input surface with 10,000 examples each (tests/unit/test_input_fuzz.py); random schedules on
+# 2-4 ranks (tests/helpers/fuzz.py), N from seed SEED0; the fault cases at 5-8 ranks and the long
+# reliability cases (journal faults; the soaks of tests/multirank/test_soak.py: 20,000 prompts, 5,000
 # calls, 200 engines; the shipped tool model trained again; the stationary ZeRO-Inference example);
 # the two-agent torchrun job 10 times.
 N ?= 1000
 SEED0 ?= 0
 fuzz: $(STAMP)
-	SHARDGEN_FUZZ_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 3600 --hypothesis-show-statistics tests/test_input_fuzz.py
-	$(BIN)/python tests/fuzz.py --n $(N) --seed0 $(SEED0) --json fuzz-summary.json
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "bigworld or long" tests/test_faults.py tests/test_journal_faults.py
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/test_soak.py tests/test_trl_tools.py tests/test_examples.py \
-		tests/test_examples_rl.py tests/test_cli_launcher.py tests/test_cli_demo.py tests/test_readme.py tests/test_cli.py \
-		tests/test_trl.py
-	$(BIN)/python tests/two_agents.py 10
+	SHARDGEN_FUZZ_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider --timeout 3600 --hypothesis-show-statistics tests/unit/test_input_fuzz.py
+	$(BIN)/python tests/helpers/fuzz.py --n $(N) --seed0 $(SEED0) --json fuzz-summary.json
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "bigworld or long" tests/multirank/test_faults.py tests/multirank/test_journal_faults.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/multirank/test_soak.py tests/multirank/test_trl_tools.py tests/multirank/test_examples.py \
+		tests/multirank/test_examples_rl.py tests/multirank/test_cli_launcher.py tests/multirank/test_cli_demo.py tests/multirank/test_readme.py tests/multirank/test_cli.py \
+		tests/multirank/test_trl.py
+	$(BIN)/python tests/helpers/two_agents.py 10
 
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.
 bench: $(STAMP)
@@ -69,7 +69,7 @@ bench: $(STAMP)
 # One GPU, a few minutes: the GPU-marker tests, then every gather mode at world size 1 on CUDA
 # (bf16) and a ~1B decode against HF generate(), as JSON (gpu.json). Needs a CUDA torch.
 gpu: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/multirank/test_gpu.py
 	$(BIN)/python -m torch.distributed.run --nproc-per-node=1 benchmarks/gpu_check.py --json gpu.json
 
 clean:

@@ -8,13 +8,13 @@ interleaved and rotated per repetition:
 
 - ``before``: the tree given by ``--before-src`` (its backends fix glibc's mmap threshold at
   128 KiB when created on a CPU, process-wide);
-- ``after``: this tree (no allocator setting; gathers into kept buffers, ``backends/pool.py``);
+- ``after``: this tree (no allocator setting; gathers into kept buffers, ``backends/buffer_pool.py``);
 - ``after+setting``: this tree with the old setting applied by the benchmark at start
   (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``): what the setting alone does to it.
 
 Each arm measures, in one process:
 
-1. memory (the bound of ``tests/test_loading.py::test_sharded_loading_memory_and_outputs``): per
+1. memory (the bound of ``tests/multirank/test_loading.py::test_sharded_loading_memory_and_outputs``): per
    backend, a warm-up engine on a tiny checkpoint, then garbage collection, ``malloc_trim`` and
    a reset of VmHWM (``clear_refs``); ``Engine.from_pretrained`` of the test's ~340 MB fp32
    checkpoint (40 layers, vocabulary 32000) and a 5-token generation of 3 prompts; VmHWM

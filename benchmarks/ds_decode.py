@@ -94,7 +94,7 @@ def bench_one(args: argparse.Namespace, size: str, offload: bool, counter: dict)
     opts = dict(backend="deepspeed", max_batch_size=args.batch, gather="per-layer")
     sg = shardgen.Engine(ds_engine(), bucket_mb=args.bucket_mb, **opts)
     sg0 = shardgen.Engine(ds_engine(), bucket_mb=0, **opts)
-    n_buckets, n_units = len(sg.backend.plan or ()), len(sg.backend.units())
+    n_buckets, n_units = len(sg.backend.buckets or ()), len(sg.backend.units())
     plain = build()
     g = torch.Generator().manual_seed(1234)  # the same batch on every rank
     ids = torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=g)

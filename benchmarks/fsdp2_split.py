@@ -81,7 +81,7 @@ def instrument() -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from shardgen.backends import pool
+    from shardgen.backends import buffer_pool as pool
 
     FSDPState._pre_forward = _timed("hooks", FSDPState._pre_forward)
     FSDPState._post_forward = _timed("hooks", FSDPState._post_forward)

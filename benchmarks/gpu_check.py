@@ -16,7 +16,7 @@ Prints the device, torch and CUDA versions, then, as JSON:
   the ratio, rounds interleaved.
 
 ``--smoke``: the same steps on the CPU with a tiny model in place of the 1B one (fp32): checks
-the script, not the GPU (tests/test_bench.py runs it).
+the script, not the GPU (tests/multirank/test_bench.py runs it).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def _crossover(args, rank: int, world: int) -> list[dict]:
         link = link_for(b.device)
         model_s = {
             "per-layer": b.per_layer_cost().seconds(link) * 1e3,
-            "stationary": stationary_cost(b.stationary.plan, shapes, rank).seconds(link) * 1e3,
+            "stationary": stationary_cost(b.stationary.layout, shapes, rank).seconds(link) * 1e3,
         }
         row = {"tokens_per_rank": tokens, **{f"{k}_ms": statistics.median(v) for k, v in ms.items()}}
         row.update({f"model_{k}_ms": v for k, v in model_s.items()})

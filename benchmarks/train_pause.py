@@ -50,7 +50,7 @@ from stats import median_ci, quartiles  # noqa: E402
 BACKEND_TRIMS = (
     "shardgen.backends.fsdp2.pool",
     "shardgen.backends.deepspeed",
-    "shardgen.backends.stationary.mode",
+    "shardgen.backends.stationary.runner",
 )
 
 
@@ -129,7 +129,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 stop.set()
                 poller.join()
         if arm == "trim":  # what entering a pause does to the process heap: malloc_trim(0)
-            from shardgen.backends.pool import trim_heap
+            from shardgen.backends.buffer_pool import trim_heap
 
             trim_heap()
             return steps(model, opt, ds)

@@ -23,7 +23,7 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardgen.backends.pool import trim_heap
+    from shardgen.backends.buffer_pool import trim_heap
 
     torch.set_num_threads(1)
     cfg = LlamaConfig(

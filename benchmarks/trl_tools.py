@@ -4,10 +4,10 @@
     python benchmarks/trl_tools.py --rounds 3 --json trl_tools.json
 
 One GRPO step per method and round (a fresh trainer each, rounds interleaved), ``tools=[add]``,
-on tests/tool_model.py's tiny chat model, which calls ``add`` 0-2 times per question then answers.
+on tests/helpers/tool_model.py's tiny chat model, which calls ``add`` 0-2 times per question then answers.
 Every rank gets the same questions (``--questions``, each asked ``num_generations=2`` times), so
 every rank takes the same number of tool turns: TRL's own loop hangs or aborts otherwise
-(tests/test_trl_tools.py). Methods: ``stock`` (TRL's ``GRPOTrainer``: HF ``generate()`` per turn on
+(tests/multirank/test_trl_tools.py). Methods: ``stock`` (TRL's ``GRPOTrainer``: HF ``generate()`` per turn on
 the ZeRO-3 model, its parameters gathered, each turn's whole prompt prefilled again), ``cache``
 (shardgen's subclass, prefix cache on), ``nocache`` (``prefix_cache_tokens=0``). Per method: the
 generation phase's wall time (``_generate``, the tool turns included; the slowest rank's), the

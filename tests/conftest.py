@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-SRC_DIR = os.path.join(os.path.dirname(TESTS_DIR), "src")
+TESTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")  # the helpers, importable
+SRC_DIR = os.path.join(os.path.dirname(os.path.dirname(TESTS_DIR)), "src")
 
 
 def _setup_paths() -> None:
@@ -44,9 +44,17 @@ class WorldHandle:
     it broken (a hang, a dead rank, a rank stuck after an error).
     """
 
-    def __init__(self, nprocs: int, env: dict[str, str | None] | None = None):
+    def __init__(
+        self,
+        nprocs: int,
+        env: dict[str, str | None] | None = None,
+        start: Callable[[], Any] | None = None,
+        start_timeout: float = 120.0,
+    ):
         self.nprocs = nprocs
         self.env = env
+        self.start = start  # run on every rank of each World it starts
+        self.start_timeout = start_timeout
         self._world: World | None = None
 
     @property
@@ -56,7 +64,14 @@ class WorldHandle:
             if self._world is not None:
                 self._world.close()
             self._world = None
-            self._world = World(self.nprocs, env=self.env)
+            world = World(self.nprocs, env=self.env, start_timeout=self.start_timeout)
+            if self.start is not None:
+                try:
+                    world.run(self.start, timeout=300)
+                except BaseException:
+                    world.close()
+                    raise
+            self._world = world
         return self._world
 
     def run(self, fn: Callable, *args: Any, timeout: float = 60.0, **kwargs: Any) -> list:
@@ -89,8 +104,22 @@ class WorldHandle:
         return f"WorldHandle({self.nprocs}, {self._world!r})"
 
 
+#: The session's Worlds: ready for DeepSpeed too (its CPU accelerator set and its comm layer
+#: started on every new World: the first start ever JIT-builds an op, so no test's bound includes
+#: it), and shared by every test module of an xdist worker, FSDP2's and DeepSpeed's alike. A
+#: World costs each rank its imports (torch, transformers, DeepSpeed: seconds of CPU), which
+#: ``make test`` would otherwise pay again for every module. Tests that break a World on purpose
+#: (a hang, a killed rank) start their own.
+SHARED_ENV: dict[str, str | None] = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
 def _world_fixture(nprocs: int) -> Iterator[WorldHandle]:
-    handle = WorldHandle(nprocs)
+    # DeepSpeed's comm layer binds torch.distributed's functions when it is imported: the
+    # collective recorder (ds_scenarios) goes in first, so that tests counting DeepSpeed's
+    # collectives see them in any World.
+    from ds_scenarios import warm_up
+
+    handle = WorldHandle(nprocs, env=SHARED_ENV, start=warm_up)
     try:
         yield handle
     finally:
@@ -115,13 +144,22 @@ def world4() -> Iterator[WorldHandle]:
     yield from _world_fixture(4)
 
 
-@pytest.fixture(scope="module")
-def ds_world2() -> Iterator[Any]:
-    """2 gloo ranks for one test module, ready for DeepSpeed (``rollout_scenarios.ds_world``)."""
-    from rollout_scenarios import ds_world
+@pytest.fixture(scope="session")
+def ds_world2(world2: WorldHandle) -> WorldHandle:
+    """The session's 2 ranks, for a DeepSpeed test (every session World is ready for it)."""
+    return world2
 
-    with ds_world(2) as world:
-        yield world
+
+@pytest.fixture(scope="session")
+def ds_world3(world3: WorldHandle) -> WorldHandle:
+    """The session's 3 ranks, for a DeepSpeed test."""
+    return world3
+
+
+@pytest.fixture(scope="session")
+def worlds(world2: WorldHandle, world3: WorldHandle, world4: WorldHandle) -> dict[int, WorldHandle]:
+    """The session's Worlds by size (each starts on its first use)."""
+    return {2: world2, 3: world3, 4: world4}
 
 
 _CUDA_AVAILABLE: bool | None = None
@@ -142,7 +180,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture
 def ranks_factory():
-    """Fault-injection worlds (tests/fault_ranks.py), each rank process killed at teardown."""
+    """Fault-injection worlds (tests/helpers/fault_ranks.py), each rank process killed at teardown."""
     from fault_ranks import Ranks
 
     made: list[Ranks] = []

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shardgen.backends.encdec import decoder_positions, shadow_inputs
+from shardgen.backends.seq2seq_inputs import decoder_positions, shadow_inputs
 from shardgen.backends.towers import shadow_towers, tower_mask, towers_of
 from shardgen.generation.plan import Access, ForwardPlan, Shapes
 
@@ -77,7 +77,7 @@ class Backend:
 
     def stationary_forward(self, inputs: dict[str, Any], shapes: Shapes | None, towers: int = 0) -> Any:
         """One forward in the stationary mode with the agreed ``shapes`` and ``towers``. Collective
-        on the parameter group (``backends/stationary/mode.py``): every rank, same tick."""
+        on the parameter group (``backends/stationary/runner.py``): every rank, same tick."""
         assert self.stationary is not None and shapes is not None, "a stationary forward needs shapes"
         return self.stationary.forward(list(shapes), lambda: self.module(**inputs), towers)
 
@@ -152,7 +152,7 @@ class Backend:
         from shardgen.backends.stationary import Unsupported
 
         if self._whole is None:
-            self._whole = whole.plan(self.module, source().shard, Unsupported, budget) or False
+            self._whole = whole.layout(self.module, source().shard, Unsupported, budget) or False
         if not self._whole:
             return False
         whole.fill(self.replica, self._whole, self.param_group, self.device)

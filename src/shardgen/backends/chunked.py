@@ -10,7 +10,7 @@ over the vocabulary runs here instead, from its shard:
   dim 0; DeepSpeed ZeRO-3: ``P = ceil(V * H / N)`` elements), the last ranks padded.
 * Chunk ``c`` is elements ``[c * E, c * E + E)`` of every rank's partition (the last chunk
   what is left), gathered on the weight's parameter group: with a pool (a CPU device),
-  one broadcast per rank into its slice of a pooled buffer (``pool.gather_in_place``),
+  one broadcast per rank into its slice of a pooled buffer (``buffer_pool.gather_in_place``),
   else one ``all_gather_single`` of equal pieces; ``E`` is a whole number of rows sized so that a chunk's
   ``N * E`` elements hold at most ``chunk_bytes`` (default: half the largest decoder layer,
   as gloo gathers into a temporary and copies out, so a chunk briefly costs twice its
@@ -25,7 +25,7 @@ over the vocabulary runs here instead, from its shard:
   once complete, so every row is used whole, exactly once.
 
 Peak gathered weight of these modules: one chunk, gathered into a buffer of the backend's
-``pool.BufferPool`` (kept across forwards, emptied at pauses and close). Outside
+``buffer_pool.BufferPool`` (kept across forwards, emptied at pauses and close). Outside
 shardgen's forwards (a training step in ``Engine.paused()``) the modules run their own
 forward under the backend's hooks.
 Nothing here issues a collective except :meth:`FlatWeight.gather` (and the forwards that
@@ -44,9 +44,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardgen.backends.buffer_pool import BufferPool, all_gather_single, gather_in_place
 from shardgen.backends.lookups import looking_up, own_forward, stand_in
 from shardgen.backends.parts import plain_type
-from shardgen.backends.pool import BufferPool, all_gather_single, gather_in_place
 from shardgen.log import get_logger
 
 log = get_logger()
@@ -89,7 +89,8 @@ class FlatWeight:
         self.piece = min(k * self.cols, self.part)  # E: elements per rank per chunk
         self.n_chunks = -(-self.part // self.piece)
         self._pending: dict[int, list[Any]] = {}
-        #: Where the gathers write (``pool.BufferPool``: kept across forwards), or None (fresh tensors).
+        #: Where the gathers write (``buffer_pool.BufferPool``: kept across forwards), or None
+        #: (fresh tensors).
         self.pool: BufferPool | None = None
 
     def _empty(self, numel: int, device: torch.device) -> torch.Tensor:
@@ -116,7 +117,7 @@ class FlatWeight:
             if n:
                 send[:n].copy_(local.narrow(0, lo, n))
         out = self._empty(self.world * size, device)
-        if self.pool is not None:  # in place: no gloo temporary (pool.gather_in_place)
+        if self.pool is not None:  # in place: no gloo temporary (buffer_pool.gather_in_place)
             gather_in_place(out, send, self.group).wait()
         else:
             all_gather_single()(out, send, group=self.group)

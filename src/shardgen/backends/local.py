@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from shardgen.backends.base import Backend
-from shardgen.backends.encdec import decoder_positions
+from shardgen.backends.seq2seq_inputs import decoder_positions
 from shardgen.generation.plan import ForwardPlan
 
 

@@ -7,7 +7,7 @@ storage-free stand-in (:func:`stand_in`) and every lookup of that stand-in (``F.
 ``torch.embedding``) answered by the caller's sharded lookup (:class:`Lookups`, a torch function
 mode: per thread, so other threads' forwards are untouched). Any other use of the weight (an
 index, a product) goes to ``other``: a probe notes it, a real forward raises. Used by the
-stationary mode (``stationary/plan.py``, ``mode.py``) and the row-chunked embeddings of per-layer
+stationary mode (``stationary/layout.py``, ``runner.py``) and the row-chunked embeddings of per-layer
 forwards (``chunked.py``). Nothing here issues a collective; the ``lookup`` callables may.
 """
 

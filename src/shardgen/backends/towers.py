@@ -15,9 +15,9 @@ a tower's units as to the decoder's (FSDP2 shards a tower's blocks as units: ``p
 finds them in the model's list of blocks never split). In the stationary mode
 (``backends/stationary``) a tower's linears and embeddings stay in their shards; their token
 counts (a rank's image patches, its encoder's length) are no function of the tick's agreed
-shapes, so each of their exchanges first all-gathers every rank's count (``plan.py``: rule
+shapes, so each of their exchanges first all-gathers every rank's count (``stationary/layout.py``: rule
 ``"free"``); an encoder-decoder's cross-attention keys and values go with the encoder's agreed
-bit (``mode.py``).
+bit (``stationary/runner.py``).
 
 An encoder-decoder (T5, BART) has its encoder as a tower, run by the prompt's ``input_ids``: a
 request's first forward runs it once (its output then stays with the request's row), its decode

@@ -12,7 +12,7 @@ value is copied out of its columns into a tensor the replica takes as it is. Par
 module order in chunks of at most ``budget`` bytes gathered (one parameter alone may exceed
 it), so the peak is the replica plus one chunk, as with unit-by-unit gathers.
 
-A backend builds the plan from its stationary mode's ``Source`` (``plan`` returns None when one
+A backend builds the layout from its stationary mode's ``Source`` (``layout`` returns None when one
 parameter is not covered: the backend then gathers its own way). Nothing here is collective
 except :func:`fill`.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardgen.backends.pool import all_gather_single, gather_in_place, off_heap_empty
+from shardgen.backends.buffer_pool import all_gather_single, gather_in_place, off_heap_empty
 from shardgen.backends.replica import Replica
 from shardgen.backends.stationary.shards import FlatShard
 
@@ -44,7 +44,7 @@ class Chunk:
     numel: int
 
 
-def plan(
+def layout(
     model: nn.Module, shard: Callable[[nn.Module, str], FlatShard], unsupported: type[Exception], budget: int
 ) -> list[Chunk] | None:
     """Every parameter of ``model`` (each distinct one once, in module order) through ``shard``
@@ -92,8 +92,8 @@ def _chunk(named: list[tuple[str, FlatShard]]) -> Chunk:
 
 
 def fill(replica: Replica, chunks: list[Chunk], group: Any, device: torch.device) -> None:
-    """Load every planned parameter into ``replica``. Collective on ``group``: one gather per
-    chunk (``world`` broadcasts on a CPU), in the plan's order, every rank in the same tick."""
+    """Load every laid-out parameter into ``replica``. Collective on ``group``: one gather per
+    chunk (``world`` broadcasts on a CPU), in the layout's order, every rank in the same tick."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     for chunk in chunks:
         if device.type == "cpu":

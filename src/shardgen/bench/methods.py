@@ -288,7 +288,7 @@ def _sg(name: str, work: Workload) -> tuple[Any, Run]:
         if backend == "local":
             out.peak_param_bytes = work.full_bytes
         elif gather == "stationary":  # the shard, the kept small parameters, one fallback module
-            kept = engine.backend.stationary.plan.describe()["kept_bytes"]
+            kept = engine.backend.stationary.layout.describe()["kept_bytes"]
             out.peak_param_bytes = work.full_bytes // world + kept
         else:
             unit = work.unit_bytes if gather == "per-layer" else work.full_bytes

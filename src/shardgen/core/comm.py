@@ -271,7 +271,7 @@ def forget_engine(
 ) -> None:
     """At close, every rank of the engine, once its driver and liveness threads have ended: the
     last rank to get here deletes the engine's store keys, so that engines opened and closed for
-    as long as the process lives leave the store as they found it (soak: tests/test_soak.py).
+    as long as the process lives leave the store as they found it (soak: tests/multirank/test_soak.py).
 
     The keys: ``arrived``/``npg`` (``arrive``), ``hb``/``ack`` per rank and ``verdict``
     (liveness, verdict.py), ``resume<n>`` and ``resume<n>/who`` of the last pause ``n`` = ``pauses``

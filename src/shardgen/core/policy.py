@@ -108,5 +108,5 @@ class ForwardMode:
     def cheaper(self, shapes: list[tuple[int, int]]) -> Access:
         if self._per_layer_s is None:
             self._per_layer_s = self.backend.per_layer_cost().seconds(self.link)
-        st = stationary_cost(self.backend.stationary.plan, shapes, self.rank).seconds(self.link)
+        st = stationary_cost(self.backend.stationary.layout, shapes, self.rank).seconds(self.link)
         return Access.STATIONARY if st <= self._per_layer_s else Access.PER_LAYER

@@ -42,7 +42,7 @@ from shardgen.generation.cache import ReservedLayer
 from shardgen.generation.plan import PrefillPlan, ScorePlan
 from shardgen.generation.rows import combine_rows
 from shardgen.generation.score import ScoreRequest, reduce
-from shardgen.generation.scoring import ScoreRun
+from shardgen.generation.score_run import ScoreRun
 from shardgen.generation.sequence import SeqState
 
 

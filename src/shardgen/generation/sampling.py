@@ -14,7 +14,7 @@ sorts only two bins, and hands a row whose cut or draw lies too near a boundary 
 ``nucleus_draw``; other rows, and every row on other devices, draw through the CDF in
 vocabulary order (``draw_tokens``). Which way a row goes depends on its own knobs and
 device only. On the CPU a row's result is bitwise the same alone or in any batch
-(tests/test_sampling.py). On CUDA, ``cumsum`` picks its thread layout from the number of rows
+(tests/unit/test_sampling.py). On CUDA, ``cumsum`` picks its thread layout from the number of rows
 (and a single row takes another kernel), so cumulative sums may differ in the last bit between
 batch shapes; that moves a token only when the row's uniform or top-p threshold lies within
 that rounding of a boundary, as last-bit noise in the logits would.

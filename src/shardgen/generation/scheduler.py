@@ -26,12 +26,12 @@ from shardgen.config import EngineConfig
 from shardgen.generation import parking
 from shardgen.generation.batch import Batch
 from shardgen.generation.drafts import DraftStore
-from shardgen.generation.encdec import EncDecBatch, EncDecScoreRun, is_encoder_decoder
-from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, ScorePlan, Work
+from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, Work
 from shardgen.generation.prefix_cache import PrefixCache
 from shardgen.generation.requests import Request
+from shardgen.generation.row_kinds import row_kind
 from shardgen.generation.score import RowScore, ScoreRequest
-from shardgen.generation.scoring import ScoreRun
+from shardgen.generation.score_run import ScoreRun
 from shardgen.generation.sequence import SeqState
 from shardgen.generation.verify import verify_step
 
@@ -64,7 +64,7 @@ class LocalWork:
         self.prefilling: Batch | None = None  # a prefill under way (chunked), to join the batch
         self.phase = Work.IDLE
         self.prefixes = PrefixCache(prefix_cache_tokens)
-        self.encdec = is_encoder_decoder(model)  # the prompt is the encoder's input (encdec.py)
+        self.kind = row_kind(model)  # what a prefill or score run of its rows is (row_kinds.py)
         self._training = bool(getattr(model, "training", False))  # the mode the cache was filled in
         self.parked: list[tuple[Request, int]] = []  # held rows out of the batch (``parking.py``)
         self.releases = 0  # the quota calls whose start the driver has seen
@@ -123,55 +123,21 @@ class LocalWork:
         cfg = self.config
         if kind is not Work.IDLE:
             seqs = [self.pending[i].seq for i in range(n)]
-            prompts = [s.prompt_ids for s in seqs]
-            images = any(s.inputs is not None for s in seqs)
-            # Encoder-decoder rows: no prefix cache (the decoder's columns hang on the encoder's
-            # input; the encoder runs whole). Image rows match on their ids salted by their images
-            # (``images.py``), never inside an image.
             matches = None
-            if len(self.prefixes) and not self.encdec:
+            if len(self.prefixes) and self.kind.prefix_cache:
                 matches = [self._match(s) for s in seqs]
                 # A prefill computes every row from the first column no row has cached: rows with
                 # a cached prefix and rows without go in separate prefills (the first run of
                 # either kind now, the rest next tick), so that a miss does not undo the hits.
                 hit = matches[0][1] > 0
                 n = next((i for i, (_, c) in enumerate(matches) if (c > 0) != hit), n)
-                seqs, prompts, matches = seqs[:n], prompts[:n], matches[:n]
-            # Image rows' chunks never cut an image; rows with inputs of no known layout prefill
-            # in one forward (where their images lie is not known), and so do encoder-decoder
-            # rows (the encoder runs whole).
-            whole = self.encdec or any(s.inputs is not None and s.images is None for s in seqs)
-            budget = None if whole else cfg.max_prefill_tokens
-            keys = [s.inputs_key for s in seqs] if images else None
-            spans = [s.images.spans if s.images is not None else () for s in seqs] if images else None
-            pre = PrefillPlan.of(prompts, cfg.share_prefill, budget, matches, keys, spans)
-            towers = 0
-            for x in pre.inputs(seqs, 0) if images else ():  # the images the first forward carries
-                if x is not None:
-                    towers |= self.backend.tower_mask(x)
-            shape = pre.shape(0)
-            if self.encdec:  # the prompt ids run the encoder, a tower
-                towers |= self.backend.tower_mask({"input_ids": prompts[0]})
-                shape = (len(pre.rows), len(pre.rows))  # the decoder takes one start token per row
-            return ForwardPlan(kind, n, pre, *shape, towers=towers)
+                seqs, matches = seqs[:n], matches[:n]
+            return self.kind.prefill(
+                kind, seqs, matches, cfg.share_prefill, cfg.max_prefill_tokens, self._towers
+            )
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
-            n = self._score_take()
-            rows = [self.scoring[i] for i in range(n)]
-            prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
-            towers = 0
-            for r in rows:
-                if r.inputs is not None:
-                    towers |= self.backend.tower_mask(r.inputs)
-            if self.encdec:  # one forward, the encoder on the prompts inside it: a tower
-                towers |= self.backend.tower_mask({"input_ids": prompts[0]})
-                sp = ScorePlan.encdec(prompts, responses)
-                return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp, towers=towers)
-            # A run holding rows with inputs of their own (images) goes in one forward, every row
-            # computed: the images go with their tokens (as a generation prefill's).
-            plain = all(r.inputs is None for r in rows)
-            share, budget = (cfg.share_prefill, cfg.max_prefill_tokens) if plain else (False, None)
-            sp = ScorePlan.of(prompts, responses, share, budget)
-            return ForwardPlan(Work.SCORE, n, None, *sp.shape(0), score=sp, towers=towers)
+            rows = [self.scoring[i] for i in range(self._score_take())]
+            return self.kind.score(rows, cfg.share_prefill, cfg.max_prefill_tokens, self._towers)
         if batch is not None:
             drafts = self._drafts(batch)
             if drafts is not None:
@@ -186,7 +152,7 @@ class LocalWork:
         A draft reaches no further than the row's ``max_new_tokens`` allows, and the forward's
         tokens stay within ``max_prefill_tokens``. Local; changes no row."""
         cfg = self.config
-        if not cfg.speculate or self.encdec or not batch.can_verify():
+        if not cfg.speculate or not self.kind.speculates or not batch.can_verify():
             return None
         width = cfg.speculate
         if cfg.max_prefill_tokens is not None:
@@ -200,6 +166,11 @@ class LocalWork:
             limits = [min(width, s.params.max_new_tokens - len(s.tokens)) for s in batch.seqs]
             self._drafted = (key, self.drafts.drafts(batch.seqs, limits))
         return self._drafted[1]
+
+    def _towers(self, inputs: dict[str, Any]) -> int:
+        """The towers a forward's own ``inputs`` run (the backend's, looked up when asked: a
+        forward of text rows asks nothing)."""
+        return self.backend.tower_mask(inputs)
 
     def step(self, plan: ForwardPlan) -> bool:
         """Run ``plan`` (from ``plan()``, with no change to the queue or the batch since, then
@@ -272,8 +243,7 @@ class LocalWork:
             assert self.scorer is None and self.prefilling is None
             take = [self.scoring.popleft() for _ in range(plan.take)]
             self.stats.requests += len(take)
-            kind = EncDecScoreRun if self.encdec else ScoreRun
-            self.scorer = kind(self.model, take, self.device, plan.score)
+            self.scorer = self.kind.score_run(self.model, take, self.device, plan.score)
         run = self.scorer
         assert run is not None, "a score forward planned with no run"
         self.stats.prefill_tokens += run.step(forward)
@@ -306,8 +276,7 @@ class LocalWork:
             if entry is not None and cached:
                 self.prefixes.touch(entry)
                 self.stats.cached_prompt_tokens += cached
-        kind = EncDecBatch if self.encdec else Batch
-        self.prefilling = kind(self.model, [r.seq for r in take], self.device, plan)
+        self.prefilling = self.kind.batch(self.model, [r.seq for r in take], self.device, plan)
         self.stats.prefills += 1
         self._prefill_forward(forward)
 

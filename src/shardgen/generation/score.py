@@ -3,7 +3,7 @@
 A score row is a prompt and a response (token ids); its result is, at each response position
 ``j``, the model's distribution over the next token given the prompt and ``response[:j]``:
 ``log_softmax(logits / temperature)`` at ``response[j]``, optionally its top-k, the entropy and
-the raw logits. No ``torch.distributed``, no model: the driver runs the rows (``scoring.py``);
+the raw logits. No ``torch.distributed``, no model: the driver runs the rows (``score_run.py``);
 this module normalises the inputs, reduces one chunk's logits, and packs the rows.
 """
 

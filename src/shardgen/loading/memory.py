@@ -1,7 +1,7 @@
 """Memory: the ``auto`` gather policy's estimates (full weights + KV cache vs what is free after
 loading) and the batch size an unset ``max_batch_size`` gets from them. How the CPU backends
 keep gathered weights from piling up in the heap without an allocator setting:
-``backends/pool.py``."""
+``backends/buffer_pool.py``."""
 
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def materialize(
     else:
         raise ValueError(f"cannot load into backend {backend!r}")
     if device.type == "cpu":
-        from shardgen.backends.pool import trim_heap
+        from shardgen.backends.buffer_pool import trim_heap
 
         trim_heap()  # the checkpoint reads and dtype conversions are freed: back to the OS
     how = "unsharded (backend local)" if backend == "local" else f"as {backend} shards"

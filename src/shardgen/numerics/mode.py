@@ -46,8 +46,16 @@ _f64 = {
 _ROUTES: dict[Any, Any] = {
     torch._C._nn.linear: ops.linear,
     torch._C._nn.scaled_dot_product_attention: ops.attention,
-    **{fn: ops.matmul for fn in (*_both("matmul"), *_both("mm"), torch.Tensor.matmul, torch.Tensor.__matmul__,
-                                 torch.Tensor.mm)},  # fmt: skip
+    **{
+        fn: ops.matmul
+        for fn in (
+            *_both("matmul"),
+            *_both("mm"),
+            torch.Tensor.matmul,
+            torch.Tensor.__matmul__,
+            torch.Tensor.mm,
+        )
+    },  # fmt: skip
     **{fn: ops.addmm for fn in (*_both("addmm"), torch.Tensor.addmm)},
     **{fn: ops.logsumexp for fn in (*_both("logsumexp"), torch.Tensor.logsumexp)},
     **{fn: ops.log_softmax for fn in (*_both("log_softmax"), torch.Tensor.log_softmax, F.log_softmax)},

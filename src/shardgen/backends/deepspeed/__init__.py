@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardgen.backends.base import Backend
+from shardgen.backends.buffer_pool import BufferPool, trim_heap
 from shardgen.backends.chunked import (
     ChunkedModules,
     FlatWeight,
@@ -46,7 +47,6 @@ from shardgen.backends.deepspeed import internals as ds
 from shardgen.backends.deepspeed import pause
 from shardgen.backends.deepspeed.pooled import gather_async
 from shardgen.backends.parts import largest_layer_bytes, vocab_modules
-from shardgen.backends.pool import BufferPool, trim_heap
 from shardgen.backends.replica import Replica
 from shardgen.log import get_logger
 
@@ -70,9 +70,9 @@ class DeepSpeedBackend(Backend):
         self.offload_device = offload_device
         self.created = created  # True when shardgen partitioned the model itself
         self.lockstep = True
-        self.plan = None  # BucketPlan: the coalesced gathers of a lockstep forward
+        self.buckets = None  # Buckets: the coalesced gathers of a lockstep forward
         self.chunked: ChunkedModules | None = None  # embeddings / head gathered in row chunks
-        # On a CPU device: the buffers shardgen's forwards gather into (``pool.py``), kept across
+        # On a CPU device: the buffers shardgen's forwards gather into (``buffer_pool.py``), kept across
         # forwards, emptied when a training pause starts and at close.
         self.pool: BufferPool | None = BufferPool() if self.device.type == "cpu" else None
 
@@ -83,16 +83,16 @@ class DeepSpeedBackend(Backend):
         beside the compute, not on CPU, where gloo's thread takes cores from the compute)."""
         if prefetch is None:
             prefetch = self.device.type != "cpu"
-        from shardgen.backends.deepspeed.buckets import BucketPlan
+        from shardgen.backends.deepspeed.buckets import Buckets
 
-        if self.plan is not None:
-            self.plan.remove()
-            self.plan = None
+        if self.buckets is not None:
+            self.buckets.remove()
+            self.buckets = None
         if bucket_bytes > 0:
             skip = {id(m) for m in self.chunked.modules} if self.chunked is not None else set()
             units = [u for u in self.units() if id(u) not in skip]
-            self.plan = BucketPlan(self.module, units, self.offload, bucket_bytes, prefetch, self.pool)
-            n = len(self.plan)
+            self.buckets = Buckets(self.module, units, self.offload, bucket_bytes, prefetch, self.pool)
+            n = len(self.buckets)
             log.info(
                 "%d modules gathered in %d bucket%s of <= %.1f MB",
                 len(self.units()),
@@ -102,7 +102,7 @@ class DeepSpeedBackend(Backend):
             )
         if self.pool is not None:  # every buffer fits the largest bucket and a row chunk
             chunk = self.chunked.max_chunk_bytes() if self.chunked is not None else 0
-            self.pool.block_bytes = max(self.plan.max_bucket_bytes if self.plan else 0, chunk)
+            self.pool.block_bytes = max(self.buckets.max_bucket_bytes if self.buckets else 0, chunk)
 
     @classmethod
     def create(
@@ -182,9 +182,9 @@ class DeepSpeedBackend(Backend):
         unit). Collective on the param group while ``lockstep`` (the module contract). In the
         stationary mode (``Backend.forward``) DeepSpeed's hooks are set aside by its source."""
         with ds.lockstep_forward(), active(self.chunked):
-            if self.plan is None:
+            if self.buckets is None:
                 return self.module(**inputs)
-            with self.plan.forward():
+            with self.buckets.forward():
                 return self.module(**inputs)
 
     def enable_stationary(self) -> str | None:
@@ -204,10 +204,10 @@ class DeepSpeedBackend(Backend):
         """One coalesced all-gather per bucket (per unit without a plan) and per row chunk."""
         from shardgen.backends.stationary import gathered_cost
 
-        n = len(self.plan) if self.plan is not None else len(self.units())
+        n = len(self.buckets) if self.buckets is not None else len(self.units())
         if self.chunked is not None:
             n += sum(self.chunked.describe().values())
-            if self.plan is None:  # the chunked modules are units too
+            if self.buckets is None:  # the chunked modules are units too
                 n -= len(self.chunked.modules)
         return gathered_cost(n, self.full_param_bytes(), dist.get_world_size(self.param_group))
 
@@ -216,7 +216,7 @@ class DeepSpeedBackend(Backend):
         """Fill the plain replica (``replica.py``); forwards then run on it. Partitions in memory
         over the param group (no NVMe, no hpZ) travel in chunks of many parameters
         (``backends/whole.py``), without DeepSpeed's per-parameter bookkeeping; others chunk by
-        chunk through DeepSpeed: the plan's buckets, else one unit at a time. Collective on the
+        chunk through DeepSpeed: its buckets, else one unit at a time. Collective on the
         param group: one gather per chunk, every rank in the same tick and order."""
         from shardgen.backends.deepspeed.stationary import DeepSpeedSource
 
@@ -231,9 +231,9 @@ class DeepSpeedBackend(Backend):
             self.lockstep = False
             return
         names = {id(p): n for n, p in self.module.named_parameters()}
-        if self.plan is not None:
-            chunks = self.plan.bucket_params
-            if self.chunked is not None:  # not in the plan: gathered whole here
+        if self.buckets is not None:
+            chunks = self.buckets.bucket_params
+            if self.chunked is not None:  # in no bucket: gathered whole here
                 chunks = chunks + [ds.unit_params(m) for m in self.chunked.modules]
         else:
             chunks = [ds.unit_params(u) for u in self.units()]
@@ -298,14 +298,14 @@ class DeepSpeedBackend(Backend):
     def close(self) -> None:
         """Free the replica and remove the bucket hooks (the model goes back with DeepSpeed's own
         hooks only). Local."""
-        if self.plan is not None:
-            self.plan.remove()
-            self.plan = None
+        if self.buckets is not None:
+            self.buckets.remove()
+            self.buckets = None
         self.release_all()
         self.release_buffers()
 
     def release_buffers(self, trim: bool = True) -> None:
-        """Empty the pool; with ``trim``, give the freed heap back to the OS (``pool.trim_heap``).
+        """Empty the pool; with ``trim``, give the freed heap back to the OS (``buffer_pool.trim_heap``).
         Local."""
         if self.pool is not None and len(self.pool):
             self.pool.clear()

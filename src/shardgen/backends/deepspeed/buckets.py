@@ -1,15 +1,15 @@
-"""A fixed plan of coalesced gathers for DeepSpeed ZeRO-3 forwards: few, early collectives.
+"""Fixed buckets of coalesced gathers for DeepSpeed ZeRO-3 forwards: few, early collectives.
 
 With prefetch, reuse and persistence off (their collectives depend on per-rank trace state),
 DeepSpeed's hooks issue one all-gather per parameterized module call (21 per forward for a
 tiny Llama), and their Python bookkeeping costs about as much again per module. In
-shardgen's own forwards the plan replaces them:
+shardgen's own forwards the buckets replace them:
 
 * computed once, from the module structure only: the gathering units (modules that own
   parameters, ZeRO-3 leaves as a whole; module order) are cut into consecutive buckets of at
   most ``bucket_bytes`` of full parameters (a larger unit is a bucket of its own);
 * during the forward DeepSpeed's module hooks are set aside (``internals.hooks_suspended``);
-  the plan's own pre-hook on each unit makes its bucket available: the first time a bucket
+  the buckets' own pre-hook on each unit makes its bucket available: the first time a bucket
   is needed, one coalesced all-gather of its parameters that are not available, and
   (``prefetch``) the same for the next bucket, issued before waiting, so it travels while
   this one computes;
@@ -18,7 +18,7 @@ shardgen's own forwards the plan replaces them:
   started, unreleased bucket also needs; the end of the forward waits for and
   releases everything left. Nothing survives a forward: every forward starts with all
   parameters partitioned.
-* on a CPU device the gathers write into the backend's ``pool.BufferPool`` (the same
+* on a CPU device the gathers write into the backend's ``buffer_pool.BufferPool`` (the same
   all-gathers, into buffers kept across forwards: ``pooled.PooledGather``), so a forward
   allocates no gather memory once the first one sized the pool.
 
@@ -27,7 +27,7 @@ forward only (which buckets are started or released, which parameters are availa
 reset at each forward), never of the data, of DeepSpeed's trace state or of earlier
 forwards. HF decoders call the same modules in the same order in every forward, real or a
 1x1 shadow, so every rank issues the same gathers in the same order, on ``param_group``.
-Outside shardgen's forwards (a user's training step in ``Engine.paused()``) the plan's
+Outside shardgen's forwards (a user's training step in ``Engine.paused()``) the buckets'
 hooks do nothing and DeepSpeed's own hooks run as installed.
 """
 
@@ -57,7 +57,7 @@ def cut_buckets(unit_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
-class BucketPlan:
+class Buckets:
     """The gather schedule of one model; owns forward hooks on its units."""
 
     def __init__(
@@ -72,7 +72,7 @@ class BucketPlan:
         self.root = root
         self.offload = offload
         self.prefetch = prefetch
-        self.pool = pool  # pool.BufferPool the gathers write into (CPU), or None
+        self.pool = pool  # buffer_pool.BufferPool the gathers write into (CPU), or None
         unit_params = [ds.unit_params(u) for u in units]
         sizes = [sum(ds.full_numel(p) * p.element_size() for p in ps) for ps in unit_params]
         self.buckets = cut_buckets(sizes, bucket_bytes)
@@ -110,8 +110,8 @@ class BucketPlan:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        """Around one of shardgen's forwards: DeepSpeed's hooks set aside, the plan's active."""
-        assert not self._active, "nested plan forward"
+        """Around one of shardgen's forwards: DeepSpeed's hooks set aside, the buckets' active."""
+        assert not self._active, "nested bucketed forward"
         with ds.hooks_suspended(self.offload, self.root):
             self._active = True
             try:

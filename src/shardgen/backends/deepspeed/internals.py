@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardgen.backends.deepspeed.shm import no_shm_op
-from shardgen.backends.stationary.plan import hooks_aside
+from shardgen.backends.stationary.layout import hooks_aside
 from shardgen.log import get_logger, quiet_deprecated_gathers
 
 log = get_logger()

@@ -1,6 +1,6 @@
-"""DeepSpeed's coalesced all-gather into buffers kept across forwards (CPU, ``pool.py``): the same
+"""DeepSpeed's coalesced all-gather into buffers kept across forwards (CPU, ``buffer_pool.py``): the same
 bytes DeepSpeed gathers for a bucket (same group, same output layout, same order), written
-in place into a ``pool.BufferPool`` (``pool.gather_in_place``: one broadcast per rank, where
+in place into a ``buffer_pool.BufferPool`` (``buffer_pool.gather_in_place``: one broadcast per rank, where
 gloo's all-gather would allocate a temporary). Checked against DeepSpeed 0.19.8, like
 ``internals.py``, through which it reaches DeepSpeed's private parts.
 """
@@ -12,15 +12,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardgen.backends.buffer_pool import gather_in_place
 from shardgen.backends.deepspeed import internals as ds
 from shardgen.backends.deepspeed.internals import enum_str, find_init, has_hpz
-from shardgen.backends.pool import gather_in_place
 
 
 def gather_async(params: list, pool: Any = None):
     """Start gathering ``params`` (all partitioned): one coalesced all-gather per dtype (one
     per parameter for a single one), on their ``ds_process_group``; returns a handle whose
-    ``wait()`` makes them available. With a ``pool`` (``pool.BufferPool``) and parameters
+    ``wait()`` makes them available. With a ``pool`` (``buffer_pool.BufferPool``) and parameters
     :func:`poolable`, the same all-gather (same group, same output size) writes into the
     pool's buffers instead of fresh ones (:class:`PooledGather`). Collective: every rank of
     the group, same order."""
@@ -54,9 +54,9 @@ def poolable(params: list) -> bool:
 
 class PooledGather:
     """DeepSpeed's coalesced all-gather (``partition_parameters._all_gather_dtype`` and its
-    handle's ``wait``, 0.19.8) into buffers of a ``pool.BufferPool``: the shards, ordered by
+    handle's ``wait``, 0.19.8) into buffers of a ``buffer_pool.BufferPool``: the shards, ordered by
     ``ds_id``, are copied into this rank's slice of one flat buffer, gathered in place
-    (``pool.gather_in_place`` on their ``ds_process_group``; DeepSpeed issues one
+    (``buffer_pool.gather_in_place`` on their ``ds_process_group``; DeepSpeed issues one
     ``all_gather_into_tensor`` of the same layout), and
     ``wait`` copies each parameter's pieces into one buffer for the bucket (a single
     parameter is used where it was gathered), sets ``param.data`` to its view and marks it
@@ -76,7 +76,7 @@ class PooledGather:
         self.flat = pool.take(self.part * world, dtype, device)
         mine = self.flat.narrow(0, self.part * rank, self.part)
         torch.cat([p.ds_tensor.reshape(-1) for p in self.params], out=mine)
-        self.work = gather_in_place(self.flat, mine, group)  # no gloo temporary (pool.py)
+        self.work = gather_in_place(self.flat, mine, group)  # no gloo temporary (buffer_pool.py)
 
     def wait(self) -> None:
         if self.work is None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardgen.backends.deepspeed import internals as ds
-from shardgen.backends.stationary.plan import Source, Unsupported
+from shardgen.backends.stationary.layout import Source, Unsupported
 from shardgen.backends.stationary.shards import FlatShard, flat_layout
 
 

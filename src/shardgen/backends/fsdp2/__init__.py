@@ -137,7 +137,7 @@ class FSDP2Backend(PooledGathers, Backend):
         """FSDP2 records every unit's forwards (``post_forward_order``, ``_post_forward_indices``:
         the backward's prefetch order) and forgets them only when a backward ends. Generation runs
         no backward, so they would grow by one entry per unit and forward for as long as the engine
-        lives (tests/test_soak.py counts Python's blocks). Forget them after each of shardgen's
+        lives (tests/multirank/test_soak.py counts Python's blocks). Forget them after each of shardgen's
         forwards (no grad: nothing of a backward to come refers to them). Local."""
         if torch.is_grad_enabled():
             return

@@ -206,7 +206,7 @@ def default_gather_groups(units: list[nn.Module]) -> list[Any] | None:
 
 
 def pooled_all_gather(pool: Any, gather_in_place: Callable[..., Any]) -> Any:
-    """FSDP2's default all-gather, its output buffer taken from ``pool`` (``pool.BufferPool``) and
+    """FSDP2's default all-gather, its output buffer taken from ``pool`` (``buffer_pool.BufferPool``) and
     written in place by ``gather_in_place(output, input, group)`` (which returns a work object).
     Collective when called, as FSDP2 calls it: every rank of the unit's group, in module order."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather

@@ -1,5 +1,5 @@
-"""The FSDP2 backend's gather buffers on a CPU (``pool.py``): FSDP2's unit all-gathers write into a
-:class:`pool.BufferPool`, and its unsharded parameter storages take memory from a
+"""The FSDP2 backend's gather buffers on a CPU (``buffer_pool.py``): FSDP2's unit all-gathers write into a
+:class:`buffer_pool.BufferPool`, and its unsharded parameter storages take memory from a
 :class:`pool.StoragePool`, in shardgen's forwards only. A mixin of :class:`fsdp2.FSDP2Backend`
 (which gives ``device``, ``module``, ``units()``, ``chunked`` and ``block_bytes()``); FSDP2's
 private parts it replaces are reached through ``internals.py``. Nothing here is collective; the
@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
+from shardgen.backends.buffer_pool import BufferPool, StoragePool, gather_in_place, trim_heap
 from shardgen.backends.fsdp2 import internals as fsdp
-from shardgen.backends.pool import BufferPool, StoragePool, gather_in_place, trim_heap
 
 
 class PooledGathers:
     """The pools of an FSDP2 backend and the hooks that route its gathers into them."""
 
-    #: On a CPU device: the buffers shardgen's forwards gather into (``pool.py``), kept across
+    #: On a CPU device: the buffers shardgen's forwards gather into (``buffer_pool.py``), kept across
     #: forwards, emptied when a training pause starts and at close. None on accelerators (torch's
     #: caching allocator keeps FSDP2's buffers there).
     pool: BufferPool | None = None
@@ -33,9 +33,9 @@ class PooledGathers:
     _pooled_comm: Any = None
 
     def use_pool(self) -> None:
-        """On a CPU device: gather into pooled memory in shardgen's forwards (``pool.py``). For the
+        """On a CPU device: gather into pooled memory in shardgen's forwards (``buffer_pool.py``). For the
         duration of each of our forwards only (``_pooled``), the FSDP param groups on FSDP2's
-        default all-gather get the same collective writing into a :class:`pool.BufferPool`, and
+        default all-gather get the same collective writing into a :class:`buffer_pool.BufferPool`, and
         their parameters' unsharded storages take memory from a :class:`pool.StoragePool`
         (FSDP2 resizes them 0 <-> full around each unit's forward); a custom all-gather the
         user set is left alone. Needs FSDP2's comm interface (torch 2.8+); without it, nothing
@@ -46,7 +46,7 @@ class PooledGathers:
         if groups is None:
             return
         self.pool = BufferPool(self.block_bytes())  # a unit's all-gather: a decoder layer
-        # In place (pool.gather_in_place): gloo's all-gather would allocate a temporary of the
+        # In place (buffer_pool.gather_in_place): gloo's all-gather would allocate a temporary of the
         # output's size.
         self._pooled_comm = fsdp.pooled_all_gather(self.pool, gather_in_place)
         self._pooled_groups = groups
@@ -103,7 +103,7 @@ class PooledGathers:
             yield
 
     def release_buffers(self, trim: bool = True) -> None:
-        """Empty the pools; with ``trim``, give the freed heap back to the OS (``pool.trim_heap``).
+        """Empty the pools; with ``trim``, give the freed heap back to the OS (``buffer_pool.trim_heap``).
         Local."""
         held = (len(self.pool) if self.pool is not None else 0) + (
             self.storages.nbytes() if self.storages is not None else 0

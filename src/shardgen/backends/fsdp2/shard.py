@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
+from shardgen.backends.buffer_pool import BufferPool
 from shardgen.backends.chunked import ChunkedModules, FlatWeight, chunk_budget, chunked_modules, hook_ids
 from shardgen.backends.fsdp2 import internals as fsdp
 from shardgen.backends.parts import decoder_layers, io_embeddings, largest_layer_bytes, vocab_modules
-from shardgen.backends.pool import BufferPool
 from shardgen.log import get_logger
 
 log = get_logger()

@@ -1,4 +1,4 @@
-"""Where an FSDP2 model's parameters lie, for the weight-stationary mode (``mode.py``).
+"""Where an FSDP2 model's parameters lie, for the weight-stationary mode (``stationary/runner.py``).
 
 FSDP2 shards every parameter along dim 0 (``torch.chunk`` semantics) on the shard group of its
 mesh: rank ``r`` of that group holds rows ``[r * c, r * c + c)``, ``c = ceil(d0 / N)``, the last
@@ -20,7 +20,7 @@ from torch import nn
 
 from shardgen.backends.chunked import hook_ids
 from shardgen.backends.fsdp2 import internals as fsdp
-from shardgen.backends.stationary.plan import Source, Unsupported, hooks_aside
+from shardgen.backends.stationary.layout import Source, Unsupported, hooks_aside
 from shardgen.backends.stationary.shards import FlatShard, dim0_layout
 
 

@@ -4,7 +4,7 @@ ZeRO-3 leaves each rank a block of rows of every weight; per linear, the ranks e
 input rows, each multiplies them by its own rows, and each gets its own tokens' outputs back
 (Pope et al., "Efficiently Scaling Transformer Inference", 2022: weight-stationary layouts).
 Modules: ``shards.py`` (where each rank's elements lie, cut rows), ``exchange.py`` (the
-collectives), ``plan.py`` (what each module does; the probe), ``mode.py`` (the forward),
+collectives), ``layout.py`` (what each module does; the probe), ``runner.py`` (the forward),
 ``cost.py`` (collectives and bytes per forward, for ``auto``); FSDP2's layout is
 ``backends/fsdp2/stationary.py``, DeepSpeed's ``backends/deepspeed/stationary.py``.
 """
@@ -12,7 +12,7 @@ collectives), ``plan.py`` (what each module does; the probe), ``mode.py`` (the f
 from __future__ import annotations
 
 from shardgen.backends.stationary.cost import Cost, gathered_cost, link_for, stationary_cost
-from shardgen.backends.stationary.mode import Stationary
-from shardgen.backends.stationary.plan import Source, Unsupported
+from shardgen.backends.stationary.layout import Source, Unsupported
+from shardgen.backends.stationary.runner import Stationary
 
 __all__ = ["Cost", "Source", "Stationary", "Unsupported", "gathered_cost", "link_for", "stationary_cost"]

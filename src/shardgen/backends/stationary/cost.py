@@ -1,8 +1,8 @@
-"""What a forward's collectives cost, per gather policy: the plan's count, and a time estimate.
+"""What a forward's collectives cost, per gather policy: the layout's count, and a time estimate.
 
-For a stationary forward (:func:`stationary_cost`) the count is exact, computed from the plan
+For a stationary forward (:func:`stationary_cost`) the count is exact, computed from the layout
 and the agreed token counts: collectives issued, elements in their output buffers on a rank
-(what a recorder of ``torch.distributed`` calls sees: tests/test_stationary.py checks it), and
+(what a recorder of ``torch.distributed`` calls sees: tests/multirank/test_stationary.py checks it), and
 bytes each rank receives from others. A model with towers: the exchanges sized at the call (a
 tower's, an encoder-decoder's cross-attention) are left out, their counts not being agreed.
 A per-layer forward moves every unit's full weights (the backends' ``per_layer_cost``).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardgen.backends.stationary.plan import Plan
+from shardgen.backends.stationary.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _isz(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cost:
+def stationary_cost(layout: Layout, shapes: list[tuple[int, int]], rank: int) -> Cost:
     """The collectives of one stationary forward after the first (kept parameters and cut rows
     already held), for rank ``rank``, given every rank's agreed ``(tokens, head_rows)``."""
     world = len(shapes)
@@ -63,7 +63,7 @@ def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cos
     # tower runs in few forwards: a prefill's with an image, a request's first)
     counts = {"body": [t for t, _ in shapes], "rows": [r for _, r in shapes], "free": [0] * world}
     wire = [0] * world
-    for group in plan.groups:
+    for group in layout.groups:
         lead = group[0]
         c = counts[lead.rule]
         calls, cols, isz = max(lead.calls, 0), int(lead.shard.shape[1]), _isz(lead.shard.dtype)
@@ -79,7 +79,7 @@ def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cos
                 cost.elements += c[rank] * sum(widths)
                 for r in range(world):
                     wire[r] += c[r] * (sum(widths) - widths[r]) * isz
-    for emb in plan.embeddings.values():
+    for emb in layout.embeddings.values():
         c, cols, isz = counts[emb.rule], int(emb.shard.shape[1]), _isz(emb.shard.dtype)
         for _ in range(emb.calls):
             if max(c):
@@ -87,7 +87,7 @@ def stationary_cost(plan: Plan, shapes: list[tuple[int, int]], rank: int) -> Cos
                 cost.elements += sum(c) - c[rank] + c[rank] * cols
                 for r in range(world):
                     wire[r] += (sum(c) - c[r]) * 8 + c[r] * cols * isz  # at most all its rows
-    for fb in plan.fallbacks.values():
+    for fb in layout.fallbacks.values():
         by_dtype: dict[torch.dtype, list[int]] = {}
         for ref in fb.refs:
             sizes = by_dtype.setdefault(ref.shard.dtype, [0] * world)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardgen.backends.pool import all_gather_single
+from shardgen.backends.buffer_pool import all_gather_single
 
 
 def gather_counts(n: int, rank: int, world: int, group: Any, device: torch.device) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shardgen.backends.pool import all_gather_single
+from shardgen.backends.buffer_pool import all_gather_single
 
 
 @dataclass

@@ -1,0 +1,156 @@
+"""Scenarios for tests/multirank/test_trl.py: TRL's GRPOTrainer (stock, or shardgen's subclass) on the toy
+task, inside the gloo ranks of a World. Test-only patches live here, nowhere else."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+
+import torch.distributed as dist
+
+
+def reward(prompts, completions, **_):
+    from shardgen import toy
+
+    return [float(toy.check_answer(p, c)) for p, c in zip(prompts, completions, strict=True)]
+
+
+def uneven_calls(cls):
+    """``cls`` whose rank 1 makes 2 extra generation calls per step, as TRL's tool loop does when
+    only that rank's completions call a tool (the tool loop itself needs a chat model)."""
+
+    class Uneven(cls):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kw):
+            out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, **kw)
+            if dist.get_rank() == 1:
+                follow_up = [list(prompt_ids[0]) + list(out[0][0])]
+                for _ in range(2):
+                    super()._generate_single_turn(follow_up, None, {}, 1)
+            return out
+
+    return Uneven
+
+
+def clear_trainer_state() -> None:
+    """Leave no DeepSpeed or accelerate state behind for the World's next scenario (transformers
+    keeps the ZeRO-3 config process-wide, accelerate its state and an environment variable)."""
+    import gc
+
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by accelerate for a DeepSpeed plugin
+    gc.collect()
+
+
+def trainer_model(backend: str, path: str) -> tuple[object, dict | None]:
+    """The model a trainer is given and its DeepSpeed config: for ``deepspeed`` a plain model and
+    a ZeRO-3 config (the trainer's accelerator shards it); for ``fsdp2`` the model sharded by
+    transformers over the default group."""
+    from transformers import AutoModelForCausalLM
+
+    if backend == "deepspeed":
+        ds_config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 3},
+        }
+        return AutoModelForCausalLM.from_pretrained(path), ds_config
+    from transformers.distributed import DistributedConfig
+
+    world = dist.get_world_size()
+    return AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(fsdp_size=world)
+    ), None
+
+
+def grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -> dict:
+    """``_grpo_two_steps``, then ``clear_trainer_state``."""
+    try:
+        return _grpo_two_steps(backend, stock, numerics)
+    finally:
+        clear_trainer_state()
+
+
+def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -> dict:
+    """Two GRPO steps on 2 ranks with uneven generation calls; returns rank 0's logged rewards."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+    from trl import GRPOTrainer as StockGRPOTrainer
+
+    from shardgen import toy
+    from shardgen.integrations.trl import GRPOTrainer
+
+    path = toy.toy_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    rng = random.Random(0)
+    prompts = [toy.format_prompt(*toy.sample_task(rng, rng.randint(2, 5))) for _ in range(16)]
+    model, ds_config = trainer_model(backend, path)
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="shardgen-trl-"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        temperature=1.5,
+        max_steps=2,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=False,  # TRL's defaults: bf16 and gradient checkpointing, not for these CPU ranks
+        gradient_checkpointing=False,
+        deepspeed=ds_config,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    cls = uneven_calls(StockGRPOTrainer if stock else GRPOTrainer)
+    mine = {} if stock else {"shardgen_config": {"numerics": numerics}}
+    trainer = cls(
+        **mine,
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+        processing_class=tok,
+    )
+    trainer.train()
+    logs = trainer.state.log_history
+    return {
+        "steps": int(trainer.state.global_step),
+        "rewards": [h["reward"] for h in logs if "reward" in h],
+        "logp_diff": [h["sampling/sampling_logp_difference/max"] for h in logs if "reward" in h],
+        "calls": getattr(trainer, "_shardgen_calls", None),
+    }
+
+
+UNSUPPORTED_KNOBS = (  # each with the text its ValueError must name
+    {"min_p": 0.1},
+    {"repetition_penalty": 1.2},
+    {"use_vllm": True},
+    {"use_transformers_continuous_batching": True},
+    {"generation_kwargs": {"no_repeat_ngram_size": 2}},
+    {"cache_implementation": "static"},
+    {"min_p": 0.2, "cache_implementation": "static"},  # every setting at fault, in one message
+)
+
+
+def unsupported_knobs() -> list[str]:
+    """The ValueError messages for TRL settings shardgen does not implement (no ranks needed)."""
+    from trl import GRPOConfig
+
+    from shardgen.integrations.trl import GRPOTrainer
+
+    out = []
+    for bad in UNSUPPORTED_KNOBS:
+        cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), bf16=False, report_to=[], **bad)
+        try:
+            GRPOTrainer(model="unused", reward_funcs=reward, args=cfg)
+        except ValueError as e:
+            out.append(str(e))
+    return out

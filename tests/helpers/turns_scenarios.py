@@ -1,0 +1,110 @@
+"""Multi-turn rollouts and the prefix cache: scenarios for tests/multirank/test_turns_multirank.py (inside the
+gloo ranks of a World) that tests/unit/test_turns.py runs in one process too (the local backend).
+
+Every rank runs conversations whose number of turns depends on its rank and row (uneven turns),
+on two engines over the same weights: the prefix cache on and off. The caller compares their
+rows (``rows_of``) and the prompt tokens each computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from models import VOCAB, tiny_model
+
+REPLY = 6  # tokens per environment reply
+EOS = [2]
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def prompts_of(r: int, count: int, length: int = 20) -> list[list[int]]:
+    g = torch.Generator().manual_seed(100 + r)
+    return [torch.randint(3, VOCAB, (length + 3 * i,), generator=g).tolist() for i in range(count)]
+
+
+def env_for(r: int, n: int):
+    """Rank ``r``'s environment: a reply of ``REPLY`` ids derived from the conversation so far, and
+    the end (None) after ``1 + (r + row // n) % 3`` model turns (rows of a prompt end alike; rows
+    and ranks take different numbers of turns). Deterministic: both engines see the same env."""
+
+    seen: dict[int, int] = {}
+
+    def env(row: int, c: Any) -> list[int] | None:
+        seen[row] = seen.get(row, 0) + 1  # the model turns of this row so far
+        if seen[row] >= 1 + (r + row // n) % 3:
+            return None
+        ctx = list(c.prompt_token_ids) + list(c.token_ids)
+        return [3 + (sum(ctx[-4:]) * (j + 7) + len(ctx)) % (VOCAB - 3) for j in range(REPLY)]
+
+    return env
+
+
+def rows_of(b) -> list[dict[str, Any]]:
+    """Per row: prompt, response tokens, response mask, logprobs, turns (JSON-able)."""
+    out = []
+    for i in range(len(b)):
+        p, g = int(b.prompt_lengths[i]), int(b.response_lengths[i])
+        w = b.prompt_width
+        out.append({
+            "prompt": b.input_ids[i, w - p : w].tolist(),
+            "tokens": b.response_ids[i, :g].tolist(),
+            "mask": b.response_mask[i, :g].tolist(),
+            "logprobs": b.logprobs[i, :g].tolist(),
+            "turns": None if b.turns is None else b.turns[i],
+            "seed": b.seeds[i],
+            "finish": b.finish_reasons[i],
+        })  # fmt: skip
+    return out
+
+
+def _scale(model: Any, factor: float) -> None:
+    """Change every weight in place (a stand-in for a training step: x * factor + (factor - 1) / 10,
+    so that no normalisation undoes it), on its shards: a DeepSpeed-partitioned parameter's
+    partition, a DTensor's local shard, or a plain tensor."""
+    with torch.no_grad():
+        for p in model.parameters():
+            part = getattr(p, "ds_tensor", None)
+            (part if part is not None else p.data).mul_(factor).add_((factor - 1) / 10)
+
+
+def conversations(
+    backend: str,
+    gather: str = "per-layer",
+    max_prefill_tokens: int | None = None,
+    arch: str = "llama",
+    counts: tuple[int, ...] = (2, 1, 0),
+    share_prefill: bool = True,
+) -> dict[str, Any]:
+    """On each engine (cache on: ``prefix_cache_tokens`` None; off: 0): greedy conversations
+    (n = 1), sampled ones (n = 2), then ``paused()`` with the weights scaled inside, then the same
+    greedy conversations again (the cache must not serve the KV of the old weights). -> per
+    engine, the rows of each part and the stats."""
+    import shardgen
+
+    r = rank()
+    prompts = prompts_of(r, counts[r % len(counts)])
+    res: dict[str, Any] = {}
+    for name, cap in (("on", None), ("off", 0)):
+        model = tiny_model(arch, seed=5)
+        opts = dict(backend=backend, gather=gather, max_prefill_tokens=max_prefill_tokens, max_batch_size=4,
+                    prefix_cache_tokens=cap, share_prefill=share_prefill)  # fmt: skip
+        with shardgen.Engine(model, **opts) as eng:
+            kw = dict(max_new_tokens=5, eos_token_id=EOS, max_turns=4)
+            greedy = eng.rollout(prompts, n=1, env=env_for(r, 1), do_sample=False, **kw)
+            sampled = eng.rollout(prompts, n=2, env=env_for(r, 2), temperature=0.9, seed=r, **kw)
+            with eng.paused():
+                _scale(eng.model, 1.25)
+            after = eng.rollout(prompts, n=1, env=env_for(r, 1), do_sample=False, **kw)
+            stats = eng.stats()
+        res[name] = {
+            "greedy": rows_of(greedy), "sampled": rows_of(sampled), "after": rows_of(after),
+            "computed": stats["prefill_tokens"], "cached": stats["cached_prompt_tokens"],
+            "drops": stats["prefix_cache_drops"], "policy": eng.gather_policy,
+        }  # fmt: skip
+    return res

@@ -1,0 +1,116 @@
+"""The RL examples, run as a user would: ``rl_rollout.py`` under torchrun (FSDP2) and the DeepSpeed
+launcher, and the TRL subclass (2 CPU ranks). A file of its own beside tests/multirank/test_examples.py,
+so that the suite's workers share the example runs (``make test`` runs one file per worker).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+from example_runs import HAS_DEEPSPEED, RUN_TIMEOUT_S, deepspeed_launcher, run, torchrun
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+
+def _check_rl_rollout(rc: int, out: str, steps: int) -> None:
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    rewards = re.findall(r"^step +(\d+)  reward ([\d.]+)", out, flags=re.M)
+    assert [int(s) for s, _ in rewards] == list(range(steps)), f"rank 0 prints one line per step\n{out}"
+    assert all(0.0 <= float(r) <= 1.0 for _, r in rewards)
+    flat = re.findall(r"^step +\d+ .* flat prompts (\d+)/(\d+) ", out, flags=re.M)
+    assert len(flat) == steps and all(int(f) <= int(g) for f, g in flat), out  # zero-advantage prompts
+    assert re.search(r"^reward: first \d+ steps [\d.]+ -> last \d+ steps [\d.]+$", out, flags=re.M), out
+
+
+RL_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2"]
+
+
+def test_rl_rollout_fsdp2_torchrun():
+    _check_rl_rollout(*run(torchrun("rl_rollout.py", "--backend", "fsdp2", *RL_ARGS))[:2], steps=2)
+
+
+# In `make fuzz`, not `make test`: rl_rollout.py runs on FSDP2 above, and opsd.py on DeepSpeed
+# (under torchrun) below.
+@pytest.mark.long
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_rl_rollout_deepspeed_launcher():
+    # DeepSpeed's CPU start-up alone takes a minute on a busy 2-core machine
+    cmd = deepspeed_launcher("rl_rollout.py", "--backend", "deepspeed", *RL_ARGS)
+    _check_rl_rollout(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install 'shardgen[trl]')")
+def test_trl_grpo_fsdp2_torchrun():
+    """The TRL subclass on the toy task (DeepSpeed: tests/multirank/test_trl.py covers that backend)."""
+    rc, out, _ = run(torchrun("trl_grpo.py", "--backend", "fsdp2", "--steps", "2", "--prompts-per-rank", "2"))
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    assert len(re.findall(r"'reward': '[\d.]+'", out)) == 2, out  # TRL logs each step once (rank 0)
+    assert re.search(r"^reward: first 1 steps [\d.]+ -> last 1 steps [\d.]+$", out, flags=re.M), out
+
+
+def _check_opsd(rc: int, out: str, steps: int, world: int, prompts: int, samples: int) -> list[tuple]:
+    """One line per step on rank 0, a finite non-negative divergence, the task score and the
+    tokens of all ranks, the final summary; the last rank has no rows on odd steps and the step
+    still runs (its tokens leave the total). -> per step: (loss, correct, tokens)."""
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    lines = re.findall(
+        r"^step +(\d+)  loss ([\d.eE+-]+|nan|inf)  correct (\d+)/(\d+)  tokens (\d+)  rows here (\d+) ",
+        out,
+        flags=re.M,
+    )
+    assert [int(s) for s, *_ in lines] == list(range(steps)), f"rank 0 prints one line per step\n{out}"
+    assert all(0.0 <= float(loss) < 10.0 for _, loss, *_ in lines), out  # finite: nan/inf fail here
+    assert all(0 <= int(c) <= int(r) == prompts * samples for _, _, c, r, *_ in lines), out
+    assert all(int(t) > 0 for *_, t, _ in lines), out
+    for step, *_, here in lines:  # rank 0's share: 2 parts of 1 + world; the last rank none on odd steps
+        weights = [2] + [1] * (world - 1)
+        weights[-1] = 0 if int(step) % 2 else weights[-1]
+        assert int(here) == samples * round(prompts * 2 / sum(weights)), (step, here, out)
+    for what in ("loss", "correct", "tokens"):
+        assert re.search(
+            rf"^{what}: first \d+ steps [\d.]+(/\d+)? -> last \d+ steps [\d.]+", out, flags=re.M
+        ), out
+    assert re.search(r"^(NOT )?both improved: ", out, flags=re.M), out
+    return [(float(loss), int(c), int(t)) for _, loss, c, _, t, _ in lines]
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_opsd_torchrun_full_logits_learns():
+    """The example's own settings, fewer steps: the student learns where its answers end. Over
+    the run the task score rises (exact answers, out of 24 samples a step) and the divergence
+    from the frozen teacher falls. With the teacher on the student's own moving weights (the
+    example's old recipe) the score collapses to 0-2/24 by step 12 while the loss still falls."""
+    steps, k = 12, 4
+    rc, out = run(torchrun("opsd.py", "--steps", str(steps)), timeout=2 * RUN_TIMEOUT_S)[:2]
+    history = _check_opsd(rc, out, steps=steps, world=2, prompts=12, samples=2)
+    first, last = history[:k], history[-k:]
+
+    def mean(col: int, part: list[tuple]) -> float:
+        return sum(h[col] for h in part) / len(part)
+
+    assert mean(1, last) >= mean(1, first) + 4, f"the task score rises by 4 of 24 or more\n{out}"
+    assert mean(0, last) < 0.7 * mean(0, first), f"the loss falls by 30% or more\n{out}"
+    assert mean(2, last) < mean(2, first), f"answers stop instead of running on\n{out}"
+    assert re.search(r"^both improved: the loss fell, the task score rose$", out, flags=re.M), out
+
+
+# The fast numerics here: the 2-rank run above takes the example's default (invariant).
+OPSD_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2", "--numerics", "fast"]
+
+
+# In `make fuzz`, not `make test` (a 3-rank DeepSpeed launch is a minute of CPU): opsd.py runs under
+# torchrun on DeepSpeed above, with its default teacher.
+@pytest.mark.long
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+def test_opsd_deepspeed_launcher_3_ranks_top_k_separate_teacher():
+    """Under the DeepSpeed launcher at 3 ranks, the teacher's top-k only, and ``--teacher PATH``:
+    a second engine (another model, from_pretrained, sharded on the same ranks). One launch for
+    both (a 3-rank DeepSpeed launch costs about a minute of CPU)."""
+    from shardgen import toy
+
+    teacher = ["--teacher", str(toy.toy_model_path())]
+    cmd = deepspeed_launcher("opsd.py", *OPSD_ARGS, "--top-k", "4", *teacher, nproc=3)
+    rc, out = run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2]
+    _check_opsd(rc, out, steps=2, world=3, prompts=5, samples=2)

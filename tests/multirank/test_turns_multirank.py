@@ -1,0 +1,44 @@
+"""Multi-turn rollouts and the prefix cache on 2 and 3 gloo ranks, FSDP2 and DeepSpeed, every
+gather mode: conversations with uneven turns per rank and row (a rank with none), the cache on
+against off (the same rows), and no stale KV after a ``paused()`` that changed the weights.
+
+One World of 2 ranks for the module, one of 3 for the last test; every run under a hard timeout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import turns_scenarios as ts
+from test_turns import assert_conversations
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize(
+    "backend, gather, max_prefill_tokens",
+    [
+        ("fsdp2", "per-layer", None),
+        ("deepspeed", "per-layer", 7),
+        ("fsdp2", "once", 7),
+        ("deepspeed", "once", None),
+        ("fsdp2", "stationary", None),
+        ("deepspeed", "stationary", 7),
+    ],
+)
+def test_conversations_uneven_turns_2_ranks(ds_world2, backend, gather, max_prefill_tokens):
+    out = ds_world2.run(ts.conversations, backend, gather, max_prefill_tokens, timeout=240)
+    for res in out:
+        assert res["on"]["policy"] == gather
+        assert_conversations(res)
+    turns = [[row["turns"] for row in res["on"]["greedy"]] for res in out]
+    assert turns[0] != turns[1], turns  # ranks took different numbers of turns
+
+
+def test_conversations_3_ranks_both_backends(ds_world3):
+    """Rank 2 has no prompt: it joins every tick, pause included, with no conversation."""
+    world = ds_world3
+    for backend, gather in (("fsdp2", "per-layer"), ("deepspeed", "stationary")):
+        out = world.run(ts.conversations, backend, gather, 7, timeout=240)
+        for res in out[:2]:
+            assert_conversations(res)
+        assert out[2]["on"]["greedy"] == [] and out[2]["on"]["computed"] == 0

@@ -1,0 +1,125 @@
+"""Tier 1 (no processes): partial rollouts (``rollout(groups=K)``, ``generation/partial.py``) on
+the local backend. The same on sharded backends, 2 and 3 ranks: tests/multirank/test_rollout_multirank.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import tiny_model
+from numerics import assert_rows_agree, rollout_rows
+from rollout_scenarios import EOS, check_versions, id_prompts, shrink_weights
+
+import shardgen
+from shardgen.config import SamplingParams
+from shardgen.generation.partial import held_groups
+
+KW = dict(n=2, max_new_tokens=12, eos_token_id=[2], temperature=0.9, seed=5)
+
+
+@pytest.fixture()
+def engine():
+    torch.set_num_threads(1)
+    model = tiny_model("llama", seed=11)
+    ref = copy.deepcopy(model)
+    with shardgen.Engine(model, backend="local", max_batch_size=8) as eng:
+        yield eng, model, ref
+
+
+def test_rows_cut_at_their_budget_resume_where_they_were(engine):
+    """tokens_per_call=4: a call returns no group until its rows are whole; each call gives the
+    rows 4 more tokens, re-prefilled from their prefix with their own generator's draws going on:
+    the rows equal a plain rollout's with the same seeds (near-ties aside), served exactly once."""
+    eng, model, _ = engine
+    prompts = id_prompts([4, 6, 5], seed=2)
+    plain = eng.rollout(prompts, **KW)
+    got, calls = [], 0
+    todo = prompts
+    while len(got) < 3:
+        calls += 1
+        assert calls < 6, f"{held_groups(eng)} groups still held after {calls} calls"
+        got += [g for _, g in eng.rollout_iter(todo, groups=3 - len(got), tokens_per_call=4, **KW)]
+        todo = []
+    assert calls == 3 and held_groups(eng) == 0  # 12 tokens: 4 a call
+    by_prompt = {tuple(g.prompts[0]): g for g in got}
+    assert sorted(by_prompt) == sorted(tuple(p) for p in prompts)
+    again = [by_prompt[tuple(p)] for p in prompts]
+    params = SamplingParams(do_sample=True, temperature=0.9)
+    from shardgen.generation.rollout import concat
+
+    assert_rows_agree(rollout_rows(concat(again)), rollout_rows(plain), model=model, params=params)
+    assert eng.stats()["prefills"] > 3  # the cut rows were prefilled again
+
+
+def test_a_held_row_resumes_after_a_step_under_the_new_weights(engine):
+    """Greedy rows cut at 4 tokens a call, the weights shrunk inside ``paused()``, then resumed: their
+    first 4 tokens are version 0 with version 0's logprobs, the rest version 1's, each the
+    argmax of its version given the prefix (a row fed its prefix under the new weights)."""
+    eng, model, ref = engine
+    prompts = id_prompts([5, 3], seed=4)
+    kw = {**KW, "do_sample": False, "eos_token_id": EOS[-1:]}
+    b = eng.rollout(prompts, groups=2, tokens_per_call=4, **kw)
+    assert len(b) == 0 and held_groups(eng) == 2
+    with eng.paused():
+        shrink_weights(model)
+    assert eng.version == 1
+    got = []
+    for _ in range(3):  # 8 tokens left, 4 a call (or 8 in one, where the pause gave them 4 first)
+        got += [g for _, g in eng.rollout_iter([], groups=2 - len(got), tokens_per_call=4, **kw)]
+        if len(got) == 2:
+            break
+    from shardgen.generation.rollout import concat
+
+    b = concat(got)
+    assert len(b) == 4 and sorted(map(tuple, b.prompts)) == sorted(map(tuple, prompts))
+    assert check_versions(b, ref, 0.9, greedy=True) == 4  # every row spans the step
+    assert all(b.versions[i, :4].tolist() == [0] * 4 for i in range(4))
+    assert torch.equal(b.behaviour_logprobs, b.logprobs)
+
+
+def test_a_group_past_max_staleness_is_dropped_or_finished_stale(engine):
+    """max_staleness=0: held rows cut at their budget are past it after one step: ``drop`` never
+    serves them, ``finish`` serves them whole with their rows cut as ``stale``."""
+    eng, model, _ = engine
+    kw = {**KW, "do_sample": False, "eos_token_id": EOS[-1:], "max_staleness": 0}
+    prompts = id_prompts([5, 3], seed=6)
+    for stale, prompt in (("drop", prompts[0]), ("finish", prompts[1])):
+        assert len(eng.rollout([prompt], groups=1, tokens_per_call=3, stale=stale, **kw)) == 0
+        with eng.paused():
+            shrink_weights(model)
+        b = eng.rollout([], groups=0 if stale == "drop" else 1, stale=stale, **kw)
+        assert held_groups(eng) == 0
+        if stale == "drop":
+            assert len(b) == 0
+            continue
+        assert b.prompts == [prompt] and b.finish_reasons == ["stale", "stale"], b.finish_reasons
+        assert b.versions.tolist() == [[eng.version - 1] * 3] * 2  # cut where the step found them
+
+
+def test_rollout_iter_serves_held_groups_first(engine):
+    eng, _, _ = engine
+    prompts = id_prompts([4, 6, 5], seed=8)
+    first = list(eng.rollout_iter(prompts, groups=1, **KW))
+    assert len(first) == 1 and first[0][0] is not None
+    assert held_groups(eng) == 2
+    nxt = list(eng.rollout_iter(id_prompts([3], seed=9), groups=3, **KW))
+    assert [i for i, _ in nxt].count(None) == 2 and held_groups(eng) == 0
+
+
+@pytest.mark.parametrize(
+    "kw, said",
+    [
+        (dict(groups=3), "groups=3, but this rank holds 0 groups and was given 2 prompts"),
+        (dict(groups=-1), "groups must be an integer >= 0"),
+        (dict(groups=1, tokens_per_call=0), "tokens_per_call must be an integer >= 1"),
+        (dict(groups=1, stale="keep"), "stale must be one of"),
+        (dict(max_staleness=2), "max_staleness=2 go with groups=K"),
+        (dict(groups=1, env=lambda r, c: None), "does not take env="),
+    ],
+)
+def test_partial_arguments_are_checked(engine, kw, said):
+    eng, _, _ = engine
+    with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        eng.rollout(id_prompts([4, 5], seed=1), n=2, **kw)
+    assert held_groups(eng) == 0

@@ -1,0 +1,274 @@
+"""Speculative decoding from history (``EngineConfig.speculate``) on the local backend: the rows are
+the plain engine's (greedy; sampled bit for bit under ``numerics="invariant"``), drafts taken
+from earlier rollouts are accepted, EOS / a stop string / ``max_new_tokens`` cut inside an
+accepted draft, and the doors refuse bad settings. Multi-rank: tests/multirank/test_invariant_numerics.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from models import batch, tiny_model
+from test_doors import cli
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import shardgen
+from shardgen import toy
+from shardgen.config import EngineConfig
+from shardgen.generation import scheduler as sch
+from shardgen.generation import verify
+from shardgen.generation.drafts import UNMEASURED_COLUMN_COST, DraftStore, NgramIndex, Pacer
+
+
+@pytest.fixture(scope="module")
+def toy_pair():
+    path = toy.toy_model_path()
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(autouse=True)
+def cheap_columns(request, monkeypatch):
+    """A verify forward's columns priced as before any is measured (nearly free), so that which
+    drafts run does not hang on this machine's timings (the rows never do)."""
+    if "pacer" not in request.node.name:
+        monkeypatch.setattr(Pacer, "cost", lambda self, width: 1.0 + UNMEASURED_COLUMN_COST * (width - 1))
+
+
+def _ids(tok, prompts: list[str], n: int) -> list[list[int]]:
+    return [tok(p)["input_ids"] for p in prompts for _ in range(n)]
+
+
+PROMPTS = ["count from 3 to 24 :", "count down from 40 to 22 :", "count from 7 to 9 :"]
+
+
+def _epochs(model, tok, spec: int, calls: list[dict], **engine) -> tuple[list, dict]:
+    """Each call's completions (tokens, logprobs, finish reason) and the engine's stats."""
+    out = []
+    with shardgen.Engine(model, tok, backend="local", speculate=spec, **engine) as eng:
+        for kw in calls:
+            ids = kw.pop("ids")
+            got = eng.generate(ids, **kw)
+            out.append([(c.token_ids, c.logprobs, c.finish_reason) for c in got])
+        stats = eng.stats()
+    return out, stats
+
+
+def _same_as_plain(model, tok, calls: list[dict], **engine) -> dict:
+    plain, _ = _epochs(model, tok, 0, [dict(c) for c in calls], **engine)
+    spec, stats = _epochs(model, tok, 4, [dict(c) for c in calls], **engine)
+    for e, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        for r, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert x == y, f"call {e} row {r}: speculative {y} != plain {x}"
+    return stats
+
+
+def test_greedy_rows_are_the_plain_engines_with_drafts_from_earlier_epochs(toy_pair):
+    model, tok = toy_pair
+    ids = _ids(tok, PROMPTS, 4)
+    calls = [dict(ids=ids, max_new_tokens=32, logprobs=True) for _ in range(3)]
+    stats = _same_as_plain(model, tok, calls)
+    assert stats["accepted"] > 0 and stats["verify_forwards"] > 0, stats
+    assert stats["tokens_per_forward"] > 1.5 and stats["forwards_saved"] > 0, stats
+
+
+def test_eos_stop_string_and_length_cut_inside_an_accepted_draft(toy_pair, monkeypatch):
+    model, tok = toy_pair
+    ids = _ids(tok, ["count from 3 to 24 :"], 2)
+    calls = [
+        dict(ids=ids, max_new_tokens=40),  # the history: the whole answer, then EOS
+        dict(ids=ids, max_new_tokens=40),  # EOS inside the draft
+        dict(ids=ids, max_new_tokens=13),  # max_new_tokens inside it
+        dict(ids=ids, max_new_tokens=40, stop=["15"]),  # a stop string inside it
+    ]
+    real, cut = verify._accept, set()
+
+    def spy(seqs, logits, drafts):  # which finish reasons fell on an accepted draft token
+        was = [s.finished for s in seqs]
+        committed, accepted = real(seqs, logits, drafts)
+        for s, w, c, a in zip(seqs, was, committed, accepted, strict=True):
+            if s.finished and not w and c == a:
+                cut.add(s.finish_reason)
+        return committed, accepted
+
+    monkeypatch.setattr(verify, "_accept", spy)
+    stats = _same_as_plain(model, tok, calls)
+    assert cut == {"eos", "stop", "length"}, cut
+    spec, _ = _epochs(model, tok, 4, [dict(c) for c in calls])
+    assert [r[2] for r in spec[1]] == ["eos", "eos"] and [r[2] for r in spec[2]] == ["length"] * 2
+    assert [r[2] for r in spec[3]] == ["stop"] * 2 and tok.decode(spec[3][0][0]).split()[-1] == "15"
+    assert stats["accepted"] >= 3 * 2 * 4, stats  # every later call took drafts
+
+
+def _corrupted(monkeypatch) -> None:
+    """Every other draft's last token wrong: the verify forward must reject it."""
+    real = DraftStore.draft
+    calls = [0]
+
+    def draft(self, seq, limit):
+        d = real(self, seq, limit)
+        calls[0] += 1
+        if d and calls[0] % 2:
+            d = [*d[:-1], (d[-1] + 5) % 72]
+        return d
+
+    monkeypatch.setattr(DraftStore, "draft", draft)
+
+
+def test_sampled_rows_are_bit_for_bit_the_plain_engines_under_invariant_numerics(monkeypatch):
+    """A random model (every draw matters), rejections included: a verification that accepted
+    every draft, or a draw other than the plain step's per-position one (one draw per
+    committed token, from the row's generator), would change these rows."""
+    model = tiny_model("llama", seed=2)
+    _corrupted(monkeypatch)
+    ids, mask = batch([9, 6], seed=4)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True) for _ in range(2)]
+    kw = dict(ids=prompts, max_new_tokens=12, do_sample=True, temperature=0.8, logprobs=True, eos_token_id=[])
+    calls = [dict(kw, seed=3), dict(kw, seed=3), dict(kw, seed=4)]
+    stats = _same_as_plain(model, None, calls, numerics="invariant")
+    assert 0 < stats["accepted"] < stats["drafted"], stats
+
+
+def test_accept_all_verification_changes_the_rows(toy_pair, monkeypatch):
+    """The control of the test above: with every draft accepted the rows differ."""
+    model, tok = toy_pair
+    _corrupted(monkeypatch)
+
+    def accept_all(seqs, logits, drafts):
+        committed, accepted = [], []
+        for s, d in zip(seqs, drafts, strict=True):
+            n = 0
+            for t in d or [int(logits[0, 0].argmax())]:
+                if s.finished:
+                    break
+                s.append(t, 0.0 if s.params.logprobs else None)
+                n += 1
+            committed.append(n)
+            accepted.append(min(n, len(d)))
+        return committed, accepted
+
+    monkeypatch.setattr(verify, "_accept", accept_all)
+    ids = _ids(tok, PROMPTS[:1], 2)
+    calls = [dict(ids=ids, max_new_tokens=12) for _ in range(2)]
+    with pytest.raises(AssertionError, match="speculative"):
+        _same_as_plain(model, tok, calls)
+
+
+def test_refill_and_prefix_cache_take_rows_with_holes(toy_pair, monkeypatch):
+    """Rejected drafts leave mask holes in the cache: refills merge such rows, and a finished row's
+    KV goes to the prefix cache without its holes (the next turn's prefill takes it)."""
+    model, tok = toy_pair
+    _corrupted(monkeypatch)
+    ids = _ids(tok, PROMPTS, 2)
+    first, _ = _epochs(model, tok, 0, [dict(ids=ids, max_new_tokens=30)])
+    turns = [
+        p + list(r[0]) + tok("count from 1 to 4 :")["input_ids"] for p, r in zip(ids, first[0], strict=True)
+    ]
+    calls = [
+        dict(ids=ids, max_new_tokens=30),
+        dict(ids=ids, max_new_tokens=30),
+        dict(ids=turns, max_new_tokens=8),
+    ]
+    stats = _same_as_plain(model, tok, calls, max_batch_size=4)
+    assert stats["refills"] > 0 and stats["cached_prompt_tokens"] > 0 and stats["accepted"] > 0, stats
+
+
+def test_verify_forward_stays_within_max_prefill_tokens(toy_pair, monkeypatch):
+    model, tok = toy_pair
+    real, widths = verify.verify_step, []
+
+    def spy(batch, forward, drafts):
+        widths.append(len(batch.seqs) * (1 + max(len(d) for d in drafts)))
+        return real(batch, forward, drafts)
+
+    monkeypatch.setattr(sch, "verify_step", spy)
+    ids = _ids(tok, ["count from 3 to 24 :"], 4)
+    calls = [dict(ids=ids, max_new_tokens=30) for _ in range(2)]
+    _same_as_plain(model, tok, calls, max_prefill_tokens=12)  # 4 rows: drafts of 2 at most
+    assert widths and max(widths) <= 12, widths
+
+
+def test_no_draft_no_verify_forward(toy_pair):
+    """Speculation on, nothing seen yet that matches: the same forwards as the plain engine."""
+    model, tok = toy_pair
+    calls = [dict(ids=_ids(tok, ["count from 30 to 33 :"], 1), max_new_tokens=6)]
+    _, stats = _epochs(model, tok, 4, calls)
+    assert stats["verify_forwards"] == 0 and stats["tokens_per_forward"] == 1.0, stats
+
+
+def test_pacer_verifies_only_what_pays():
+    pacer = Pacer()
+    good, bad = [[5, 6, 7, 8]] * 4, [[5, 6, 7, 8]] * 4
+    assert pacer.width(good, [0.9] * 4, 4) == 4  # unmeasured: nearly free, every column tried
+    pacer.timed(1, rows=4, seconds=1.0)
+    pacer.timed(5, rows=4, seconds=3.0)  # five columns cost three decode steps (weights at hand)
+    pacer.timed(2, rows=4, seconds=1.2)
+    assert pacer.cost(5) == 3.0 and pacer.width(bad, [0.1] * 4, 4) == 0  # a decode step pays more
+    assert pacer.width(good, [0.95] * 4, 4) == 4
+    assert pacer.width(good, [0.3] * 4, 4) == 1  # few drafts kept: one column pays, more do not
+
+
+def test_ngram_index_and_history_budget():
+    index = NgramIndex()
+    index.add([1, 2, 3, 4, 5])
+    assert index.lookup([9, 2, 3], 2) == [4, 5]
+    assert index.lookup([4, 5], 3) == []  # nothing follows
+    store = DraftStore(budget=6, max_k=4)
+
+    @dataclasses.dataclass
+    class Row:
+        prompt_ids: list[int]
+        tokens: list[int]
+        draft: object = None
+
+    a = Row([1, 2], [3, 4, 5, 6])
+    store.row(a)
+    store.finish(a)
+    b = Row([1, 2], [])
+    assert store.draft(b, 4) == [3, 4, 5, 6]  # the earlier rollout of its prompt
+    c = Row([7, 8], [9, 9, 9])
+    store.row(c)
+    store.finish(b)
+    store.finish(c)  # over the budget: the least recently used prompt out
+    assert list(store.entries) == [(7, 8)] and store.evictions == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [("speculate", -1, "speculate must be an integer in 0..16, got -1"),
+     ("speculate", 17, "speculate must be an integer in 0..16, got 17"),
+     ("speculate_history_tokens", -5, "speculate_history_tokens must be an integer >= 0, got -5")],
+)  # fmt: skip
+def test_bad_settings_are_refused_with_the_numbers(field, value, said):
+    """The API and ``shardgen run``'s flags (tests/unit/test_doors.py checks every door agrees)."""
+    with pytest.raises(ValueError, match=said):
+        EngineConfig(**{field: value}).validate()
+    with pytest.raises(ValueError, match=said):
+        shardgen.Engine(object(), backend="local", **{field: value})
+    flag = "--" + field.replace("_", "-")
+    said = cli([(flag, value)])
+    assert said is not None and f"{flag} must be" in said and str(value) in said, said
+
+
+def test_verify_step_refuses_no_draft():
+    with pytest.raises(AssertionError, match="no draft"):
+        verify.verify_step(type("B", (), {"seqs": [None], "device": torch.device("cpu")})(), None, ((),))
+
+
+def test_encoder_decoder_and_sliding_window_rows_decode_plainly(monkeypatch):
+    """Kinds a verify forward cannot serve (an encoder-decoder's rows; a sliding window's cache,
+    which cannot hold holes) decode plainly with ``speculate`` on, though every row has a draft:
+    the same rows, no verify forward (a plain Llama, the control, verifies)."""
+    from encdec_models import tiny_t5
+
+    monkeypatch.setattr(DraftStore, "draft", lambda self, seq, limit: (self.row(seq), [5, 6][:limit])[1])
+    ids, _ = batch([7, 7], seed=3, vocab=40)
+    prompts = [row.tolist() for row in ids]
+    for model, verifies in ((tiny_t5(), False), (tiny_model("mistral", seed=1), False), (tiny_model(), True)):
+        got = {}
+        for spec in (0, 4):
+            with shardgen.Engine(model, backend="local", speculate=spec) as eng:
+                got[spec] = [c.token_ids for c in eng.generate(prompts, max_new_tokens=8, eos_token_id=[])]
+                assert (eng.stats()["verify_forwards"] > 0) == (verifies and spec > 0), type(model).__name__
+        assert got[0] == got[4]
