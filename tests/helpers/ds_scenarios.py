@@ -580,12 +580,21 @@ def refusals() -> dict[str, str]:
     module._forward_pre_hooks.clear()  # the root hook that leads to the coordinator: gone
     attempt("no_coordinator", module)
 
+    from deepspeed.utils import groups
+
     try:
         model = _zero_init_model(zero_hpz_partition_size=2)
     except Exception as e:  # what DeepSpeed says, for the test's message
         out["hpz"] = f"zero.Init failed: {type(e).__name__}: {e}"
     else:
         attempt("hpz", model)
+    finally:
+        # zero.Init keeps the hpZ group it made in a DeepSpeed global, and every later ZeRO-3
+        # model of the process would take secondary partitions from it: the World's next
+        # scenario (another test module's) must find DeepSpeed as it was.
+        hpz = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+        if hpz is not None:
+            groups._release_process_group_references(hpz)
     return out
 
 

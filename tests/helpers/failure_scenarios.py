@@ -19,7 +19,7 @@ from models import tiny_model
 
 import shardgen
 from shardgen.core import driver
-from shardgen.generation import batch, scheduler, scoring
+from shardgen.generation import batch, scheduler, score_run
 
 BOUND = 20.0  # s for every call to end once the pause is left (they end in well under a second)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
@@ -48,8 +48,8 @@ POINTS: dict[str, tuple[Any, str, list[str], Any]] = {
     "queued": (scheduler.LocalWork, "add", [*GENERATE, "score"], lambda _s, reqs: bool(reqs)),
     "admitted": (scheduler.LocalWork, "_start", GENERATE, None),
     "prefilling": (batch.Batch, "prefill_step", GENERATE, None),
-    "scoring": (scoring.ScoreRun, "step", [*GENERATE, "score"], None),  # prefills go first
-    "scored": (scoring.ScoreRun, "results", [*GENERATE, "score"], None),
+    "scoring": (score_run.ScoreRun, "step", [*GENERATE, "score"], None),  # prefills go first
+    "scored": (score_run.ScoreRun, "results", [*GENERATE, "score"], None),
     "decoding": (batch.Batch, "step", GENERATE, None),
     "finishing": (driver, "completion_of", GENERATE, None),
     "next turn": (scheduler.LocalWork, "add", ["turns"], _turn_two),

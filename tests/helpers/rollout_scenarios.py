@@ -396,13 +396,13 @@ def partial_steps(
                 waiting = [q for q in waiting if step - born[q] <= 1]
             quota = len(waiting) if last else min(2, len(waiting))
             b = eng.rollout(prompts, groups=quota, seed=step, **kw)
+            if not last:  # at once, while the held rows are mid-answer: the pause parks them
+                with eng.paused():
+                    shrink_weights(model)
             assert len(b) == n * len(b.prompts), f"rank {rank}: {len(b)} rows for {len(b.prompts)} groups"
-            spans += check_versions(b, ref, temperature, greedy)
+            spans += check_versions(b, ref, temperature, greedy)  # against copies of each version
             for k, p in enumerate(b.prompts):
                 served.append((tuple(p), born[tuple(p)], step, b.finish_reasons[k * n : k * n + n]))
                 assert int(b.versions[k * n : k * n + n].max()) <= born[tuple(p)] + 1, "past max_staleness"
-            if not last:
-                with eng.paused():
-                    shrink_weights(model)
         left = held_groups(eng)
     return {"served": served, "born": [list(p) for p in born], "spans": spans, "left": left}

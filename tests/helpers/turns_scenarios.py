@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from models import VOCAB, tiny_model
+from numerics import LOGPROB_ATOL
 
 REPLY = 6  # tokens per environment reply
 EOS = [2]
@@ -108,3 +109,30 @@ def conversations(
             "drops": stats["prefix_cache_drops"], "policy": eng.gather_policy,
         }  # fmt: skip
     return res
+
+
+# ----------------------------------------------------------------------------- the checks
+def assert_same_rows(on: list[dict], off: list[dict], what: str) -> None:
+    """Rows of the cache-on and cache-off engines: the same conversations (tokens, masks, turns),
+    logprobs within the numeric promise (the cached path computes in other shapes)."""
+    assert len(on) == len(off), what
+    for i, (a, b) in enumerate(zip(on, off, strict=True)):
+        for key in ("prompt", "tokens", "mask", "turns", "seed", "finish"):
+            assert a[key] == b[key], f"{what} row {i}: {key} {a[key]} != {b[key]}"
+        diff = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)), default=0.0)
+        assert diff <= LOGPROB_ATOL, f"{what} row {i}: logprobs {diff:.3g} apart"
+
+
+def assert_conversations(res: dict, cached: bool = True) -> None:
+    on, off = res["on"], res["off"]
+    for part in ("greedy", "sampled", "after"):
+        assert_same_rows(on[part], off[part], part)
+    assert off["cached"] == 0 and off["drops"] == 0
+    if cached:
+        assert on["cached"] > 0 and on["computed"] + on["cached"] == off["computed"], (on, off)
+        assert on["drops"] > 0  # the pause dropped what the cache held
+    else:
+        assert on["cached"] == 0 and on["computed"] == off["computed"]
+    # the pause changed the weights (the same conversations score differently), and the cache-on
+    # engine's rows after it equal the cache-off engine's (above): no KV of the old weights served
+    assert [r["logprobs"][:3] for r in on["after"]] != [r["logprobs"][:3] for r in on["greedy"]]

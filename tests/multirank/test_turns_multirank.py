@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import turns_scenarios as ts
-from test_turns import assert_conversations
+from turns_scenarios import assert_conversations
 
 pytestmark = pytest.mark.multirank
 
