@@ -95,7 +95,13 @@ class Group:
         (single fields: a stale read only delays the answer to the next look)."""
         seqs = [self.plan.seqs[r] for r in self.rows]
         live = [s for s in seqs if s.finish_reason is None]
-        return bool(live) and all(s.parked and s.cut_in >= call for s in live)
+        return bool(live) and all(row_cut(s, call) for s in live)
+
+
+def row_cut(seq: Any, call: int) -> bool:
+    """``seq`` is parked at its budget in quota call ``call`` or later: it cannot draw again
+    before the next quota call (one parked for a pause, or cut earlier, goes back first)."""
+    return seq.parked and seq.cut_in >= call
 
 
 class Held:
@@ -204,4 +210,4 @@ def held_groups(engine: Any) -> int:
     return len(engine._held)
 
 
-__all__: Sequence[str] = ("Quota", "Held", "quota_groups", "held_groups", "STALE_CHOICES")
+__all__: Sequence[str] = ("Quota", "Held", "quota_groups", "held_groups", "row_cut", "STALE_CHOICES")
