@@ -232,6 +232,53 @@ def train_between(steps: int = 2) -> dict:
             "modes": modes}  # fmt: skip
 
 
+def quota_steps(steps: int = 2) -> dict:
+    """``ShardgenRollout(groups=1, max_staleness=1, stale="finish")``, sampled, n = 2: each step rank
+    r sends 2 + r prompts and gets one whole group back (held groups first), the trainer steps in
+    between; then a drain (``rollout.groups = rollout.held``, no prompts) serves the rest. -> the
+    prompts sent and served (per call), whether each returned row's prompt columns are its
+    group's (``last_batch.prompts``), and per served group (weight version at its call, its
+    tokens' lowest and highest versions, the version at the call that served it)."""
+    from deepspeed.runtime.rollout import SamplingConfig
+
+    from shardgen.integrations.deepspeed import ShardgenRollout
+
+    rank = dist.get_rank()
+    n = 2
+    ds = _ds_engine(19)
+    rollout = ShardgenRollout(ds, Tok(eos=EOS), groups=1, max_staleness=1, stale="finish", seed=5)
+    eng = rollout.shardgen_engine
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.9, top_p=1.0, top_k=0,
+                              n_samples_per_prompt=n)  # fmt: skip
+    train_ids = batch([6, 6], seed=210 + rank)[0]
+    sent, served, laid_out, spans, born = [], [], [], [], {}
+    for step in range(steps + 1):
+        last = step == steps
+        if last:
+            rollout.groups = rollout.held
+        req = _request([] if last else [4 + k for k in range(2 + rank)], seed=400 + 10 * rank + step)
+        for ids, m in zip(req.prompt_ids, req.prompt_attention_mask, strict=True):
+            sent.append(ids[m.bool()].tolist())
+            born[tuple(sent[-1])] = eng.version  # the weights its first tokens are drawn under
+        now = eng.version
+        out = rollout.generate(req, sampling)
+        b = rollout.last_batch
+        served.append([list(p) for p in b.prompts])
+        w = int(out.response_start_idx[0]) if len(b) else 0
+        laid_out.append(all(
+            out.input_ids[i, :w][out.attention_mask[i, :w].bool()].tolist() == list(b.prompts[i // n])
+            for i in range(len(b))
+        ))  # fmt: skip
+        for k, p in enumerate(b.prompts):
+            v = b.versions[k * n : k * n + n][b.response_mask[k * n : k * n + n].bool()]
+            spans.append((born[tuple(p)], int(v.min()), int(v.max()), now))
+        if not last:
+            _train_step(ds, train_ids)
+    left = rollout.held
+    rollout.shutdown()
+    return {"sent": sent, "served": served, "laid_out": laid_out, "spans": spans, "left": left}
+
+
 def hybrid_uneven(engine: str) -> dict:
     """The same uneven first step (3, 0 and 1 prompts) through ``engine`` (``hybrid``: DeepSpeed's
     HybridEngineRollout; ``shardgen``), then the trainer's next collective, a barrier. A rank whose

@@ -364,7 +364,9 @@ def partial_steps(
     while others hold none), then shrinks the weights inside ``paused()``. Each forward sleeps
     3 ms so that rows are mid-answer when a pause parks them. -> per group served (prompt, step
     submitted, step served, finish reasons), the rows spanning two versions, a check of every
-    token's version and logprob (``check_versions``), the held groups after the drain."""
+    token's version and logprob (``check_versions``), the held groups after the drain. Rank 0
+    also holds a ``generate(tokens_per_call=5)`` row, resumed once a step (``per_call.py``): its
+    tokens checked alike, its calls returned."""
     import shardgen
     from shardgen.generation.partial import held_groups
 
@@ -386,8 +388,14 @@ def partial_steps(
         )
         if greedy:
             kw.update(do_sample=False)
+        gen_kw = {k: v for k, v in kw.items() if k not in ("n", "max_staleness", "stale")}
+        gen_kw.update(eos_token_id=EOS[-1:], logprobs=True, seed=3)  # one EOS id: the row spans the steps
+        gen = eng.generate(id_prompts([7], seed=99), tokens_per_call=5, **gen_kw) if rank == 0 else []
+        gen_calls = 1
         for step in range(steps + 1):
             last = step == steps
+            while gen and gen[0].finish_reason == "held" and (last or gen_calls <= step):
+                gen, gen_calls = eng.resume(gen), gen_calls + 1
             prompts = [] if last else id_prompts([3 + k for k in range(4 - rank)], seed=100 * rank + step)
             for p in prompts:
                 born[tuple(p)] = step
@@ -405,4 +413,9 @@ def partial_steps(
                 served.append((tuple(p), born[tuple(p)], step, b.finish_reasons[k * n : k * n + n]))
                 assert int(b.versions[k * n : k * n + n].max()) <= born[tuple(p)] + 1, "past max_staleness"
         left = held_groups(eng)
+    if gen:
+        from shardgen.generation.rollout import pack
+
+        spans += check_versions(pack(gen, pad_id=0, n=1, seeds=[None]), ref, temperature, greedy)
+        assert gen[0].finish_reason != "held" and len(set(gen[0].versions)) > 1, (gen_calls, gen[0].versions)
     return {"served": served, "born": [list(p) for p in born], "spans": spans, "left": left}

@@ -114,3 +114,41 @@ def test_opsd_deepspeed_launcher_3_ranks_top_k_separate_teacher():
     cmd = deepspeed_launcher("opsd.py", *OPSD_ARGS, "--top-k", "4", *teacher, nproc=3)
     rc, out = run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2]
     _check_opsd(rc, out, steps=2, world=3, prompts=5, samples=2)
+
+
+PARTIAL_ARGS = ["--steps", "2", "--prompts", "4", "--samples", "2"]
+
+
+def _check_partial(rc: int, out: str, steps: int) -> dict[str, list[float]]:
+    """Both arms' lines, one per step, then their summaries and the ratio of rollout wall times:
+    rewards in [0, 1], the plain arm's tokens all of the step's weights (staleness 0), the quota
+    arm's at most max_staleness (1) behind. -> per arm, the rollout seconds of each step."""
+    assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
+    secs = {}
+    for arm in ("plain", "quota"):
+        lines = re.findall(
+            rf"^{arm} step +(\d+)  reward ([\d.]+)  rollout ([\d.]+)s \((\d+)% of the step\)  "
+            r"staleness ([\d.]+)$",
+            out,
+            flags=re.M,
+        )
+        assert [int(s) for s, *_ in lines] == list(range(steps)), f"one {arm} line per step on rank 0\n{out}"
+        assert all(0.0 <= float(r) <= 1.0 and 0 < int(p) <= 100 for _, r, _, p, _ in lines), out
+        most = 0.0 if arm == "plain" else 1.0
+        assert all(0.0 <= float(s) <= most for *_, s in lines), f"{arm}: staleness past {most}\n{out}"
+        summary = rf"^{arm}: rollout [\d.]+s a step \(\d+% of the step\), \d+ useful tokens/s, "
+        assert re.search(summary + r"reward \(last 3 steps\) [\d.]+, staleness [\d.]+$", out, flags=re.M), out
+        secs[arm] = [float(t) for _, _, t, _, _ in lines]
+    assert re.search(r"^rollout wall time per step, quota / plain: [\d.]+x$", out, flags=re.M), out
+    return secs
+
+
+# In `make fuzz`, not `make test`: two arms of GRPO steps on 2 ranks (a minute or two of CPU each).
+@pytest.mark.long
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("deepspeed", marks=pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="needs deepspeed"))])  # fmt: skip
+def test_partial_rollouts_example_prints_both_arms(backend):
+    """examples/partial_rollouts.py under torchrun, a few steps: the plain loop and the quota loop
+    side by side, each step's reward, rollout time and staleness, then the summary."""
+    cmd = torchrun("partial_rollouts.py", "--backend", backend, *PARTIAL_ARGS)
+    _check_partial(*run(cmd, timeout=2 * RUN_TIMEOUT_S)[:2], steps=2)

@@ -231,6 +231,21 @@ def test_greedy_rows_equal_hybrid_engine_rollouts(worlds):
             assert masked == attended
 
 
+def test_partial_rollouts_through_shardgen_rollout(worlds):
+    """groups=1 a call, 2 and 3 prompts a step per rank, a training step between calls: every
+    prompt's group is served once, whole, held groups first; the rows' prompt columns are their
+    groups'; its tokens drawn within max_staleness (1) steps of its call; nothing left held."""
+    for r, res in enumerate(worlds.get(2).run(sc.quota_steps, timeout=240)):
+        served = [p for call in res["served"] for p in call]
+        assert sorted(served) == sorted(res["sent"]), f"rank {r}: served {res['served']}, sent {res['sent']}"
+        assert [len(c) for c in res["served"][:-1]] == [1, 1], f"rank {r}: {res['served']}"
+        assert all(res["laid_out"]), f"rank {r}: {res['laid_out']}"
+        spans = res["spans"]  # per group: version at its call, its tokens' lowest and highest, served at
+        assert all(born <= lo <= hi <= min(born + 1, at) for born, lo, hi, at in spans), f"rank {r}: {spans}"
+        assert any(at > born for born, *_, at in spans), f"rank {r}: no group held past a step: {spans}"
+        assert res["left"] == 0, f"rank {r}: {res['left']} groups still held"
+
+
 def test_uneven_rows_per_rank_2(worlds):
     """3, 1 and 0 prompts per rank, a different rank empty each step, greedy and sampled: every
     step returns, greedy rows equal the single-process layout."""

@@ -115,7 +115,7 @@ def test_rollout_iter_serves_held_groups_first(engine):
         (dict(groups=1, tokens_per_call=0), "tokens_per_call must be an integer >= 1"),
         (dict(groups=1, stale="keep"), "stale must be one of"),
         (dict(max_staleness=2), "max_staleness=2 go with groups=K"),
-        (dict(groups=1, env=lambda r, c: None), "does not take env="),
+        (dict(groups=1, env=lambda r, c: None), "does not take env= (multi-turn): a conversation held past"),
     ],
 )
 def test_partial_arguments_are_checked(engine, kw, said):
@@ -123,3 +123,82 @@ def test_partial_arguments_are_checked(engine, kw, said):
     with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
         eng.rollout(id_prompts([4, 5], seed=1), n=2, **kw)
     assert held_groups(eng) == 0
+
+
+# ----------------------------------------------------------------- generate(tokens_per_call=B)
+GEN = dict(max_new_tokens=12, eos_token_id=[2], do_sample=True, temperature=0.9)
+
+
+def _row(c):
+    from numerics import Row
+
+    return Row(list(c.prompt_token_ids), list(c.token_ids), list(c.logprobs), c.seed, c.finish_reason)
+
+
+def test_generate_cuts_rows_at_their_budget_and_resume_goes_on(engine):
+    """tokens_per_call=4: each call gives every row at most 4 more tokens; a cut row comes back
+    "held" with its tokens so far, and ``resume`` of it goes on from there with its own draws:
+    the rows equal plain ``generate``'s with the same seeds (near-ties aside)."""
+    eng, model, _ = engine
+    prompts = id_prompts([4, 6, 5], seed=12)
+    seeds = [31, 32, 33]
+    plain = eng.generate(prompts, seed=seeds, logprobs=True, **GEN)
+    done = eng.generate(prompts, seed=seeds, logprobs=True, tokens_per_call=4, **GEN)
+    final, calls = {}, 1
+    while True:
+        for c in done:
+            assert c.finish_reason != "held" or len(c.token_ids) == 4 * calls, (calls, c.token_ids)
+            if c.finish_reason != "held":
+                final.setdefault(tuple(c.prompt_token_ids), c)
+        held = [c for c in done if c.finish_reason == "held"]
+        if not held:
+            break
+        assert all(c.handle is not None for c in held)
+        calls += 1
+        assert calls <= 3, f"rows still held after {calls} calls of 4 tokens (max_new_tokens 12)"
+        done = eng.resume(held)
+    assert sum(1 for c in plain if len(c.token_ids) > 4) > 0, "no row was cut: the test proves nothing"
+    got = [final[tuple(p)] for p in prompts]
+    params = SamplingParams(do_sample=True, temperature=0.9)
+    assert_rows_agree([_row(c) for c in got], [_row(c) for c in plain], model=model, params=params)
+
+
+def test_a_held_generate_row_resumes_under_the_new_weights(engine):
+    """Greedy rows cut at 4 tokens, the weights shrunk inside ``paused()`` (which does not wait
+    for them), then resumed: their first 4 tokens keep version 0 and its logprobs, the rest are
+    version 1's, each the argmax of the new weights given the prefix."""
+    from shardgen.generation.rollout import pack
+
+    eng, model, ref = engine
+    kw = {**GEN, "do_sample": False, "eos_token_id": EOS[-1:], "logprobs": True}
+    held = eng.generate(id_prompts([5, 3], seed=14), tokens_per_call=4, **kw)
+    assert [c.finish_reason for c in held] == ["held", "held"]
+    with eng.paused():
+        shrink_weights(model)
+    done = eng.resume(held)
+    while any(c.finish_reason == "held" for c in done):
+        done = eng.resume(done)
+    b = pack(done, pad_id=0, n=1, seeds=[None, None])
+    assert check_versions(b, ref, 0.9, greedy=True) == 2  # both rows span the step
+    assert all(c.versions[:4] == [0] * 4 and set(c.versions[4:]) == {1} for c in done)
+    assert [c.token_ids[:4] for c in done] == [c.token_ids for c in held]
+
+
+def test_generate_budget_arguments_are_checked(engine):
+    import dataclasses
+
+    from shardgen.generation.per_call import Handle
+
+    eng, _, _ = engine
+    prompts = id_prompts([4], seed=3)
+    with pytest.raises(ValueError, match="tokens_per_call must be an integer >= 1, got 0"):
+        eng.generate(prompts, tokens_per_call=0, **GEN)
+    with pytest.raises(ValueError, match=r"\(rows cut at a budget per call\) does not take inputs="):
+        eng.generate(prompts, tokens_per_call=2, inputs=[None], **GEN)
+    finished = eng.generate(prompts, **GEN)
+    with pytest.raises(ValueError, match="completion 0 is not a held row"):
+        eng.resume(finished)
+    held = eng.generate(prompts, tokens_per_call=2, **{**GEN, "eos_token_id": EOS[-1:]})
+    other = dataclasses.replace(held[0], handle=Handle(object(), held[0].handle.request))
+    with pytest.raises(ValueError, match="completion 0 is held by another engine"):
+        eng.resume([other])

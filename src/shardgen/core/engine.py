@@ -45,6 +45,7 @@ from shardgen.core.timeline import Span
 from shardgen.errors import EngineClosedError
 from shardgen.faults import leaving
 from shardgen.generation import partial as partial_api
+from shardgen.generation import per_call
 from shardgen.generation import rollout as rollout_api
 from shardgen.generation import score as score_api
 from shardgen.generation.encdec import decoder_start
@@ -189,15 +190,19 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         inputs: Sequence[dict[str, Any] | None] | None = None,
+        tokens_per_call: int | None = None,
         **overrides: Any,
     ) -> list[Completion]:
         """Generate for each prompt (text, or token ids); blocks until all are done. Not collective.
 
         ``params`` and ``overrides`` as in ``submit()``; ``seed`` may be a list (one per prompt);
-        ``inputs`` one dict (or None) per prompt, as in ``submit()``.
+        ``inputs`` one dict (or None) per prompt, as in ``submit()``. ``tokens_per_call=B``: rows
+        cut at B tokens come back ``"held"``, for ``resume()`` (``generation/per_call.py``).
         """
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if tokens_per_call is not None:
+            return per_call.generate(self, list(prompts), params, inputs, tokens_per_call, overrides)
         futures = self._submit_many(list(prompts), params, overrides, inputs=inputs)
         return [f.result() for f in futures]
 
@@ -227,8 +232,9 @@ class Engine:
             input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long, device=input_ids.device)
         return padded_output(input_ids, reqs, done)
 
-    # n samples per prompt as a RolloutBatch, or streamed by prompt (shardgen.rollout). Not collective.
-    rollout, rollout_iter = rollout_api.rollout, rollout_api.rollout_iter
+    # n samples per prompt as a RolloutBatch, or streamed by prompt (shardgen.rollout); held rows of
+    # generate(tokens_per_call=) continued (generation/per_call.py). Not collective.
+    rollout, rollout_iter, resume = rollout_api.rollout, rollout_api.rollout_iter, per_call.resume
 
     def score(
         self,

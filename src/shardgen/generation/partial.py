@@ -24,8 +24,11 @@ the call that (re)started it parks until the next quota call, which resumes it f
 (a row keeps the budget of the call that submitted it); a call returns once K groups are whole
 or every group it waits on is cut.
 
-Not collective, like every rollout. Refused by name: ``env=`` (a held conversation would resume
-mid-turn), ``inputs=`` (images) and encoder-decoder models.
+Not collective, like every rollout. Refused by name: ``env=`` (multi-turn: ``step_fn`` runs in
+the caller's thread as a turn ends, so a conversation held past the call would stop at its turn
+with no one to step it, and its environment's state would have to outlive the call; a later
+landing parks conversations between turns), ``inputs=`` (images: a resumed row re-prefills its
+ids only) and encoder-decoder models.
 """
 
 from __future__ import annotations
@@ -95,7 +98,13 @@ class Group:
         (single fields: a stale read only delays the answer to the next look)."""
         seqs = [self.plan.seqs[r] for r in self.rows]
         live = [s for s in seqs if s.finish_reason is None]
-        return bool(live) and all(s.parked and s.cut_in >= call for s in live)
+        return bool(live) and all(row_cut(s, call) for s in live)
+
+
+def row_cut(seq: Any, call: int) -> bool:
+    """``seq`` is parked at its budget in quota call ``call`` or later: it cannot draw again
+    before the next quota call (one parked for a pause, or cut earlier, goes back first)."""
+    return seq.parked and seq.cut_in >= call
 
 
 class Held:
@@ -135,7 +144,11 @@ def quota_groups(
     env, max_turns, inputs = extra
     said = "groups= (a partial rollout)"
     if env is not None or max_turns is not None:
-        raise ValueError(f"{said} does not take env= yet: a held conversation would resume mid-turn")
+        raise ValueError(
+            f"{said} does not take env= (multi-turn): a conversation held past the call would need its "
+            "step_fn run between calls, as its turns end; for multi-turn rows use rollout_iter(env=...), "
+            "which streams each prompt's conversations as they end, or generate(tokens_per_call=) per turn"
+        )
     if inputs is not None:
         raise ValueError(f"{said} does not take inputs= (images): a resumed row re-prefills its ids only")
     if getattr(engine.model.config, "is_encoder_decoder", False):
@@ -204,4 +217,4 @@ def held_groups(engine: Any) -> int:
     return len(engine._held)
 
 
-__all__: Sequence[str] = ("Quota", "Held", "quota_groups", "held_groups", "STALE_CHOICES")
+__all__: Sequence[str] = ("Quota", "Held", "quota_groups", "held_groups", "row_cut", "STALE_CHOICES")

@@ -31,7 +31,8 @@ class Completion:
     """Generated ids, the first EOS included, no padding."""
     finish_reason: str
     """``eos`` (an EOS id was generated), ``stop`` (a stop string appeared; the token completing it
-    is the last one) or ``length`` (``max_new_tokens`` reached)."""
+    is the last one) or ``length`` (``max_new_tokens`` reached); ``held``: not finished, cut at
+    its ``tokens_per_call`` budget (``engine.resume()`` continues it: ``per_call.py``)."""
     prompt_token_ids: list[int]
     text: str | None = None
     """The generated text (special tokens skipped), when the engine has a tokenizer that decodes;
@@ -46,6 +47,8 @@ class Completion:
     versions: list[int] | None = None
     """The weight version (the engine's pauses before it: ``Engine.version``) each generated token
     was drawn under."""
+    handle: Any = field(default=None, compare=False, repr=False)
+    """A held row's (``finish_reason == "held"``): what ``engine.resume()`` continues; else None."""
 
 
 @dataclass(eq=False)  # identity semantics: requests live in sets

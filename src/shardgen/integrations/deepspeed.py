@@ -42,6 +42,16 @@ How it fits DeepSpeed 0.19.8 (``deepspeed/runtime/rollout``):
   ``cfg`` maps as ``options_of`` says. The tokenizer needs only its ids (``eos_token_id``,
   ``pad_token_id``): without ``decode`` the rows have no text (``last_batch.texts`` is None).
 
+Partial rollouts (``groups=K``, ``max_staleness=``, ``stale=``: ``generation/partial.py``; the
+meaning of TRL's ``AsyncGRPOConfig.max_staleness`` with ``stale="drop"``, its own): ``generate``
+returns once K prompts' groups are whole, held groups of earlier calls first; the rest stay held,
+parked while the trainer steps (the pause does not wait for them) and resumed under the new
+weights. The rows are then the served groups', not the request's: ``last_batch.prompts`` names
+each group's prompt, ``last_batch.versions`` each token's weight version and ``last_batch.logprobs``
+its behaviour logprob; the layout is the continuous path's (prompts left-padded to the widest,
+every generated token attention 1). ``rollout.groups`` may change between calls
+(``rollout.held``: the groups held now, say to drain them).
+
 ``SamplingConfig``: ``temperature <= 0`` is greedy; ``top_k <= 0`` is off; ``top_p``,
 ``max_new_tokens`` and ``n_samples_per_prompt`` as there; ``continuous_batch_size`` bounds the
 rows this rank decodes at once (a finished row's slot goes to the next one), under the engine's
@@ -62,6 +72,7 @@ from typing import Any
 import torch
 
 from shardgen.config import SamplingParams
+from shardgen.generation.partial import Quota, held_groups
 from shardgen.generation.requests import Completion, unpadded_rows
 from shardgen.generation.rollout import RolloutBatch as ShardgenBatch
 from shardgen.generation.rollout import pack, sample_seed
@@ -144,9 +155,21 @@ class ShardgenRollout(_ds.RolloutEngine):
     name = "shardgen"
 
     def __init__(
-        self, engine: Any, tokenizer: Any, cfg: Any = None, *, seed: int | None = None, **engine_options: Any
+        self,
+        engine: Any,
+        tokenizer: Any,
+        cfg: Any = None,
+        *,
+        seed: int | None = None,
+        groups: int | None = None,
+        max_staleness: int | None = None,
+        stale: str = "drop",
+        **engine_options: Any,
     ) -> None:
         import shardgen
+
+        Quota.of(groups, max_staleness, stale, None)  # ValueError now, before any collective
+        self.groups, self.max_staleness, self.stale = groups, max_staleness, stale
 
         backend = engine_options.pop("backend", "deepspeed")
         if backend != "deepspeed":
@@ -184,12 +207,37 @@ class ShardgenRollout(_ds.RolloutEngine):
         if empty:
             raise ValueError(f"prompt rows {empty[:8]} have no token (prompt_attention_mask is all 0)")
         self.calls += 1
+        if self.groups is not None:
+            return self._quota(request, rows, n, sampling)
         options, seeds = self._options(sampling, len(rows), n)
         prompts = [r.tolist() for r in rows for _ in range(n)]
         with self._running():
             done = self._serve(prompts, seeds, options, window)
         self.last_batch = pack(done, pad_id=self.pad, n=n, seeds=seeds, device=request.prompt_ids.device)
         return self._layout(request, done, n, sampling)
+
+    @property
+    def held(self) -> int:
+        """The groups this rank holds for its next ``generate`` (``groups=K``). Any thread."""
+        return held_groups(self.shardgen_engine)
+
+    def _quota(self, request: Any, rows: list[torch.Tensor], n: int, sampling: Any) -> Any:
+        """A partial rollout's ``generate`` (module docstring): the served groups' rows."""
+        if sampling.continuous_batch_size is not None:
+            raise ValueError("continuous_batch_size does not go with groups= (the engine holds the rest)")
+        options, seeds = self._options(sampling, len(rows), 1)  # one seed per prompt: rollout's
+        with self._running():
+            b = self.shardgen_engine.rollout(
+                [r.tolist() for r in rows], n=n, groups=self.groups, max_staleness=self.max_staleness,
+                stale=self.stale, seed=seeds if options["do_sample"] else None, **options,
+            )  # fmt: skip
+        self.last_batch = b.to(request.prompt_ids.device)
+        device = request.prompt_ids.device
+        return _ds.RolloutBatch(
+            input_ids=b.input_ids.to(device),
+            attention_mask=b.attention_mask.to(device, request.prompt_attention_mask.dtype),
+            response_start_idx=torch.full((len(b),), b.prompt_width, dtype=torch.long, device=device),
+        )
 
     def score(self, *args: Any, **kwargs: Any) -> Any:
         """``Engine.score`` outside the pause (the OPSD teacher, a reference KL), same arguments.
