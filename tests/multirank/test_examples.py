@@ -33,6 +33,9 @@ def _check_zero_inference(rc: int, out: str) -> None:
     assert float(done["0"]) < 5.0, f"rank 0 waited for the away rank (5 s away): {done}\n{out}"
 
 
+# In `make fuzz`, not `make test`: the README's quickstart (tests/multirank/test_readme.py, in make test)
+# is this program (rank r asks r+1 prompts, a barrier of its own midway), in the README's words.
+@pytest.mark.long
 def test_basic_torchrun():
     rc, out, _ = run(torchrun("basic.py"))
     assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
