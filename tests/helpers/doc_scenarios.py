@@ -275,8 +275,38 @@ def trl(code: str) -> dict[str, Any]:
     return {"steps": trainer.state.global_step}
 
 
+def partial_loop(code: str) -> dict[str, Any]:
+    """README's partial-rollout loop: 3 steps of a quota of 2 groups on ranks asking 3 and 4
+    prompts a step (so held groups pile up unevenly), README's ``my_logprobs``; every group
+    served whole, and some held across a step (versions of two kinds in the served tokens)."""
+    from doc_blocks import readme_function
+
+    torch.manual_seed(0)
+    model, tok = _toy()
+    tasks = ["count from 1 to 9 :", "count down from 9 to 1 :", "count from 3 to 12 :", "count from 2 to 4 :"]
+    my_prompts = tasks[: 3 + dist.get_rank()]
+    helpers = _exec(readme_function("rl.py", "my_logprobs"), "README my_logprobs", {"torch": torch})
+    served: list[Any] = []
+
+    def advantages(batch: Any) -> torch.Tensor:
+        served.append(batch)
+        r = torch.tensor([float(len(t)) for t in batch.texts])
+        return (r - r.mean()) / (r.std() + 1e-6) if len(r) > 1 else r * 0
+
+    with closing() as (sg, made):
+        engine = sg.Engine(model, tok, backend="fsdp2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        _exec(code, "README partial rollouts", {
+            "engine": engine, "model": model, "opt": opt, "my_prompts": my_prompts, "steps": 3,
+            "advantages": advantages, "my_logprobs": helpers["my_logprobs"], "torch": torch,
+        })  # fmt: skip
+    assert [len(b) for b in served] == [8, 8, 8], [len(b) for b in served]  # 2 whole groups of 4
+    versions = {int(v) for b in served for v in b.versions[b.response_mask.bool()]}
+    return {"versions": sorted(versions)}
+
+
 HARNESSES: dict[str, Callable[[str], dict[str, Any]]] = {
-    f.__name__: f for f in (api_summary, ref_kl, hsdp, ds_engines, ds_rollout, trl_tools, trl)
+    f.__name__: f for f in (api_summary, ref_kl, hsdp, ds_engines, ds_rollout, trl_tools, trl, partial_loop)
 }
 
 

@@ -86,6 +86,7 @@ WORLD_FRAGMENTS: dict[tuple[str, str], str] = {
     ("USAGE.md", "from deepspeed.runtime.rollout import RolloutReque"): "ds_rollout",
     ("README.md", "from trl import GRPOConfig"): "trl_tools",
     ("USAGE.md", "from trl import GRPOConfig"): "trl",
+    ("README.md", "for step in range(steps):"): "partial_loop",
 }  # fmt: skip
 
 # Blocks another test file runs, and the text of the block's first line that file finds it by.
