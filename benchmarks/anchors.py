@@ -336,12 +336,14 @@ def rank_main(args: argparse.Namespace) -> None:
             lines.append(f"\nshardgen max_batch_size: {bench.sg_batch} (per rank), gather: {policy}")
         if "hybrid" in methods and not results.get("shared_prefill_tried"):
             results["shared_prefill_tried"] = True
-            try:
-                with bench.sg.paused():
+            # Caught inside the block: an exception that leaves paused() fails the engine on every
+            # rank (faults/leaving.py), and the refusal is what this line reports.
+            with bench.sg.paused():
+                try:
                     bench.hybrid(next(iter(work.values()))[:2], 2, 2, 1.0, shared=True)
-                said = "ran"
-            except Exception as e:  # noqa: BLE001 - reported, not hidden
-                said = f"{type(e).__name__}: {e}"
+                    said = "ran"
+                except Exception as e:  # noqa: BLE001 - reported, not hidden
+                    said = f"{type(e).__name__}: {e}"
             if rank == 0:
                 lines.append(f"HybridEngineRollout(use_shared_prefill=True) on ZeRO-3: {said}")
         for name, prompts in work.items():
