@@ -39,7 +39,6 @@ from shardgen.generation.requests import Completion, completion_of
 from shardgen.generation.sequence import Holding
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Handle:
     """A held row (``Completion.handle``): what ``resume`` continues, on its own engine only."""
