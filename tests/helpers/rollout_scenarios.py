@@ -419,3 +419,27 @@ def partial_steps(
         spans += check_versions(pack(gen, pad_id=0, n=1, seeds=[None]), ref, temperature, greedy)
         assert gen[0].finish_reason != "held" and len(set(gen[0].versions)) > 1, (gen_calls, gen[0].versions)
     return {"served": served, "born": [list(p) for p in born], "spans": spans, "left": left}
+
+
+def close_with_held_rows(backend: str) -> dict:
+    """Each rank closes its engine with held rows, unevenly: rank 0 a ``generate(tokens_per_call=)``
+    row cut at its budget, rank 1 partial-rollout groups still decoding (rank 0 none). -> how long
+    close() took, and each held row's finish reason and token count once resolved."""
+    import shardgen
+
+    rank = dist.get_rank()
+    model, _ = _pair()
+    long = dict(max_new_tokens=48, eos_token_id=[], temperature=0.9)
+    eng = shardgen.Engine(model, backend=backend, max_batch_size=6)
+    futures = []
+    if rank == 0:
+        held = eng.generate(id_prompts([5], seed=7), tokens_per_call=4, seed=1, **long)
+        futures = [c.handle.request.future for c in held]
+    else:
+        assert len(eng.rollout(id_prompts([4, 6], seed=8), n=2, groups=0, seed=2, **long)) == 0
+        futures = [g.plan.futures[r] for g in eng._held.groups() for r in g.rows]
+    t0 = time.perf_counter()
+    eng.close()
+    took = time.perf_counter() - t0
+    ends = [f.result(timeout=10) for f in futures]
+    return {"close_s": took, "ends": [(c.finish_reason, len(c.token_ids)) for c in ends]}

@@ -67,16 +67,35 @@ def trainer_model(backend: str, path: str) -> tuple[object, dict | None]:
     ), None
 
 
-def grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -> dict:
+def grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast", partial: bool = False) -> dict:
     """``_grpo_two_steps``, then ``clear_trainer_state``."""
     try:
-        return _grpo_two_steps(backend, stock, numerics)
+        return _grpo_two_steps(backend, stock, numerics, partial)
     finally:
         clear_trainer_state()
 
 
-def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -> dict:
-    """Two GRPO steps on 2 ranks with uneven generation calls; returns rank 0's logged rewards."""
+def recording(cls):
+    """``cls`` recording, per step, the prompts it was given and those its partial rollout served
+    (each row's), and the groups held after it."""
+    from shardgen.generation.partial import held_groups
+
+    class Recording(cls):
+        given, served, held = [], [], []
+
+        def _shardgen_partial(self, inputs):
+            out = super()._shardgen_partial(inputs)
+            self.given.append([x["prompt"] for x in inputs])
+            self.served.append([x["prompt"] for x in out])
+            self.held.append(held_groups(self.shardgen_engine))
+            return out
+
+    return Recording
+
+
+def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast", partial: bool = False) -> dict:
+    """Two GRPO steps on 2 ranks with uneven generation calls (with ``partial``: partial rollouts
+    instead, ``max_staleness=1``, ``groups_ahead=1``); returns rank 0's logged rewards."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -109,8 +128,10 @@ def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -
         disable_tqdm=True,
         seed=0,
     )
-    cls = uneven_calls(StockGRPOTrainer if stock else GRPOTrainer)
+    cls = recording(GRPOTrainer) if partial else uneven_calls(StockGRPOTrainer if stock else GRPOTrainer)
     mine = {} if stock else {"shardgen_config": {"numerics": numerics}}
+    if partial:
+        mine.update(max_staleness=1, groups_ahead=1)
     trainer = cls(
         **mine,
         model=model,
@@ -126,6 +147,7 @@ def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast") -
         "rewards": [h["reward"] for h in logs if "reward" in h],
         "logp_diff": [h["sampling/sampling_logp_difference/max"] for h in logs if "reward" in h],
         "calls": getattr(trainer, "_shardgen_calls", None),
+        **({"given": trainer.given, "served": trainer.served, "held": trainer.held} if partial else {}),
     }
 
 
@@ -138,6 +160,32 @@ UNSUPPORTED_KNOBS = (  # each with the text its ValueError must name
     {"cache_implementation": "static"},
     {"min_p": 0.2, "cache_implementation": "static"},  # every setting at fault, in one message
 )
+
+
+def partial_refusals() -> list[str]:
+    """The ValueError messages for settings partial rollouts refuse (no ranks needed)."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from shardgen.integrations.trl import GRPOTrainer
+    from shardgen.toy import toy_model_path
+
+
+    out, data = [], Dataset.from_list([{"prompt": "1 2"}])
+    cases = (
+        ({"groups_ahead": 2}, {}),  # 2 groups a rank: the first step would train on none
+        ({"groups_ahead": 1}, {"rollout_func": reward}),
+        ({}, {"max_staleness": -1}),
+    )
+    for kw, extra in cases:
+        cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), bf16=False, report_to=[], use_cpu=True,
+                         per_device_train_batch_size=4, num_generations=2)  # fmt: skip
+        try:
+            GRPOTrainer(model=toy_model_path(), reward_funcs=reward, args=cfg, train_dataset=data,
+                        **{"max_staleness": 1, **kw, **extra})  # fmt: skip
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def unsupported_knobs() -> list[str]:

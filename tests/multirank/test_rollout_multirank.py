@@ -114,6 +114,14 @@ def test_partial_rollouts_serve_every_group_once_and_resume_under_new_weights(
     assert _served_once(out, stale) > 0, "no row was parked mid-answer and resumed"
 
 
+def test_close_with_held_rows_resolves_them(ds_world2):
+    """Ranks close with held rows (rank 0 a generate row cut at its budget, rank 1 groups still
+    decoding): close() returns, every held row resolves as "held" with the tokens it had."""
+    out = ds_world2.run(sc.close_with_held_rows, "fsdp2", timeout=60)
+    assert out[0]["ends"] == [("held", 4)], out[0]
+    assert len(out[1]["ends"]) == 4 and all(r == "held" and t < 48 for r, t in out[1]["ends"]), out[1]
+
+
 @pytest.mark.parametrize("backend, greedy", [("fsdp2", False), ("deepspeed", True)])
 def test_partial_rollouts_at_3_ranks(ds_world3, backend, greedy):
     """The same at 3 ranks: 4, 3 and 2 new prompts a step for a quota of 2, so held groups pile

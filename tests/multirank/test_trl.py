@@ -65,6 +65,31 @@ def test_subclass_under_invariant_numerics(trlworld):
     assert len(out[0]["logp_diff"]) == 2 and all(d < 1e-5 for d in out[0]["logp_diff"]), out[0]["logp_diff"]
 
 
+def test_partial_rollouts_serve_whole_groups_once(trlworld):
+    """max_staleness=1, groups_ahead=1: each rank gets 2 prompts a step (K=2 groups of 2); the first
+    step trains on 1 group and holds 1, the second on 2 of its 3 (the held one first when whole).
+    Every served group is whole (its 2 rows one prompt's), served once, and was given to that rank."""
+    out = trlworld.run(sc.grpo_two_steps, "fsdp2", False, "fast", True, timeout=300)
+    assert [r["steps"] for r in out] == [2, 2]
+    for r in out:
+        assert [len(s) for s in r["served"]] == [2, 4] and r["held"] == [1, 1], r
+        groups = [s[i] for s in r["served"] for i in range(0, len(s), 2)]
+        assert all(s[i] == s[i + 1] for s in r["served"] for i in range(0, len(s), 2))
+        assert len(set(groups)) == 3  # none served twice
+        given = [p for g in r["given"] for p in g[::2]]
+        assert set(groups) <= set(given) and len(given) == 4
+        assert r["served"][0][0] in r["given"][0]
+    assert len(out[0]["rewards"]) == 2
+
+
+def test_partial_rollout_settings_are_refused_by_name():
+    msgs = sc.partial_refusals()
+    assert len(msgs) == 3, msgs
+    assert "groups_ahead=2: the first step trains on 2 - 2 groups of 2 per rank" in msgs[0], msgs[0]
+    assert "does not take tools=, environment_factory= or rollout_func=" in msgs[1], msgs[1]
+    assert "max_staleness must be an integer >= 0, got -1" in msgs[2], msgs[2]
+
+
 def test_stock_trainer_fails_with_uneven_generation_calls(trlworld):
     with pytest.raises((WorldError, WorldHang)):
         trlworld.run(sc.grpo_two_steps, "fsdp2", True, timeout=STOCK_BOUND_S)

@@ -3,6 +3,7 @@ the local backend. The same on sharded backends, 2 and 3 ranks: tests/multirank/
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -202,3 +203,49 @@ def test_generate_budget_arguments_are_checked(engine):
     other = dataclasses.replace(held[0], handle=Handle(object(), held[0].handle.request))
     with pytest.raises(ValueError, match="completion 0 is held by another engine"):
         eng.resume([other])
+
+
+# ----------------------------------------------------------------- held rows at close(); the drain idiom
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_close_ends_held_rows_where_they_stand(how):
+    """Rows cut at their budget (generate and rollout) and held groups still decoding when the
+    engine closes: close() returns at once, every future resolves as "held" with the tokens so
+    far (not the 240 each may draw), resume() then raises by name."""
+    torch.set_num_threads(1)
+    eng = shardgen.Engine(tiny_model("llama", seed=11), backend="local", max_batch_size=8)
+    long = dict(max_new_tokens=240, eos_token_id=[], temperature=0.9)
+    with eng if how == "with" else contextlib.nullcontext():
+        done = eng.generate(id_prompts([4, 6], seed=2), tokens_per_call=3, seed=1, **long)
+        assert [c.finish_reason for c in done] == ["held", "held"]
+        served = eng.rollout(id_prompts([4, 6, 5], seed=3), n=2, groups=0, seed=2, **long)
+        assert len(served) == 0 and held_groups(eng) == 3  # three groups go on decoding
+        held = [g for g in eng._held.groups()]
+    if how == "close":
+        eng.close()
+    rows = [c.handle.request.future for c in done] + [g.plan.futures[r] for g in held for r in g.rows]
+    ends = [f.result(timeout=10) for f in rows]  # none left unresolved
+    assert [c.finish_reason for c in ends] == ["held"] * 8
+    assert all(len(c.token_ids) < 240 for c in ends), [len(c.token_ids) for c in ends]
+    assert all(3 <= len(c.token_ids) <= 6 for c in ends[:2])  # 3, and at most 3 more (the rollout call)
+    with pytest.raises(shardgen.EngineClosedError, match="engine is closed"):
+        eng.resume(done)
+
+
+def test_held_groups_leaves_out_groups_about_to_be_dropped(engine):
+    """Groups past their call's max_staleness with stale="drop" are not counted: draining with
+    groups=held_groups(engine) serves the others and raises nothing."""
+    eng, model, _ = engine
+    kw = {**KW, "do_sample": False, "eos_token_id": EOS[-1:], "tokens_per_call": 3}
+    old = eng.rollout(id_prompts([5, 3], seed=6), groups=0, max_staleness=0, **kw)  # both held, cut at 3
+    young = eng.rollout(id_prompts([4], seed=7), groups=0, max_staleness=3, **kw)
+    assert len(old) == len(young) == 0 and held_groups(eng) == 3
+    with eng.paused():
+        shrink_weights(model)
+    assert held_groups(eng) == 1 and len(eng._held) == 3  # the two old ones are past max_staleness=0
+    drained = []
+    while held_groups(eng):
+        drained.append(eng.rollout([], groups=held_groups(eng), max_staleness=3, **kw))
+        assert len(drained) < 6
+    assert [b.prompts for b in drained if len(b)] == [id_prompts([4], seed=7)]
+    assert len(eng._held) == 0

@@ -238,11 +238,13 @@ class Driver:
             self.work.check_mode()  # a train()/eval() switch drops the prefix cache
             self.work.add(new)
             # Partial rollouts' held rows (generation/parking.py): the quota calls begun (rows cut at
-            # their budget go back at the next one; closing, all do), parked for a pause everyone
-            # asked for (it then waits for the other rows only), requeued once it is not wanted.
-            self.work.releases = sh.quota_calls() + int(closed)
+            # their budget go back at the next one), parked for a pause everyone asked for (it then
+            # waits for the other rows only), requeued once it is not wanted; closing, they end.
+            self.work.releases = sh.quota_calls()
             st = self.last_state
-            if pause and st is not None and st.all_pause:
+            if closed:
+                parking.close_held(self.work)
+            elif pause and st is not None and st.all_pause:
                 parking.park_live(self.work)
             elif self.work.parked:
                 parking.requeue(self.work)

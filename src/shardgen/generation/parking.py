@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from shardgen.generation.partial import HELD
 from shardgen.generation.sequence import SeqState
 
 #: The epoch of a row parked for a pause: it goes back as soon as no pause is agreed.
@@ -47,6 +48,23 @@ def park_live(work: Any) -> None:
             work.parked.append((s.tag, FOR_PAUSE))
     if batch.done:  # held rows only were left: nothing of it is needed any more
         work.batch = None
+
+
+def close_held(work: Any) -> None:
+    """This rank's engine closes: its held rows end where they stand, finish reason ``"held"``
+    (their futures resolved): those parked, those waiting to resume or to start, and the batch's
+    (a prefill's rows the tick after they join it). No call can take held rows after ``close()``,
+    so none is decoded further. Each tick while closing; no collective (the forwards are as many)."""
+    park_live(work)
+    ended = [req for req, _ in work.parked] + [req for req in work.pending if req.seq.holding is not None]
+    work.pending = deque(req for req in work.pending if req.seq.holding is None)
+    work.parked = []
+    for req in ended:
+        s = req.seq
+        if s.finish_reason is None:
+            s.finish_reason = HELD
+            work.stats.generated_tokens += len(s.tokens)
+            work.on_finished(s)
 
 
 def _in_batch(work: Any, s: SeqState) -> bool:

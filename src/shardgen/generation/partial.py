@@ -22,7 +22,11 @@ drops it, ``stale="finish"`` returns it with its unfinished rows cut where they 
 group's first). ``tokens_per_call`` (Kimi k1.5's budget): a row that drew that many tokens since
 the call that (re)started it parks until the next quota call, which resumes it from its tokens
 (a row keeps the budget of the call that submitted it); a call returns once K groups are whole
-or every group it waits on is cut.
+or every group it waits on is cut. A held group keeps its call's ``max_staleness`` and ``stale``;
+``held_groups(engine)`` counts those a next call can serve (not those it will drop), so
+``rollout([], groups=held_groups(engine), ...)`` drains them. ``close()`` ends held rows where
+they stand (finish reason ``"held"``, their futures resolved, no more tokens drawn): after it no
+call can take held groups, so none is decoded for nobody.
 
 Not collective, like every rollout. Refused by name: ``env=`` (multi-turn: ``step_fn`` runs in
 the caller's thread as a turn ends, so a conversation held past the call would stop at its turn
@@ -40,6 +44,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from shardgen.generation.sequence import Holding
+
+#: The finish reason of a held row the engine's ``close()`` ended where it stood (``per_call.py``'s).
+HELD = "held"
 
 #: What ``stale=`` takes: what becomes of a held group past ``max_staleness``.
 STALE_CHOICES = ("drop", "finish")
@@ -78,11 +85,19 @@ class Quota:
 @dataclasses.dataclass
 class Group:
     """One prompt's ``n`` rows of a partial rollout: rows ``index * n ..`` of ``plan``, submitted
-    at weight version ``born`` (``Engine.version``)."""
+    at weight version ``born`` (``Engine.version``) by a call with ``quota``: a held group keeps
+    its call's ``max_staleness`` and ``stale``, as its rows keep their budget."""
 
     plan: Any  # rollout._Plan
     index: int
     born: int
+    quota: Quota
+
+    def dropped(self, version: int) -> bool:
+        """Past its ``max_staleness`` at weight version ``version`` with ``stale="drop"``: never
+        served (the driver cut its rows as ``"stale"`` at the pause)."""
+        q = self.quota
+        return q.stale == "drop" and q.max_staleness is not None and version - self.born > q.max_staleness
 
     @property
     def rows(self) -> range:
@@ -124,6 +139,11 @@ class Held:
         with self._lock:
             self._groups = groups + self._groups
 
+    def groups(self) -> list[Group]:
+        """The groups held now (a copy)."""
+        with self._lock:
+            return list(self._groups)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._groups)
@@ -162,8 +182,7 @@ def quota_groups(
         if g.plan.n != n:
             held.give_back(old)
             raise ValueError(f"held groups have n={g.plan.n} samples, this call n={n}: keep n the same")
-        too_old = quota.max_staleness is not None and version - g.born > quota.max_staleness
-        if not (too_old and quota.stale == "drop"):  # the driver cut its rows at the pause
+        if not g.dropped(version):
             kept.append(g)
     if quota.groups > len(kept) + len(prompts):
         held.give_back(kept)
@@ -178,7 +197,7 @@ def quota_groups(
     except BaseException:
         held.give_back(kept)
         raise
-    new = [Group(plan, i, version) for i in range(len(prompts))]
+    new = [Group(plan, i, version, quota) for i in range(len(prompts))]
     return _serve(held, kept + new, len(kept), quota, call)
 
 
@@ -204,7 +223,9 @@ def _serve(
                 continue
             left.discard(k)
             batch = g.batch()
-            if quota.stale == "drop" and "stale" in batch.finish_reasons:
+            if HELD in batch.finish_reasons:
+                continue  # the engine closed meanwhile: its rows ended where they stood
+            if g.quota.stale == "drop" and "stale" in batch.finish_reasons:
                 continue  # cut by a pause while this call ran
             served += 1
             yield (None if k < carried else g.index), batch
@@ -213,8 +234,11 @@ def _serve(
 
 
 def held_groups(engine: Any) -> int:
-    """How many groups this rank's engine holds for its next quota call. Any thread."""
-    return len(engine._held)
+    """How many groups this rank's engine holds for its next quota call, less those it will drop
+    (past their call's ``max_staleness`` with ``stale="drop"``): ``rollout([], groups=held_groups(
+    engine), ...)`` drains them. Any thread."""
+    version = engine.version
+    return sum(not g.dropped(version) for g in engine._held.groups())
 
 
-__all__: Sequence[str] = ("Quota", "Held", "quota_groups", "held_groups", "row_cut", "STALE_CHOICES")
+__all__: Sequence[str] = ("HELD", "Quota", "Held", "quota_groups", "held_groups", "row_cut", "STALE_CHOICES")

@@ -19,6 +19,9 @@ A cut row goes back to decoding at the rank's next call with a budget of any kin
 ``resume``, a ``generate(tokens_per_call=)``, a ``rollout(groups=)``: the engine's quota calls,
 ``partial.py``), and after each pause (a training step: every parked row resumes under the new
 weights), so one whose Completion is never resumed still draws a budget per such call or pause.
+Closing the engine (``close()``, the end of ``with engine:``) ends every held row where it stands:
+its future resolves as a ``Completion`` with finish reason ``"held"`` (its tokens so far), it
+draws no more tokens, and ``resume()`` raises ``EngineClosedError`` from then on.
 Not collective, like ``generate()``. Refused by name: ``inputs=`` (images: a resumed row
 re-prefills its ids only) and encoder-decoder models.
 """
@@ -31,11 +34,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardgen.config import SamplingParams
-from shardgen.generation.partial import row_cut
+from shardgen.generation.partial import HELD, row_cut
 from shardgen.generation.requests import Completion, completion_of
 from shardgen.generation.sequence import Holding
-
-HELD = "held"  # the finish reason of a row cut at its budget per call, not finished
 
 
 @dataclasses.dataclass(frozen=True)

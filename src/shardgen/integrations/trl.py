@@ -6,7 +6,8 @@
     trainer.train()
 
 Install: ``pip install 'shardgen[trl]'`` (TRL 1.16, Python >= 3.11). Same constructor as TRL's,
-plus ``shardgen_config``. Works where TRL's own generation hangs or aborts: ranks that finish at
+plus ``shardgen_config``, and ``max_staleness``/``groups_ahead``
+(partial rollouts: ``trl_partial.py``). Works where TRL's own generation hangs or aborts: ranks that finish at
 different steps, and multi-turn tool loops where ranks make different numbers of generation
 calls (each rank's engine keeps serving its peers with shadow forwards).
 
@@ -42,6 +43,7 @@ from typing import Any
 
 from shardgen.config import EngineConfig
 from shardgen.generation.rollout import sample_seed
+from shardgen.integrations.trl_partial import PartialRollouts
 from shardgen.log import get_logger
 from shardgen.numerics import invariant_numerics
 
@@ -94,7 +96,7 @@ class _SharedWeights:
         pass
 
 
-class GRPOTrainer(_trl.GRPOTrainer):
+class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
     """TRL's ``GRPOTrainer``, generating on a shardgen ``Engine`` (see the module docstring)."""
 
     def __init__(self, *args: Any, shardgen_config: EngineConfig | dict | None = None, **kwargs: Any) -> None:
@@ -213,6 +215,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         """
         if (images is not None and any(images)) or multimodal_fields or has_tool_images:
             raise ValueError("shardgen's GRPOTrainer generates for text-only prompts")
+        served = self._shardgen_take_served(prompt_ids)  # a partial rollout's, already done
+        if served is not None:
+            return served
         model = self.model
         was_training = model.training
         model.eval()  # no dropout while sampling
