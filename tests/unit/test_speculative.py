@@ -234,6 +234,29 @@ def test_ngram_index_and_history_budget():
     assert list(store.entries) == [(7, 8)] and store.evictions == 1
 
 
+@dataclasses.dataclass
+class _Row:
+    prompt_ids: list[int]
+    tokens: list[int]
+    draft: object = None
+    finished: bool = False
+
+
+def test_a_new_row_starts_from_its_prompts_acceptance():
+    """A row of a prompt whose drafts were taken starts at that rate (the Pacer then widens its
+    first verify forward); a row of a new prompt at the default guess."""
+    store = DraftStore(budget=1000, max_k=8)
+    first = _Row([1, 2, 3], [10, 11])
+    store.row(first)
+    for _ in range(4):
+        store.observe(first, 8, 8)
+    again, other = _Row([1, 2, 3], [10]), _Row([4, 5, 6], [20])
+    assert store.row(again).rate > 0.9 and store.row(other).rate == 0.5
+    drafts = [list(range(8))] * 4
+    assert Pacer().width(drafts, [store.row(again).rate] * 4, 4) == 8  # a fresh row would take less
+    assert Pacer().width(drafts, [0.5] * 4, 4) < 8
+
+
 @pytest.mark.parametrize(
     ("field", "value", "said"),
     [("speculate", -1, "speculate must be an integer in 0..16, got -1"),

@@ -136,6 +136,7 @@ class PromptIndex:
     index: NgramIndex = field(default_factory=NgramIndex)
     finished: list[list[int]] = field(default_factory=list)
     live: int = 0  # rows decoding it now (never evicted while > 0)
+    rate: float | None = None  # its rows' draft acceptance (a moving average); None: none drafted yet
 
     def __post_init__(self) -> None:
         self.index.add(list(self.prompt))
@@ -212,6 +213,12 @@ class DraftStore:
             entry.live += 1
             own = list(seq.prompt_ids[-(MAX_NGRAM - 1) :]) + list(seq.tokens)
             state = seq.draft = RowDraft(entry, own, entry.index.add(own), self.max_k)
+            if entry.rate is not None:
+                # A new row of a prompt drafted before (an earlier epoch, a sibling) starts from
+                # how well its drafts were taken, not from a guess: when they were, the Pacer
+                # widens its first forwards. A new prompt's row starts from the guess: drafts
+                # from other prompts' text are taken less.
+                state.rate = entry.rate
         return state
 
     def draft(self, seq: Any, limit: int) -> list[int]:
@@ -243,9 +250,16 @@ class DraftStore:
         return tuple(tuple(d[:k]) for d in drafts) if k else None
 
     def observe(self, seq: Any, drafted: int, accepted: int) -> None:
-        """After a verify forward: the row's acceptance adapts its draft length."""
-        if seq.draft is not None:
-            seq.draft.observe(drafted, accepted, self.max_k)
+        """After a verify forward: the row's acceptance adapts its draft length, and its
+        prompt's acceptance (where its next rows start) follows."""
+        state: RowDraft | None = seq.draft
+        if state is None:
+            return
+        state.observe(drafted, accepted, self.max_k)
+        if drafted:
+            taken = accepted / drafted
+            entry = state.entry
+            entry.rate = taken if entry.rate is None else entry.rate + AVERAGING * (taken - entry.rate)
 
     def finish(self, seq: Any) -> None:
         """``seq`` finished: its rollout stays in its prompt's index (within the budget)."""
