@@ -207,6 +207,7 @@ def test_pacer_verifies_only_what_pays():
     assert pacer.cost(5) == 3.0 and pacer.width(bad, [0.1] * 4, 4) == 0  # a decode step pays more
     assert pacer.width(good, [0.95] * 4, 4) == 4
     assert pacer.width(good, [0.3] * 4, 4) == 1  # few drafts kept: one column pays, more do not
+    assert pacer.width([[], []], [0.9] * 2, 2) == 0  # no draft: a decode step
 
 
 def test_ngram_index_and_history_budget():

@@ -70,11 +70,17 @@ class Pacer:
     def width(self, drafts: list[list[int]], rates: list[float], live: int) -> int:
         """The draft length K (0: a decode step) whose expected tokens gained, over the live
         rows, most exceed what the forward costs beyond a decode step's (in a row's tokens)."""
-        best, best_k = 0.0, 0
-        for k in range(1, max(len(d) for d in drafts) + 1):
-            gain = sum(
-                sum(r**j for j in range(1, min(len(d), k) + 1)) for d, r in zip(drafts, rates, strict=True)
-            )
+        best, best_k, gain = 0.0, 0, 0.0
+        rows = [(len(d), r) for d, r in zip(drafts, rates, strict=True) if d]
+        if not rows:
+            return 0
+        odds = [1.0] * len(rows)  # per row: the chance its draft is kept up to column k
+        for k in range(1, max(n for n, _ in rows) + 1):
+            # Column k adds the rows whose draft reaches it (one pass per column, not per width).
+            for i, (n, r) in enumerate(rows):
+                if n >= k:
+                    odds[i] *= r
+                    gain += odds[i]
             net = gain - (self.cost(k + 1) - 1.0) * live
             if net > best:
                 best, best_k = net, k
@@ -108,7 +114,11 @@ class NgramIndex:
         start = self._indexed[sid]
         for end in range(max(start, MIN_NGRAM), stop + 1):
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
-                hits = table.setdefault(tuple(seq[end - n : end]), [])
+                key = tuple(seq[end - n : end])
+                hits = table.get(key)
+                if hits is None:  # (no empty list made for every n-gram seen before)
+                    table[key] = [(sid, end)]
+                    continue
                 hits.append((sid, end))
                 if len(hits) > OCCURRENCES:
                     del hits[0]
