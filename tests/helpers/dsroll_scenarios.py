@@ -144,9 +144,23 @@ def _steps_b(rank: int, world: int, step: int) -> list[int]:
     return [4 + (i + rank + step) % 5 for i in range(k)]
 
 
-def shardgen_uneven(steps: int = 3) -> dict:
+def shardgen_uneven(steps: int = 3, speculate: int = 0) -> dict:
     """Steps of uneven B per rank (zero included), greedy then sampled with n = 2, then each rank's
-    own greedy rows against the single-process layout of the same weights."""
+    own greedy rows against the single-process layout of the same weights. ``speculate``: the
+    engine option, a verify forward's columns priced as before any is measured (so that drafts
+    run whatever this machine's timings); ``stats``: each call's ``last_stats``."""
+    from shardgen.generation import drafts
+
+    cost = drafts.Pacer.cost
+    if speculate:
+        drafts.Pacer.cost = lambda self, width: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
+    try:
+        return _shardgen_uneven(steps, speculate)
+    finally:
+        drafts.Pacer.cost = cost  # type: ignore[method-assign]
+
+
+def _shardgen_uneven(steps: int, speculate: int) -> dict:
     from deepspeed.runtime.rollout import ResponseTokenBatch, SamplingConfig
 
     from shardgen.integrations.deepspeed import ShardgenRollout
@@ -156,18 +170,21 @@ def shardgen_uneven(steps: int = 3) -> dict:
     tok = Tok(eos=EOS)
     ds = _ds_engine(seed)
     ref = tiny_model("llama", seed=seed)
-    rollout = ShardgenRollout(ds, tok, seed=3)
+    rollout = ShardgenRollout(ds, tok, seed=3, speculate=speculate)
+    stats = []
     mismatches, shapes = [], []
     t0 = time.monotonic()
     for step in range(steps):
         req = _request(_steps_b(rank, world, step), seed=100 * step + rank)
         got = rollout.generate(req, _greedy())
+        stats.append(rollout.last_stats)
         if req.prompt_ids.shape[0]:
             if _as_lists(got) != single_process_layout(ref, req, tok):
                 mismatches.append(step)
         sampled = rollout.generate(
             req, SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.8, top_k=20, n_samples_per_prompt=2)
         )
+        stats.append(rollout.last_stats)
         ResponseTokenBatch.from_rollout(sampled)
         b, width = req.prompt_ids.shape
         lps = rollout.last_batch.logprobs  # shardgen's own batch of the same rows
@@ -181,7 +198,7 @@ def shardgen_uneven(steps: int = 3) -> dict:
         shapes.append((tuple(got.input_ids.shape), tuple(sampled.input_ids.shape)))
     elapsed = time.monotonic() - t0
     rollout.shutdown()
-    return {"mismatches": mismatches, "shapes": shapes, "elapsed": elapsed}
+    return {"mismatches": mismatches, "shapes": shapes, "elapsed": elapsed, "stats": stats}
 
 
 def _train_step(ds, ids) -> float:

@@ -23,6 +23,7 @@ def uneven_calls(cls):
     class Uneven(cls):
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kw):
             out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, **kw)
+            self.completions = [*getattr(self, "completions", []), [list(map(int, c)) for c in out[0]]]
             if dist.get_rank() == 1:
                 follow_up = [list(prompt_ids[0]) + list(out[0][0])]
                 for _ in range(2):
@@ -67,10 +68,12 @@ def trainer_model(backend: str, path: str) -> tuple[object, dict | None]:
     ), None
 
 
-def grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast", partial: bool = False) -> dict:
+def grpo_two_steps(
+    backend: str, stock: bool = False, numerics: str = "fast", speculate: int = 0, partial: bool = False
+) -> dict:
     """``_grpo_two_steps``, then ``clear_trainer_state``."""
     try:
-        return _grpo_two_steps(backend, stock, numerics, partial)
+        return _grpo_two_steps(backend, stock, numerics, speculate, partial)
     finally:
         clear_trainer_state()
 
@@ -93,9 +96,14 @@ def recording(cls):
     return Recording
 
 
-def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast", partial: bool = False) -> dict:
+def _grpo_two_steps(
+    backend: str, stock: bool = False, numerics: str = "fast", speculate: int = 0, partial: bool = False
+) -> dict:
     """Two GRPO steps on 2 ranks with uneven generation calls (with ``partial``: partial rollouts
-    instead, ``max_staleness=1``, ``groups_ahead=1``); returns rank 0's logged rewards."""
+    instead, ``max_staleness=1``, ``groups_ahead=1``); returns rank 0's logged rewards, the
+    shardgen metrics logged, and this rank's completions (token ids) per generation call. With
+    ``speculate``, a verify forward's columns are priced as before any is measured (nearly free),
+    so that drafts run whatever this machine's timings (the rows never depend on them)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -129,7 +137,7 @@ def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast", p
         seed=0,
     )
     cls = recording(GRPOTrainer) if partial else uneven_calls(StockGRPOTrainer if stock else GRPOTrainer)
-    mine = {} if stock else {"shardgen_config": {"numerics": numerics}}
+    mine = {} if stock else {"shardgen_config": {"numerics": numerics, "speculate": speculate}}
     if partial:
         mine.update(max_staleness=1, groups_ahead=1)
     trainer = cls(
@@ -140,7 +148,15 @@ def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast", p
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
         processing_class=tok,
     )
-    trainer.train()
+    from shardgen.generation import drafts
+
+    cost = drafts.Pacer.cost
+    if speculate:
+        drafts.Pacer.cost = lambda self, width: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    finally:
+        drafts.Pacer.cost = cost  # type: ignore[method-assign]
     logs = trainer.state.log_history
     return {
         "steps": int(trainer.state.global_step),
@@ -148,6 +164,10 @@ def _grpo_two_steps(backend: str, stock: bool = False, numerics: str = "fast", p
         "logp_diff": [h["sampling/sampling_logp_difference/max"] for h in logs if "reward" in h],
         "calls": getattr(trainer, "_shardgen_calls", None),
         **({"given": trainer.given, "served": trainer.served, "held": trainer.held} if partial else {}),
+        "shardgen": [
+            {k: v for k, v in h.items() if k.startswith("shardgen/")} for h in logs if "reward" in h
+        ],
+        "completions": getattr(trainer, "completions", []),
     }
 
 

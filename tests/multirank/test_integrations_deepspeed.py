@@ -247,11 +247,17 @@ def test_partial_rollouts_through_shardgen_rollout(worlds):
 
 
 def test_uneven_rows_per_rank_2(worlds):
-    """3, 1 and 0 prompts per rank, a different rank empty each step, greedy and sampled: every
-    step returns, greedy rows equal the single-process layout."""
-    for r, res in enumerate(worlds.get(2).run(sc.shardgen_uneven, timeout=180)):
+    """3, 1 and 0 prompts per rank, a different rank empty each step, greedy and sampled, with
+    speculative decoding (``speculate=4``: the 3-rank test runs without): every step returns,
+    greedy rows equal the single-process layout, ``last_stats`` counts drafts kept."""
+    results = worlds.get(2).run(sc.shardgen_uneven, 3, 4, timeout=180)
+    for r, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {r}: {res}"
         assert any(s[0][0] == 0 for s in res["shapes"]), res["shapes"]
+        assert all("tokens_per_forward" in s for s in res["stats"]), res["stats"]
+        assert sum(s["drafted"] for s in res["stats"]) > 0, f"rank {r}: {res['stats']}"
+    stats = [s for res in results for s in res["stats"]]
+    assert sum(s["accepted"] for s in stats) > 0 and max(s["tokens_per_forward"] for s in stats) > 1.0, stats
 
 
 def test_training_step_between_rollouts(worlds):

@@ -47,7 +47,14 @@ def test_every_row_is_its_own_bits_at_3_ranks(ds_world3, backend, dtype):
     _all_equal(ds_world3.run(invariant_rollouts, backend, "per-layer", dtype, timeout=300))
 
 
-SPECULATIVE = [("fsdp2", "per-layer"), ("fsdp2", "once"), ("fsdp2", "stationary"), ("deepspeed", "per-layer")]
+SPECULATIVE = [
+    ("fsdp2", "per-layer"),
+    ("fsdp2", "once"),
+    ("fsdp2", "stationary"),
+    ("deepspeed", "per-layer"),
+    ("deepspeed", "once"),
+    ("deepspeed", "stationary"),
+]
 
 
 @pytest.mark.parametrize(("backend", "gather"), SPECULATIVE)

@@ -46,13 +46,33 @@ def test_unsupported_trl_settings_raise():
         assert all(k in msg for k in knobs), (knobs, msg)
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-def test_subclass_trains_with_uneven_generation_calls(trlworld, backend):
-    out = trlworld.run(sc.grpo_two_steps, backend, timeout=300)
+def _trained_with_uneven_calls(out: list[dict]) -> None:
     assert [r["steps"] for r in out] == [2, 2]
     assert out[1]["calls"] > out[0]["calls"] > 0  # rank 1 made more generation calls
     # sampling logprobs reached TRL's importance-sampling correction, and match training's
     assert len(out[0]["logp_diff"]) == 2 and all(d < 1e-4 for d in out[0]["logp_diff"])
+
+
+def test_subclass_trains_with_uneven_generation_calls_deepspeed(trlworld):
+    _trained_with_uneven_calls(trlworld.run(sc.grpo_two_steps, "deepspeed", timeout=300))
+
+
+def test_subclass_with_speculation_keeps_the_rows_and_logs_its_stats(trlworld):
+    """FSDP2, uneven generation calls, without and with ``shardgen_config={"speculate": 4}``: the
+    same completions on every rank at every call (drafts change no row), and the speculation
+    counters logged per step beside TRL's metrics (only with it on)."""
+    plain, spec = (trlworld.run(sc.grpo_two_steps, "fsdp2", False, "fast", k, timeout=300) for k in (0, 4))
+    for out in (plain, spec):
+        _trained_with_uneven_calls(out)
+    for r, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        assert b["completions"] == a["completions"], f"rank {r}: speculation changed the completions"
+    assert all(set(h) == {"shardgen/prompt_tokens_computed", "shardgen/prompt_tokens_cached"}
+               for h in plain[0]["shardgen"]), plain[0]["shardgen"]  # fmt: skip
+    logged = spec[0]["shardgen"]
+    assert len(logged) == 2 and all("shardgen/tokens_per_forward" in h for h in logged), logged
+    assert sum(h["shardgen/drafted"] for h in logged) > 0, logged
+    assert sum(h["shardgen/accepted"] for h in logged) > 0, logged
+    assert max(h["shardgen/tokens_per_forward"] for h in logged) > 1.0, logged
 
 
 @pytest.mark.long  # make fuzz: a third GRPO run of the world (the switch itself: test_invariant_numerics.py)
@@ -69,7 +89,7 @@ def test_partial_rollouts_serve_whole_groups_once(trlworld):
     """max_staleness=1, groups_ahead=1: each rank gets 2 prompts a step (K=2 groups of 2); the first
     step trains on 1 group and holds 1, the second on 2 of its 3 (the held one first when whole).
     Every served group is whole (its 2 rows one prompt's), served once, and was given to that rank."""
-    out = trlworld.run(sc.grpo_two_steps, "fsdp2", False, "fast", True, timeout=300)
+    out = trlworld.run(sc.grpo_two_steps, "fsdp2", False, "fast", partial=True, timeout=300)
     assert [r["steps"] for r in out] == [2, 2]
     for r in out:
         assert [len(s) for s in r["served"]] == [2, 4] and r["held"] == [1, 1], r

@@ -207,6 +207,7 @@ def test_pacer_verifies_only_what_pays():
     assert pacer.cost(5) == 3.0 and pacer.width(bad, [0.1] * 4, 4) == 0  # a decode step pays more
     assert pacer.width(good, [0.95] * 4, 4) == 4
     assert pacer.width(good, [0.3] * 4, 4) == 1  # few drafts kept: one column pays, more do not
+    assert pacer.width([[], []], [0.9] * 2, 2) == 0  # no draft: a decode step
 
 
 def test_ngram_index_and_history_budget():
@@ -232,6 +233,29 @@ def test_ngram_index_and_history_budget():
     store.finish(b)
     store.finish(c)  # over the budget: the least recently used prompt out
     assert list(store.entries) == [(7, 8)] and store.evictions == 1
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt_ids: list[int]
+    tokens: list[int]
+    draft: object = None
+    finished: bool = False
+
+
+def test_a_new_row_starts_from_its_prompts_acceptance():
+    """A row of a prompt whose drafts were taken starts at that rate (the Pacer then widens its
+    first verify forward); a row of a new prompt at the default guess."""
+    store = DraftStore(budget=1000, max_k=8)
+    first = _Row([1, 2, 3], [10, 11])
+    store.row(first)
+    for _ in range(4):
+        store.observe(first, 8, 8)
+    again, other = _Row([1, 2, 3], [10]), _Row([4, 5, 6], [20])
+    assert store.row(again).rate > 0.9 and store.row(other).rate == 0.5
+    drafts = [list(range(8))] * 4
+    assert Pacer().width(drafts, [store.row(again).rate] * 4, 4) == 8  # a fresh row would take less
+    assert Pacer().width(drafts, [0.5] * 4, 4) < 8
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ every ``world``-th one (a static split: the same prompts for every method). Meth
   rank (continuous refill), per-layer or gather-once, on each backend.
 - ``sg_fsdp2_stationary`` / ``sg_ds_stationary``: the same, weight-stationary (no weight of a
   linear, the embeddings or the head moves; activations are exchanged).
+- ``sg_fsdp2_spec``: ``sg_fsdp2`` with speculative decoding from history (``speculate=4``):
+  drafts from the prompts, the rows decoding and the warm-up's rollouts; the same answers.
 - ``local``: shardgen with ``backend="local"`` (an unsharded replica per rank): the floor.
 
 Every method's answers are checked against the toy task. Every function here is collective:
@@ -41,8 +43,10 @@ SG_METHODS = {  # name: (backend, gather)
     "sg_ds_once": ("deepspeed", "once"),
     "sg_fsdp2_stationary": ("fsdp2", "stationary"),
     "sg_ds_stationary": ("deepspeed", "stationary"),
+    "sg_fsdp2_spec": ("fsdp2", "per-layer"),
     "local": ("local", "per-layer"),
 }
+SPECULATE = {"sg_fsdp2_spec": 4}  # EngineConfig.speculate of a method (0 when not named)
 METHODS = (*HF_METHODS, *SG_METHODS)
 DESCRIPTIONS = {  # shown by shardgen bench --help
     "hf_synced": "HF generate(synced_gpus=True) on an FSDP2-sharded model, in batches; ranks with "
@@ -59,6 +63,8 @@ DESCRIPTIONS = {  # shown by shardgen bench --help
     "sg_fsdp2_stationary": "shardgen, fsdp2 backend, weight-stationary (no weight moves; "
     "activations are exchanged)",
     "sg_ds_stationary": "shardgen, deepspeed backend, weight-stationary",
+    "sg_fsdp2_spec": "shardgen, fsdp2 backend, gathers per layer, speculative decoding from history "
+    "(speculate=4: drafts from the prompts and earlier rollouts, no draft model)",
     "local": "shardgen, local backend: an unsharded replica per rank (the floor)",
 }
 DEEPSPEED_METHODS = ("ds_hf", "ds_gather_hf", "sg_ds", "sg_ds_once", "sg_ds_stationary")
@@ -272,8 +278,9 @@ def _sg(name: str, work: Workload) -> tuple[Any, Run]:
     if backend == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     engine = Engine.from_pretrained(
-        toy_model_path(), backend=backend, gather=gather, max_batch_size=work.batch_size, timeline=True
-    )
+        toy_model_path(), backend=backend, gather=gather, max_batch_size=work.batch_size, timeline=True,
+        speculate=SPECULATE.get(name, 0),
+    )  # fmt: skip
     world = dist.get_world_size()
 
     def go(prompts: list[str], tl: Timeline, out: Outcome) -> list[str]:

@@ -70,11 +70,17 @@ class Pacer:
     def width(self, drafts: list[list[int]], rates: list[float], live: int) -> int:
         """The draft length K (0: a decode step) whose expected tokens gained, over the live
         rows, most exceed what the forward costs beyond a decode step's (in a row's tokens)."""
-        best, best_k = 0.0, 0
-        for k in range(1, max(len(d) for d in drafts) + 1):
-            gain = sum(
-                sum(r**j for j in range(1, min(len(d), k) + 1)) for d, r in zip(drafts, rates, strict=True)
-            )
+        best, best_k, gain = 0.0, 0, 0.0
+        rows = [(len(d), r) for d, r in zip(drafts, rates, strict=True) if d]
+        if not rows:
+            return 0
+        odds = [1.0] * len(rows)  # per row: the chance its draft is kept up to column k
+        for k in range(1, max(n for n, _ in rows) + 1):
+            # Column k adds the rows whose draft reaches it (one pass per column, not per width).
+            for i, (n, r) in enumerate(rows):
+                if n >= k:
+                    odds[i] *= r
+                    gain += odds[i]
             net = gain - (self.cost(k + 1) - 1.0) * live
             if net > best:
                 best, best_k = net, k
@@ -108,7 +114,11 @@ class NgramIndex:
         start = self._indexed[sid]
         for end in range(max(start, MIN_NGRAM), stop + 1):
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
-                hits = table.setdefault(tuple(seq[end - n : end]), [])
+                key = tuple(seq[end - n : end])
+                hits = table.get(key)
+                if hits is None:  # (no empty list made for every n-gram seen before)
+                    table[key] = [(sid, end)]
+                    continue
                 hits.append((sid, end))
                 if len(hits) > OCCURRENCES:
                     del hits[0]
@@ -136,6 +146,7 @@ class PromptIndex:
     index: NgramIndex = field(default_factory=NgramIndex)
     finished: list[list[int]] = field(default_factory=list)
     live: int = 0  # rows decoding it now (never evicted while > 0)
+    rate: float | None = None  # its rows' draft acceptance (a moving average); None: none drafted yet
 
     def __post_init__(self) -> None:
         self.index.add(list(self.prompt))
@@ -212,6 +223,12 @@ class DraftStore:
             entry.live += 1
             own = list(seq.prompt_ids[-(MAX_NGRAM - 1) :]) + list(seq.tokens)
             state = seq.draft = RowDraft(entry, own, entry.index.add(own), self.max_k)
+            if entry.rate is not None:
+                # A new row of a prompt drafted before (an earlier epoch, a sibling) starts from
+                # how well its drafts were taken, not from a guess: when they were, the Pacer
+                # widens its first forwards. A new prompt's row starts from the guess: drafts
+                # from other prompts' text are taken less.
+                state.rate = entry.rate
         return state
 
     def draft(self, seq: Any, limit: int) -> list[int]:
@@ -243,9 +260,16 @@ class DraftStore:
         return tuple(tuple(d[:k]) for d in drafts) if k else None
 
     def observe(self, seq: Any, drafted: int, accepted: int) -> None:
-        """After a verify forward: the row's acceptance adapts its draft length."""
-        if seq.draft is not None:
-            seq.draft.observe(drafted, accepted, self.max_k)
+        """After a verify forward: the row's acceptance adapts its draft length, and its
+        prompt's acceptance (where its next rows start) follows."""
+        state: RowDraft | None = seq.draft
+        if state is None:
+            return
+        state.observe(drafted, accepted, self.max_k)
+        if drafted:
+            taken = accepted / drafted
+            entry = state.entry
+            entry.rate = taken if entry.rate is None else entry.rate + AVERAGING * (taken - entry.rate)
 
     def finish(self, seq: Any) -> None:
         """``seq`` finished: its rollout stays in its prompt's index (within the budget)."""

@@ -52,6 +52,11 @@ its behaviour logprob; the layout is the continuous path's (prompts left-padded 
 every generated token attention 1). ``rollout.groups`` may change between calls
 (``rollout.held``: the groups held now, say to drain them).
 
+Speculative decoding from history: ``ShardgenRollout(engine, tokenizer, speculate=4)`` (an
+``EngineConfig`` option, as any other); the same rows, fewer forwards. ``rollout.last_stats``
+holds the last ``generate``'s counters on this rank (``step_stats``: ``drafted``, ``accepted``,
+``tokens_per_forward``, ...), logged at debug level with ``speculate`` on.
+
 ``SamplingConfig``: ``temperature <= 0`` is greedy; ``top_k <= 0`` is off; ``top_p``,
 ``max_new_tokens`` and ``n_samples_per_prompt`` as there; ``continuous_batch_size`` bounds the
 rows this rank decodes at once (a finished row's slot goes to the next one), under the engine's
@@ -138,6 +143,19 @@ def options_of(cfg: Any) -> dict[str, Any]:
     return {"share_prefill": True} if getattr(cfg, "use_shared_prefill", False) else {}
 
 
+#: ``engine.stats()`` counters a ``generate`` call reports in ``ShardgenRollout.last_stats``.
+STEP_COUNTERS = ("decode_steps", "verify_forwards", "drafted", "accepted", "forwards_saved")
+
+
+def step_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """The ``STEP_COUNTERS`` between two ``engine.stats()`` snapshots, and ``tokens_per_forward``
+    (a live row's tokens per decode forward; 0.0 without one)."""
+    out = {k: float(after[k] - before[k]) for k in STEP_COUNTERS}
+    rows = after["decode_row_steps"] - before["decode_row_steps"]
+    out["tokens_per_forward"] = (after["decode_tokens"] - before["decode_tokens"]) / rows if rows else 0.0
+    return out
+
+
 class ShardgenRollout(_ds.RolloutEngine):
     """``RolloutEngine`` on a shardgen ``Engine`` over ``engine``'s ZeRO-3 model (module docstring).
 
@@ -186,6 +204,9 @@ class ShardgenRollout(_ds.RolloutEngine):
         self.seed, self.calls = seed, 0
         self.last_batch: ShardgenBatch | None = None
         """The last ``generate``'s rows as shardgen's ``RolloutBatch``: logprobs, finish reasons, seeds."""
+        self.last_stats: dict[str, float] = {}
+        """The last ``generate``'s decode counters on this rank (``step_stats``): with
+        ``speculate=K`` among the engine options, how much its drafts saved."""
         self.shardgen_engine = shardgen.Engine(engine, tokenizer, backend="deepspeed", **engine_options)
         self._pause = contextlib.ExitStack()
         self._pause.enter_context(self.shardgen_engine.paused())  # collective: every rank, here
@@ -211,8 +232,12 @@ class ShardgenRollout(_ds.RolloutEngine):
             return self._quota(request, rows, n, sampling)
         options, seeds = self._options(sampling, len(rows), n)
         prompts = [r.tolist() for r in rows for _ in range(n)]
+        before = self.shardgen_engine.stats()
         with self._running():
             done = self._serve(prompts, seeds, options, window)
+        self.last_stats = step_stats(before, self.shardgen_engine.stats())
+        if self.shardgen_engine.config.speculate:
+            log.debug("ShardgenRollout.generate: %s", self.last_stats)
         self.last_batch = pack(done, pad_id=self.pad, n=n, seeds=seeds, device=request.prompt_ids.device)
         return self._layout(request, done, n, sampling)
 

@@ -30,6 +30,11 @@ How it fits TRL 1.16 (``trl/trainer/grpo_trainer.py``):
   rank enters ``engine.paused()`` (collective) and stays there, through the loss, backward and
   optimizer step, until its next ``_generate``. ``train()`` closes the engine at the end.
 
+Logged per step beside TRL's metrics, all ranks summed: ``shardgen/prompt_tokens_computed`` and
+``shardgen/prompt_tokens_cached``; with ``shardgen_config={"speculate": K}`` also
+``shardgen/drafted``, ``shardgen/accepted`` (draft tokens fed and kept) and
+``shardgen/tokens_per_forward`` (a live row's tokens per decode forward).
+
 Sampling: ``temperature``, ``top_k``, ``top_p``, ``max_completion_length`` and the EOS ids TRL
 resolved; logprobs under ``softmax(logits / temperature)``, what TRL recomputes. TRL settings
 shardgen does not implement raise ``ValueError`` at construction (``UNSUPPORTED``).
@@ -161,7 +166,7 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
         ``train()``/``eval()`` switch drops the engine's prefix cache, and each tool turn's prompt
         extends the turn before it (TRL concatenates the ids), which the cache holds. Ends with one
         ``gather`` (collective on the default group, every rank once per phase, before the pause),
-        of the prompt tokens the phase computed and took from the cache, for TRL's logs.
+        of the phase's counters for TRL's logs (``_shardgen_log``).
         """
         self._shardgen_pause.close()  # resume: the engine generates again
         mode = "train" if self.model.training else "eval"  # as TRL's _generate reads it
@@ -179,23 +184,39 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
                 # generating are served meanwhile. Held through the loss, backward and step.
                 self._shardgen_pause.enter_context(self.shardgen_engine.paused())
 
-    def _shardgen_counts(self) -> tuple[int, int]:
-        """This rank's prompt tokens computed and taken from the prefix cache, so far."""
-        if self.shardgen_engine is None:
-            return 0, 0
-        stats = self.shardgen_engine.stats()
-        return int(stats["prefill_tokens"]), int(stats["cached_prompt_tokens"])
+    #: ``engine.stats()`` counters logged per phase, all ranks summed (the last four with
+    #: ``speculate`` only): prompt tokens computed and cached, draft tokens fed and kept, and the
+    #: live rows' decode forwards and tokens (their ratio: tokens per forward).
+    COUNTERS = (
+        "prefill_tokens", "cached_prompt_tokens", "drafted", "accepted", "decode_row_steps", "decode_tokens",
+    )  # fmt: skip
 
-    def _shardgen_log(self, mode: str, before: tuple[int, int]) -> None:
-        """Log the phase's prompt tokens, all ranks summed. Collective (``gather`` on the default
-        group): every rank, once per phase, after TRL's own gathers and before the pause."""
+    def _shardgen_counts(self) -> list[int]:
+        """This rank's ``COUNTERS`` so far."""
+        if self.shardgen_engine is None:
+            return [0] * len(self.COUNTERS)
+        stats = self.shardgen_engine.stats()
+        return [int(stats[k]) for k in self.COUNTERS]
+
+    def _shardgen_log(self, mode: str, before: list[int]) -> None:
+        """Log the phase's prompt tokens (and with ``speculate``: ``drafted``, ``accepted``,
+        ``tokens_per_forward``), all ranks summed. Collective (``gather`` on the default group):
+        every rank, once per phase, after TRL's own gathers and before the pause."""
         import torch
 
         now = self._shardgen_counts()
-        local = torch.tensor([now[0] - before[0], now[1] - before[1]], device=self.accelerator.device)
-        computed, cached = self.accelerator.gather(local).view(-1, 2).sum(0).tolist()
-        self._metrics[mode]["shardgen/prompt_tokens_computed"].append(float(computed))
-        self._metrics[mode]["shardgen/prompt_tokens_cached"].append(float(cached))
+        delta = [a - b for a, b in zip(now, before, strict=True)]
+        local = torch.tensor(delta, device=self.accelerator.device)
+        total = self.accelerator.gather(local).view(-1, len(self.COUNTERS)).sum(0).tolist()
+        c = dict(zip(self.COUNTERS, total, strict=True))
+        metrics = self._metrics[mode]
+        metrics["shardgen/prompt_tokens_computed"].append(float(c["prefill_tokens"]))
+        metrics["shardgen/prompt_tokens_cached"].append(float(c["cached_prompt_tokens"]))
+        if self.shardgen_config.speculate:
+            metrics["shardgen/drafted"].append(float(c["drafted"]))
+            metrics["shardgen/accepted"].append(float(c["accepted"]))
+            rows = c["decode_row_steps"]
+            metrics["shardgen/tokens_per_forward"].append(c["decode_tokens"] / rows if rows else 0.0)
 
     def _generate_single_turn(
         self,
