@@ -190,7 +190,6 @@ def partial_refusals() -> list[str]:
     from shardgen.integrations.trl import GRPOTrainer
     from shardgen.toy import toy_model_path
 
-
     out, data = [], Dataset.from_list([{"prompt": "1 2"}])
     cases = (
         ({"groups_ahead": 2}, {}),  # 2 groups a rank: the first step would train on none
