@@ -17,7 +17,10 @@ Two arms, each from the same initial weights, the same prompts and the same numb
 Each step: reward per sample (``toy.answer_reward``), advantages within each prompt's group, one
 policy-gradient step inside ``paused()`` (a rank with no rows steps on a dummy token). Rank 0
 prints, per step, the reward, the rollout's wall time and its share of the step, and the
-staleness of the step's tokens (``engine.version - batch.versions``); then both arms' totals.
+staleness of the step's tokens (``engine.version - batch.versions``); then both arms' totals over
+the first ``--steps`` steps, and both arms' rewards over the same number of samples trained (the
+quota arm trains on fewer samples a step, so it runs until it has trained on as many as the
+plain arm's ``--steps``).
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ def tasks(count: int, seed: int) -> list[str]:
             for i in range(count)]  # fmt: skip
 
 
-def run_arm(args: argparse.Namespace, quota: bool, rank: int, world: int) -> dict:
+def run_arm(
+    args: argparse.Namespace, quota: bool, rank: int, world: int, target: float | None = None
+) -> dict:
+    """One arm; with ``target``, it goes on past ``--steps`` until it has trained on that many
+    samples (all ranks), so that both arms' rewards compare over the same samples."""
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(toy.toy_model_path())
     model = AutoModelForCausalLM.from_pretrained(toy.toy_model_path())
@@ -69,9 +76,10 @@ def run_arm(args: argparse.Namespace, quota: bool, rank: int, world: int) -> dic
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     kw = dict(n=args.samples, temperature=args.temperature, max_new_tokens=64)
     rollout_s, step_s, useful, rewards, stale = 0.0, 0.0, 0, [], []
+    trained, history, step = 0.0, [], 0
     t_start = time.perf_counter()
     with engine:
-        for step in range(args.steps):
+        while step < args.steps or (target is not None and trained < target):
             t0 = time.perf_counter()
             if quota:  # a step trains on 3/4 of the groups in flight (APRIL): held ones first
                 k = args.prompts * 3 // 4
@@ -106,19 +114,24 @@ def run_arm(args: argparse.Namespace, quota: bool, rank: int, world: int) -> dic
                     opt.zero_grad()
                 policy.eval()
             t2 = time.perf_counter()
-            rollout_s += t1 - t0
-            step_s += t2 - t0
-            useful += int(stats[2].item())
+            if step < args.steps:  # the time figures: the same steps in both arms
+                rollout_s += t1 - t0
+                step_s += t2 - t0
+                useful += int(stats[2].item())
+                spent = time.perf_counter() - t_start
             rewards.append(stats[0].item() / max(stats[1].item(), 1.0))
             stale.append(stats[3].item() / max(stats[4].item(), 1.0))
+            trained += stats[1].item()
+            history.append((trained, rewards[-1]))
             if rank == 0:
                 print(f"{'quota' if quota else 'plain'} step {step:2d}  reward {rewards[-1]:.3f}  "
                       f"rollout {t1 - t0:.2f}s ({(t1 - t0) / (t2 - t0):.0%} of the step)  "
                       f"staleness {stale[-1]:.2f}", flush=True)  # fmt: skip
-    total = time.perf_counter() - t_start
+            step += 1
     last = rewards[-3:]
-    return {"rollout_s": rollout_s / args.steps, "share": rollout_s / step_s, "tokens_per_s": useful / total,
-            "reward": sum(last) / len(last), "staleness": sum(stale) / len(stale)}  # fmt: skip
+    return {"rollout_s": rollout_s / args.steps, "share": rollout_s / step_s, "tokens_per_s": useful / spent,
+            "reward": sum(last) / len(last), "staleness": sum(stale) / len(stale),
+            "history": history}  # fmt: skip
 
 
 def main() -> None:
@@ -132,12 +145,18 @@ def main() -> None:
     ap.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = ap.parse_args()
     rank, world = shardgen.init()
-    out = {arm: run_arm(args, arm == "quota", rank, world) for arm in ("plain", "quota")}
+    out = {"plain": run_arm(args, False, rank, world)}
+    # The quota arm trains on fewer samples a step: it runs until it has trained on as many.
+    out["quota"] = run_arm(args, True, rank, world, target=out["plain"]["history"][-1][0])
     if rank == 0:
         for arm, o in out.items():
             print(f"{arm}: rollout {o['rollout_s']:.2f}s a step ({o['share']:.0%} of the step), "
                   f"{o['tokens_per_s']:.0f} useful tokens/s, reward (last 3 steps) {o['reward']:.3f}, "
                   f"staleness {o['staleness']:.2f}", flush=True)  # fmt: skip
+        quota = out["quota"]["history"]
+        for seen, reward in out["plain"]["history"]:  # the quota arm's reward once it trained on as many
+            q = next((r for n, r in quota if n >= seen), quota[-1][1])
+            print(f"at {seen:.0f} samples trained: reward plain {reward:.3f}  quota {q:.3f}", flush=True)
         ratio = out["quota"]["rollout_s"] / out["plain"]["rollout_s"]
         print(f"rollout wall time per step, quota / plain: {ratio:.2f}x", flush=True)
     dist.destroy_process_group()

@@ -437,7 +437,7 @@ def close_with_held_rows(backend: str) -> dict:
         futures = [c.handle.request.future for c in held]
     else:
         assert len(eng.rollout(id_prompts([4, 6], seed=8), n=2, groups=0, seed=2, **long)) == 0
-        futures = [g.plan.futures[r] for g in eng._held.groups() for r in g.rows]
+        futures = [g.call.futures[r] for g in eng._held.groups() for r in g.rows]
     t0 = time.perf_counter()
     eng.close()
     took = time.perf_counter() - t0

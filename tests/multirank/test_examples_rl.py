@@ -132,13 +132,18 @@ def _check_partial(rc: int, out: str, steps: int) -> dict[str, list[float]]:
             out,
             flags=re.M,
         )
-        assert [int(s) for s, *_ in lines] == list(range(steps)), f"one {arm} line per step on rank 0\n{out}"
+        done = [int(s) for s, *_ in lines]
+        # the quota arm goes on until it trained on as many samples as the plain arm's steps
+        assert done[:steps] == list(range(steps)) and done == list(range(len(done))), f"{arm}: steps\n{out}"
+        assert len(done) == steps or arm == "quota", f"one {arm} line per step on rank 0\n{out}"
         assert all(0.0 <= float(r) <= 1.0 and 0 < int(p) <= 100 for _, r, _, p, _ in lines), out
         most = 0.0 if arm == "plain" else 1.0
         assert all(0.0 <= float(s) <= most for *_, s in lines), f"{arm}: staleness past {most}\n{out}"
         summary = rf"^{arm}: rollout [\d.]+s a step \(\d+% of the step\), \d+ useful tokens/s, "
         assert re.search(summary + r"reward \(last 3 steps\) [\d.]+, staleness [\d.]+$", out, flags=re.M), out
         secs[arm] = [float(t) for _, _, t, _, _ in lines]
+    curve = re.findall(r"^at (\d+) samples trained: reward plain ([\d.]+)  quota ([\d.]+)$", out, flags=re.M)
+    assert len(curve) == steps and all(0 <= float(p) <= 1 and 0 <= float(q) <= 1 for _, p, q in curve), out
     assert re.search(r"^rollout wall time per step, quota / plain: [\d.]+x$", out, flags=re.M), out
     return secs
 

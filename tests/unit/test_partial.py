@@ -223,7 +223,7 @@ def test_close_ends_held_rows_where_they_stand(how):
         held = [g for g in eng._held.groups()]
     if how == "close":
         eng.close()
-    rows = [c.handle.request.future for c in done] + [g.plan.futures[r] for g in held for r in g.rows]
+    rows = [c.handle.request.future for c in done] + [g.call.futures[r] for g in held for r in g.rows]
     ends = [f.result(timeout=10) for f in rows]  # none left unresolved
     assert [c.finish_reason for c in ends] == ["held"] * 8
     assert all(len(c.token_ids) < 240 for c in ends), [len(c.token_ids) for c in ends]

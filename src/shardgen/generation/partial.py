@@ -84,11 +84,11 @@ class Quota:
 
 @dataclasses.dataclass
 class Group:
-    """One prompt's ``n`` rows of a partial rollout: rows ``index * n ..`` of ``plan``, submitted
+    """One prompt's ``n`` rows of a partial rollout: rows ``index * n ..`` of ``call``, submitted
     at weight version ``born`` (``Engine.version``) by a call with ``quota``: a held group keeps
     its call's ``max_staleness`` and ``stale``, as its rows keep their budget."""
 
-    plan: Any  # rollout._Plan
+    call: Any  # rollout._Call
     index: int
     born: int
     quota: Quota
@@ -101,17 +101,17 @@ class Group:
 
     @property
     def rows(self) -> range:
-        return range(self.index * self.plan.n, (self.index + 1) * self.plan.n)
+        return range(self.index * self.call.n, (self.index + 1) * self.call.n)
 
     def batch(self) -> Any:
         """Its rows packed (every future is done)."""
-        return self.plan.pack([self.plan.futures[r].result() for r in self.rows], self.rows)
+        return self.call.pack([self.call.futures[r].result() for r in self.rows], self.rows)
 
     def cut(self, call: int) -> bool:
         """Every row not finished is parked at its budget in quota call ``call`` or later: none
         can finish before the next call. Read from the user thread while the driver writes
         (single fields: a stale read only delays the answer to the next look)."""
-        seqs = [self.plan.seqs[r] for r in self.rows]
+        seqs = [self.call.seqs[r] for r in self.rows]
         live = [s for s in seqs if s.finish_reason is None]
         return bool(live) and all(row_cut(s, call) for s in live)
 
@@ -159,7 +159,7 @@ def quota_groups(
 ) -> Iterator[tuple[int | None, Any]]:
     """``(i, group)`` for the first ``quota.groups`` groups to be whole, held groups first
     (``i`` None for those, else the prompt's index in ``prompts``). Checks, then submits the new
-    rows now (``submit(holding)``: the call's ``rollout._Plan``); the groups it does not yield
+    rows now (``submit(holding)``: the call's ``rollout._Call``); the groups it does not yield
     stay held. Not collective."""
     env, max_turns, inputs = extra
     said = "groups= (a partial rollout)"
@@ -179,9 +179,9 @@ def quota_groups(
     old = held.take()
     kept = []
     for g in old:
-        if g.plan.n != n:
+        if g.call.n != n:
             held.give_back(old)
-            raise ValueError(f"held groups have n={g.plan.n} samples, this call n={n}: keep n the same")
+            raise ValueError(f"held groups have n={g.call.n} samples, this call n={n}: keep n the same")
         if not g.dropped(version):
             kept.append(g)
     if quota.groups > len(kept) + len(prompts):
@@ -193,11 +193,11 @@ def quota_groups(
     try:
         call = engine._shared.begin_quota_call()
         holding = Holding(version, quota.max_staleness, quota.budget)
-        plan = submit(holding)
+        rows = submit(holding)  # this call's rows (``rollout._Call``)
     except BaseException:
         held.give_back(kept)
         raise
-    new = [Group(plan, i, version, quota) for i in range(len(prompts))]
+    new = [Group(rows, i, version, quota) for i in range(len(prompts))]
     return _serve(held, kept + new, len(kept), quota, call)
 
 
@@ -207,7 +207,7 @@ def _serve(
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
     for k, g in enumerate(groups):  # a held group already whole is first in the queue
         for r in g.rows:
-            g.plan.futures[r].add_done_callback(lambda _f, k=k: done.put(k))  # in the driver: a put
+            g.call.futures[r].add_done_callback(lambda _f, k=k: done.put(k))  # in the driver: a put
     count, left, served = [0] * len(groups), set(range(len(groups))), 0
     try:
         while served < quota.groups and left:
@@ -219,7 +219,7 @@ def _serve(
                 continue
             count[k] += 1
             g = groups[k]
-            if count[k] < g.plan.n:
+            if count[k] < g.call.n:
                 continue
             left.discard(k)
             batch = g.batch()

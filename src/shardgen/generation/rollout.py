@@ -166,14 +166,14 @@ def rollout(
         served = [
             g for _, g in _quota(engine, prompts, params, n, overrides, quota, (env, max_turns, inputs))
         ]
-        return concat(served, n=n) if served else _Plan(engine, [], params, n, {}).pack([], range(0))
-    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
+        return concat(served, n=n) if served else _Call(engine, [], params, n, {}).pack([], range(0))
+    call, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
     if talks is not None:
         groups = dict(talks)
         if not groups:  # no prompt: the empty batch
-            return plan.pack([], range(0))
+            return call.pack([], range(0))
         return concat([groups[i] for i in range(len(groups))])
-    return plan.pack([f.result() for f in plan.futures], range(len(plan.futures)))
+    return call.pack([f.result() for f in call.futures], range(len(call.futures)))
 
 
 def rollout_iter(
@@ -209,13 +209,13 @@ def rollout_iter(
     quota = partial.Quota.of(groups, max_staleness, stale, tokens_per_call)
     if quota is not None:
         return _quota(engine, prompts, params, n, overrides, quota, (env, max_turns, inputs))
-    plan, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
+    call, talks = _multi_turn(engine, prompts, params, n, overrides, env, max_turns, inputs)
     if talks is not None:
         return talks
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for k, f in enumerate(plan.futures):
+    for k, f in enumerate(call.futures):
         f.add_done_callback(lambda _f, i=k // n: done.put(i))  # runs in the driver: only a put
-    return _groups(plan, done)
+    return _groups(call, done)
 
 
 def _quota(
@@ -223,8 +223,8 @@ def _quota(
 ) -> Iterator[tuple[int | None, RolloutBatch]]:
     """A partial rollout's groups as they are served (``partial.py``)."""
 
-    def submit(holding: Any) -> _Plan:
-        return _Plan(engine, prompts, params, n, overrides, holding=holding)
+    def submit(holding: Any) -> _Call:
+        return _Call(engine, prompts, params, n, overrides, holding=holding)
 
     return partial.quota_groups(engine, prompts, n, quota, extra, submit)
 
@@ -238,31 +238,31 @@ def _multi_turn(
     env: Any,
     max_turns: int | None,
     inputs: Sequence[dict[str, Any] | None] | None = None,
-) -> tuple[_Plan, Iterator[tuple[int, RolloutBatch]] | None]:
-    """The call's checked plan (its first turns submitted), and with ``env`` its conversations
+) -> tuple[_Call, Iterator[tuple[int, RolloutBatch]] | None]:
+    """The call's checked arguments and rows (its first turns submitted), and with ``env`` its conversations
     (``turns.py``); None for a single-turn call."""
     if env is None:
         if max_turns is not None:
             raise ValueError("max_turns goes with env= (a multi-turn rollout)")
-        return _Plan(engine, prompts, params, n, overrides, inputs), None
+        return _Call(engine, prompts, params, n, overrides, inputs), None
     if getattr(engine.model.config, "is_encoder_decoder", False):
         raise ValueError(
             "env= (a multi-turn rollout) needs a decoder-only model: an encoder-decoder's next turn "
             "would be a new encoder input, not the conversation's continuation"
         )
     most = turns.check_turn_args(env, max_turns)
-    plan = _Plan(engine, prompts, params, n, overrides, inputs)
-    return plan, turns.conversations(engine, plan, env, most)
+    call = _Call(engine, prompts, params, n, overrides, inputs)
+    return call, turns.conversations(engine, call, env, most)
 
 
-def _groups(plan: _Plan, done: queue.SimpleQueue[int]) -> Iterator[tuple[int, RolloutBatch]]:
-    n, count = plan.n, [0] * plan.prompts
-    for _ in range(len(plan.futures)):
+def _groups(call: _Call, done: queue.SimpleQueue[int]) -> Iterator[tuple[int, RolloutBatch]]:
+    n, count = call.n, [0] * call.prompts
+    for _ in range(len(call.futures)):
         i = done.get()
         count[i] += 1
         if count[i] == n:
             rows = range(i * n, i * n + n)
-            yield i, plan.pack([plan.futures[r].result() for r in rows], rows)
+            yield i, call.pack([call.futures[r].result() for r in rows], rows)
 
 
 def concat(groups: Sequence[RolloutBatch], pad_id: int = 0, n: int = 1) -> RolloutBatch:
@@ -295,7 +295,7 @@ def concat(groups: Sequence[RolloutBatch], pad_id: int = 0, n: int = 1) -> Rollo
     return pack(done, pad_id=pad, n=n, seeds=seeds, device=device, masks=masks, turns=turns, prompts=prompts)
 
 
-class _Plan:
+class _Call:
     """The checked arguments of one rollout call, its rows (``n`` per prompt, seeded by
     ``sample_seed``) submitted to the engine in one go: the rows of a prompt are consecutive
     requests with the same prompt, which the engine batches together and prefills once."""

@@ -84,22 +84,22 @@ def check_turn_args(env: Any, max_turns: Any) -> int:
     return max_turns
 
 
-def conversations(engine: Any, plan: Any, env: StepFn, most: int) -> Iterator[tuple[int, Any]]:
+def conversations(engine: Any, call: Any, env: StepFn, most: int) -> Iterator[tuple[int, Any]]:
     """``(i, group)`` per prompt as its ``n`` conversations end, in the order they end: the
-    ``RolloutBatch`` of its rows. ``plan``: the call's ``rollout._Plan`` (its first turns already
+    ``RolloutBatch`` of its rows. ``call``: the call's ``rollout._Call`` (its first turns already
     submitted; ``seed_of`` and ``pack``); ``most``: ``check_turn_args``'s. Not collective."""
     text = engine.model.config.get_text_config(decoder=True)
     ctx = context_length(text)
     vocab = int(text.vocab_size)
-    rows = [_Row() for _ in plan.futures]
+    rows = [_Row() for _ in call.futures]
     done: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
 
     def watch(r: int, f: Future) -> None:
         f.add_done_callback(lambda _f: done.put((r, _f)))  # runs in the driver: only a put
 
-    for r, f in enumerate(plan.futures):
+    for r, f in enumerate(call.futures):
         watch(r, f)
-    live, left = len(rows), [plan.n] * plan.prompts
+    live, left = len(rows), [call.n] * call.prompts
     while live:
         r, f = done.get()
         c, row = f.result(), rows[r]
@@ -110,19 +110,19 @@ def conversations(engine: Any, plan: Any, env: StepFn, most: int) -> Iterator[tu
             row.env_turn(reply)
             nxt = list(c.prompt_token_ids) + list(c.token_ids) + reply
             if ctx is None or len(nxt) < ctx:
-                seed = plan.seed_of(r, row.turns, nxt)
+                seed = call.seed_of(r, row.turns, nxt)
                 # The conversation still holds the prompt's image tokens: its images go again (the
                 # prefix cache keys them by their pixels, so the last turn's KV still serves).
-                x = None if plan.inputs is None else [plan.inputs[r]]
-                watch(r, engine.submit_many([nxt], None, seed=[seed], inputs=x, **plan.options)[0])
+                x = None if call.inputs is None else [call.inputs[r]]
+                watch(r, engine.submit_many([nxt], None, seed=[seed], inputs=x, **call.options)[0])
                 continue
             row.finish = "length"  # the reply is kept; no room for another model turn
         live -= 1
-        i = r // plan.n
+        i = r // call.n
         left[i] -= 1
         if not left[i]:
-            group = range(i * plan.n, (i + 1) * plan.n)
-            yield i, _pack(engine, plan, [rows[k] for k in group], group)
+            group = range(i * call.n, (i + 1) * call.n)
+            yield i, _pack(engine, call, [rows[k] for k in group], group)
 
 
 def _checked(reply: Any, row: int, vocab: int) -> list[int]:
@@ -139,10 +139,10 @@ def _checked(reply: Any, row: int, vocab: int) -> list[int]:
     return ids
 
 
-def _pack(engine: Any, plan: Any, rows: list[_Row], index: range) -> Any:
+def _pack(engine: Any, call: Any, rows: list[_Row], index: range) -> Any:
     tok = getattr(engine, "tokenizer", None)
     done = [r.completion() for r in rows]
     if tok is not None:
         for c in done:
             c.text = tok.decode(c.token_ids, skip_special_tokens=True)
-    return plan.pack(done, index, masks=[r.mask for r in rows], turns=[r.turns for r in rows])
+    return call.pack(done, index, masks=[r.mask for r in rows], turns=[r.turns for r in rows])

@@ -121,7 +121,7 @@ class PartialRollouts:
             for r in range(j * n, (j + 1) * n):
                 ids.append(batch.response_ids[r][mask[r]].tolist())
                 logps.append(batch.logprobs[r][mask[r]].tolist())
-        held = {id(g.plan.given[g.index]) for g in engine._held.groups()}
+        held = {id(g.call.given[g.index]) for g in engine._held.groups()}
         for k in [k for k in self._shardgen_rows if k not in held]:  # dropped as stale
             del self._shardgen_rows[k]
         self._shardgen_served = ([list(p) for g in batch.prompts for p in [g] * n], ids, logps)
