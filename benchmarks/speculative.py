@@ -27,6 +27,13 @@ from common import run_as_ranks, script_args, write_json  # noqa: E402
 COUNTERS = ("drafted", "accepted", "decode_steps", "verify_forwards", "decode_tokens", "decode_row_steps")
 
 
+#: ``--model medium``: a random Llama where per-row compute matters (as benchmarks/invariant.py's).
+MEDIUM = dict(
+    vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+)  # fmt: skip
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -39,14 +46,29 @@ def rank_main(args: argparse.Namespace) -> None:
     shardgen.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     path = toy_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
     count = args.prompts if rank == 0 else args.prompts_other
-    same = [p["prompt"] for p in make_prompts(count, seed=rank)]
-    new = [p["prompt"] for p in make_prompts(count, seed=1000 + rank)]
-    epochs = [same, same, same, new]
+    if args.model == "medium":  # random weights, prompts of random ids that never repeat
+        tok = None
+        gen = torch.Generator().manual_seed(rank)
+        epochs = [
+            [torch.randint(3, MEDIUM["vocab_size"], (int(torch.randint(12, 31, (1,), generator=gen)),),
+                           generator=gen).tolist() for _ in range(count)]
+            for _ in range(4)
+        ]  # fmt: skip
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
+        same = [p["prompt"] for p in make_prompts(count, seed=rank)]
+        new = [p["prompt"] for p in make_prompts(count, seed=1000 + rank)]
+        epochs = [same, same, same, new]
 
     def build(gather: str, spec: int):
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        if args.model == "medium":
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            torch.manual_seed(0)  # the same weights on every rank
+            model = LlamaForCausalLM(LlamaConfig(**MEDIUM)).eval()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
         return shardgen.Engine(
             model, tok, backend="fsdp2", gather=gather, max_batch_size=args.batch, speculate=spec,
             numerics=args.numerics,
@@ -105,7 +127,8 @@ def rank_main(args: argparse.Namespace) -> None:
             dist.all_reduce(counters)
             results[f"{gather}/{mode}"] = _summary(args, total.item(), walls.tolist(), counters)
     if rank == 0:
-        print(f"\ntoy model, FSDP2, {world} ranks, prompts {args.prompts}/{args.prompts_other}, n={args.n}, "
+        print(f"\n{args.model} model, FSDP2, {world} ranks, prompts {args.prompts}/{args.prompts_other}, "
+              f"n={args.n}, "
               f"{args.max_new_tokens} new tokens, speculate={args.speculate}, numerics={args.numerics}, "
               f"{args.rounds} rounds")  # fmt: skip
         for key, r in results.items():
@@ -143,6 +166,9 @@ def _summary(args: argparse.Namespace, useful: float, walls: list[float], counte
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="gloo ranks to spawn")
+    p.add_argument("--model", choices=["toy", "medium"], default="toy",
+                   help="toy: the shipped model, epochs over the same prompts; medium: a random Llama "
+                   "(hidden 512, 6 layers), four epochs of prompts that never repeat")  # fmt: skip
     p.add_argument("--prompts", type=int, default=16, help="prompts on rank 0")
     p.add_argument("--prompts-other", type=int, default=11, help="prompts on every other rank")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
