@@ -148,14 +148,17 @@ def test_text_prompts_with_a_tokenizer():
 
 
 def _buffers_per_layer(monkeypatch) -> dict[int, set[int]]:
-    """Record, per cache layer, the K buffers its updates wrote into."""
+    """Record, per cache layer, the K buffers its updates wrote into (by address; each buffer is
+    kept alive here, so that a freed one's memory cannot come back as the next one's address)."""
     from shardgen.generation import cache as decode
 
     seen: dict[int, set[int]] = {}
+    kept: list[torch.Tensor] = []
     orig = decode.ReservedLayer.update
 
     def update(self, k, v, *a, **kw):
         out = orig(self, k, v, *a, **kw)
+        kept.append(self._kb)
         seen.setdefault(id(self), set()).add(self._kb.data_ptr())
         return out
 
