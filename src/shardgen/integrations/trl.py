@@ -259,9 +259,12 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
             int(self.args.seed), self._shardgen_calls, f"{step}:{self.accelerator.process_index}"
         )
         seeds = [sample_seed(base, i, row) for i, row in enumerate(rows)]
-        return engine.generate(
-            rows,
-            seed=seeds,
+        return engine.generate(rows, seed=seeds, logprobs=True, **self._shardgen_sampling())
+
+    def _shardgen_sampling(self) -> dict[str, Any]:
+        """The engine's sampling settings from TRL's: its generations and the partial rollouts'
+        (``trl_partial.py``) draw alike."""
+        return dict(
             max_new_tokens=int(self.max_completion_length),
             do_sample=True,
             temperature=float(self.temperature),
@@ -269,5 +272,4 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
             top_p=float(self.top_p if self.top_p is not None else 1.0),
             eos_token_id=list(self.eos_token_ids) or None,
             pad_token_id=self._tokenizer.pad_token_id,
-            logprobs=True,
         )

@@ -135,15 +135,3 @@ class PartialRollouts:
         self._shardgen_served = None
         assert [list(map(int, p)) for p in prompt_ids] == prompts, "TRL tokenized the served prompts anew"
         return ids, logps
-
-    def _shardgen_sampling(self) -> dict[str, Any]:
-        """The engine's sampling settings from TRL's (as ``_shardgen_generate``'s)."""
-        return dict(
-            max_new_tokens=int(self.max_completion_length),
-            do_sample=True,
-            temperature=float(self.temperature),
-            top_k=int(self.top_k or 0),
-            top_p=float(self.top_p if self.top_p is not None else 1.0),
-            eos_token_id=list(self.eos_token_ids) or None,
-            pad_token_id=self._tokenizer.pad_token_id,
-        )
