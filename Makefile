@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.shardgen-installed
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
+# DeepSpeed's JIT-built communication op lives with this venv: torch keys its build directory by
+# name only, so two venvs (two clones) sharing ~/.cache/torch_extensions rebuild it in turn, and
+# a rank killed mid-build leaves torch's lock file, on which every later DeepSpeed init waits.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install test lint demo bench fuzz gpu clean
 
