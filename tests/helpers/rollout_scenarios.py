@@ -325,7 +325,7 @@ def shrink_weights(model, steps: int = 1) -> None:
 
 
 def check_versions(b, ref, temperature: float, greedy: bool) -> int:
-    """Each response token against the weights of its version (``b.versions``; version v =
+    """Each drawn response token against the weights of its version (``b.versions``; version v =
     ``ref`` shrunk v times): its logprob (teacher forcing, one unpadded row) within 1e-5 and,
     greedy, its being the argmax (near-ties aside): a row resumed after a step equals its prompt
     plus prefix fed to the new weights. -> rows whose tokens span two versions."""
@@ -336,10 +336,11 @@ def check_versions(b, ref, temperature: float, greedy: bool) -> int:
     for i in range(len(b)):
         p, g = int(b.prompt_lengths[i]), int(b.response_lengths[i])
         ids = b.input_ids[i, p_width - p : p_width + g][None]
-        vs = b.versions[i, :g].tolist()
-        assert vs == sorted(vs) and min(vs, default=0) >= 0, f"row {i}: versions {vs}"
-        spans += len(set(vs)) > 1
-        for v in sorted(set(vs)):
+        vs = b.versions[i, :g].tolist()  # -1 on an environment's tokens (multi-turn), not drawn
+        drawn = [v for v in vs if v >= 0]
+        assert drawn == sorted(drawn) and len(drawn) == int(b.response_mask[i, :g].sum()), f"row {i}: {vs}"
+        spans += len(set(drawn)) > 1
+        for v in sorted(set(drawn)):
             if v not in models:
                 models[v] = copy.deepcopy(ref)
                 shrink_weights(models[v], v)

@@ -111,6 +111,62 @@ def conversations(
     return res
 
 
+def held_conversations(backend: str, gather: str = "per-layer") -> dict[str, Any]:
+    """Partial rollouts of conversations over a training step, uneven per rank: rank r asks for
+    a quota of 1 of ``3 - r`` prompts (n = 2) whose rows take ``1 + (r + i) % 3`` turns
+    (``env_for``), so rank 0 holds 2 groups, rank 1 one, rank 2 none; ``paused()`` shrinks the
+    weights at once, while the held ones are mid-turn or wait at a turn boundary (each forward
+    sleeps 3 ms); then a call without env= serves them first, beside one new single-turn prompt.
+    Greedy. -> per group served (prompt index, -1 for the new one; turns), the rows spanning the
+    step, the groups held after; every drawn token checked against its version's weights
+    (``check_versions``: a resumed conversation equals its prefix fed to the new weights)."""
+    import time
+
+    from rollout_scenarios import _pair, check_versions, shrink_weights
+
+    import shardgen
+    from shardgen.generation.partial import held_groups
+
+    r = rank()
+    model, ref = _pair()
+    prompts, extra = prompts_of(r, 3 - r), prompts_of(10 + r, 1)
+    kw = dict(n=2, max_new_tokens=6, eos_token_id=[], do_sample=False, temperature=0.8)
+    with shardgen.Engine(model, backend=backend, gather=gather, max_batch_size=6) as eng:
+        real = eng.backend.forward
+
+        def slow(plan, inputs):
+            time.sleep(0.003)
+            return real(plan, inputs)
+
+        eng.backend.forward = slow
+        first = eng.rollout(prompts, env=env_for(r, 2), max_turns=3, groups=1, max_staleness=1, **kw)
+        held = held_groups(eng)
+        with eng.paused():  # the held conversations park mid-turn or wait at their boundary
+            shrink_weights(model)
+        after = eng.rollout(extra, groups=held + 1, max_staleness=1, **kw)
+        left = held_groups(eng)
+    spans = 0
+    for b in (first, after):
+        spans += check_versions(b, ref, kw["temperature"], greedy=True)
+    given = [tuple(p) for p in prompts] + [tuple(extra[0])]
+    served = [(given.index(tuple(p)) if tuple(p) in given[:-1] else -1, b.turns[k * 2 : k * 2 + 2])
+              for b in (first, after) for k, p in enumerate(b.prompts)]  # fmt: skip
+    return {"served": served, "count": len(prompts), "held": held, "spans": spans, "left": left}
+
+
+def assert_held_conversations(out: list[dict]) -> None:
+    """Every rank's groups served once, whole, in the turns its env gives each prompt's rows
+    (the row numbers of the submitting call held across calls); some row spans the step."""
+    for r, res in enumerate(out):
+        got = sorted(i for i, _ in res["served"])
+        assert got == [-1, *range(res["count"])], f"rank {r}: served {res['served']}"
+        assert res["held"] == res["count"] - 1 and res["left"] == 0, f"rank {r}: {res}"
+        for i, turns in res["served"]:
+            want = [1, 1] if i < 0 else [1 + (r + i) % 3] * 2
+            assert turns == want, f"rank {r} prompt {i}: turns {turns}, want {want}"
+    assert sum(res["spans"] for res in out) > 0, "no conversation spanned the step"
+
+
 # ----------------------------------------------------------------------------- the checks
 def assert_same_rows(on: list[dict], off: list[dict], what: str) -> None:
     """Rows of the cache-on and cache-off engines: the same conversations (tokens, masks, turns),

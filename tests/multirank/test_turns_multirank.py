@@ -2,7 +2,8 @@
 gather mode: conversations with uneven turns per rank and row (a rank with none), the cache on
 against off (the same rows), and no stale KV after a ``paused()`` that changed the weights.
 
-One World of 2 ranks for the module, one of 3 for the last test; every run under a hard timeout.
+One World of 2 ranks for the module, one of 3 for the 3-rank tests; every run under a hard timeout.
+Held conversations (partial rollouts with ``env=``) at 2 and 3 ranks, both backends, across a step.
 """
 
 from __future__ import annotations
@@ -42,3 +43,17 @@ def test_conversations_3_ranks_both_backends(ds_world3):
         for res in out[:2]:
             assert_conversations(res)
         assert out[2]["on"]["greedy"] == [] and out[2]["on"]["computed"] == 0
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_held_conversations_across_a_step_2_ranks(ds_world2, backend):
+    """Partial rollouts of conversations (``env=`` with ``groups=``): rank 0 holds 2 groups,
+    rank 1 one, through a ``paused()`` that changes the weights; the next call serves them whole,
+    resumed at their turn under the new weights (each token its version's argmax and logprob)."""
+    ts.assert_held_conversations(ds_world2.run(ts.held_conversations, backend, timeout=120))
+
+
+def test_held_conversations_across_a_step_3_ranks(ds_world3):
+    """The same at 3 ranks, both backends: rank 2 holds none."""
+    for backend in ("fsdp2", "deepspeed"):
+        ts.assert_held_conversations(ds_world3.run(ts.held_conversations, backend, timeout=120))

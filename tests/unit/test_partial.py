@@ -116,7 +116,8 @@ def test_rollout_iter_serves_held_groups_first(engine):
         (dict(groups=1, tokens_per_call=0), "tokens_per_call must be an integer >= 1"),
         (dict(groups=1, stale="keep"), "stale must be one of"),
         (dict(max_staleness=2), "max_staleness=2 go with groups=K"),
-        (dict(groups=1, env=lambda r, c: None), "does not take env= (multi-turn): a conversation held past"),
+        (dict(groups=1, max_turns=2), "max_turns goes with env= (a multi-turn rollout)"),
+        (dict(groups=1, env=lambda r, c: None, inputs=[None, None]), "rollout) does not take inputs="),
     ],
 )
 def test_partial_arguments_are_checked(engine, kw, said):

@@ -28,11 +28,25 @@ or every group it waits on is cut. A held group keeps its call's ``max_staleness
 they stand (finish reason ``"held"``, their futures resolved, no more tokens drawn): after it no
 call can take held groups, so none is decoded for nobody.
 
-Not collective, like every rollout. Refused by name: ``env=`` (multi-turn: ``step_fn`` runs in
-the caller's thread as a turn ends, so a conversation held past the call would stop at its turn
-with no one to step it, and its environment's state would have to outlive the call; a later
-landing parks conversations between turns), ``inputs=`` (images: a resumed row re-prefills its
-ids only) and encoder-decoder models.
+Multi-turn (``env=step_fn, max_turns=T``, ``turns.py``): a group is whole once its ``n``
+conversations ended; the others are held. A held conversation goes on decoding its turn in
+the background; when the turn ends it waits at the turn boundary (``step_fn`` runs only in a
+caller's thread). The next quota call, with or without ``env=``, steps it in its own thread with
+the ``step_fn`` of the call that submitted it, and the row number that ``step_fn`` gets is the
+row's number in that call (``i * n + j``, prompt i of that call's prompts), so it resumes at
+its turn. At a pause a conversation mid-turn parks like any held row (re-prefilled after it
+under the new weights); one at its boundary needs nothing: its next turn prefills the
+conversation under the weights of then (the pause dropped the prefix cache). ``max_staleness``
+and ``stale`` apply to it as to a held row (``"finish"``: cut where it stands, mid-turn or at
+its boundary, finish reason ``"stale"``). ``tokens_per_call`` counts per call over a
+conversation's turns (a Kimi-style budget bounds the work of an iteration, however many
+turns it takes): a turn starts with what its conversation has left of it in the call that
+starts it; a turn cut at its budget, or one that ends with nothing left, waits for the next
+quota call, which gives it a whole budget again. ``close()`` ends a conversation's turn in
+flight as ``"held"``; one at its boundary has nothing in flight, and no call can step it after.
+
+Not collective, like every rollout. Refused by name: ``inputs=`` (images: a resumed row
+re-prefills its ids only) and encoder-decoder models.
 """
 
 from __future__ import annotations
@@ -86,12 +100,15 @@ class Quota:
 class Group:
     """One prompt's ``n`` rows of a partial rollout: rows ``index * n ..`` of ``call``, submitted
     at weight version ``born`` (``Engine.version``) by a call with ``quota``: a held group keeps
-    its call's ``max_staleness`` and ``stale``, as its rows keep their budget."""
+    its call's ``max_staleness`` and ``stale``, as its rows keep their budget. Multi-turn
+    (``env=``): ``talk`` is its call's conversations (``turns.Talk``), with that call's env."""
 
     call: Any  # rollout._Call
     index: int
     born: int
     quota: Quota
+    talk: Any = None  # turns.Talk
+    _seen: int = dataclasses.field(default=0, init=False, repr=False)  # rows done in the call serving it
 
     def dropped(self, version: int) -> bool:
         """Past its ``max_staleness`` at weight version ``version`` with ``stale="drop"``: never
@@ -103,14 +120,50 @@ class Group:
     def rows(self) -> range:
         return range(self.index * self.call.n, (self.index + 1) * self.call.n)
 
+    def watch(self, put: Callable[[Any], None]) -> None:
+        """``put(item)`` for each event the call serving it must ``advance`` it by: a row done
+        (single-turn), a turn ended or a row waiting at its turn boundary (multi-turn), None if it
+        is whole already. Callbacks run in the driver: only puts."""
+        self._seen = 0
+        if self.talk is None:
+            for r in self.rows:
+                self.call.futures[r].add_done_callback(lambda _f, r=r: put(r))
+        elif self.talk.whole(self.rows):
+            put(None)
+        else:
+            for r in self.rows:
+                if not self.talk.rows[r].ended:
+                    self.talk.watch(r, put)
+
+    def advance(self, item: Any, now: int, put: Callable[[Any], None]) -> bool:
+        """One event of ``watch``'s (a conversation steps in this, the caller's, thread; its next
+        turn is watched with ``put``): True once the group is whole. ``now``: the call's number."""
+        if self.talk is None:
+            self._seen += 1
+            return self._seen == self.call.n
+        if item is not None:
+            self.talk.advance(*item, now, put)
+        return self.talk.whole(self.rows)
+
+    def refresh(self) -> None:
+        """Before a quota call takes it: its conversations' turns cut at their budget get a whole one."""
+        if self.talk is not None:
+            self.talk.refresh(self.rows, self.quota.budget)
+
     def batch(self) -> Any:
-        """Its rows packed (every future is done)."""
+        """Its rows packed (every future is done, every conversation ended)."""
+        if self.talk is not None:
+            return self.talk.pack(self.rows)
         return self.call.pack([self.call.futures[r].result() for r in self.rows], self.rows)
 
     def cut(self, call: int) -> bool:
-        """Every row not finished is parked at its budget in quota call ``call`` or later: none
-        can finish before the next call. Read from the user thread while the driver writes
-        (single fields: a stale read only delays the answer to the next look)."""
+        """Every row not finished is parked at its budget in quota call ``call`` or later (or, a
+        conversation, waits at its turn boundary with its budget spent in it): none can finish
+        before the next call. Read from the user thread while the driver writes (single fields:
+        a stale read only delays the answer to the next look)."""
+        if self.talk is not None:
+            live = [r for r in self.rows if not self.talk.rows[r].ended]
+            return bool(live) and all(self.talk.waits(r, call) for r in live)
         seqs = [self.call.seqs[r] for r in self.rows]
         live = [s for s in seqs if s.finish_reason is None]
         return bool(live) and all(row_cut(s, call) for s in live)
@@ -154,27 +207,21 @@ def quota_groups(
     prompts: Any,
     n: int,
     quota: Quota,
-    extra: tuple[Any, Any, Any],
-    submit: Callable[[Holding], Any],
+    inputs: Any,
+    submit: Callable[[Holding, int], tuple[Any, Any]],
 ) -> Iterator[tuple[int | None, Any]]:
     """``(i, group)`` for the first ``quota.groups`` groups to be whole, held groups first
     (``i`` None for those, else the prompt's index in ``prompts``). Checks, then submits the new
-    rows now (``submit(holding)``: the call's ``rollout._Call``); the groups it does not yield
-    stay held. Not collective."""
-    env, max_turns, inputs = extra
+    rows now (``submit(holding, call)``: the call's ``rollout._Call`` and, multi-turn, its
+    ``turns.Talk``); the groups it does not yield stay held. Not collective."""
     said = "groups= (a partial rollout)"
-    if env is not None or max_turns is not None:
-        raise ValueError(
-            f"{said} does not take env= (multi-turn): a conversation held past the call would need its "
-            "step_fn run between calls, as its turns end; for multi-turn rows use rollout_iter(env=...), "
-            "which streams each prompt's conversations as they end, or generate(tokens_per_call=) per turn"
-        )
     if inputs is not None:
         raise ValueError(f"{said} does not take inputs= (images): a resumed row re-prefills its ids only")
     if getattr(engine.model.config, "is_encoder_decoder", False):
         raise ValueError(f"{said} needs a decoder-only model: a resumed row re-prefills prompt and tokens")
     if isinstance(prompts, str):
         raise ValueError("rollout() takes a list of prompts (strings or token-id lists), not one prompt")
+    engine._check_usable()  # closed: no call takes held groups (nor steps their conversations)
     version, held = engine.version, engine._held
     old = held.take()
     kept = []
@@ -190,36 +237,37 @@ def quota_groups(
             f"groups={quota.groups}, but this rank holds {len(kept)} groups and was given "
             f"{len(prompts)} prompts: at most {len(kept) + len(prompts)} groups can be returned"
         )
+    for g in kept:  # before the call begins: the driver resumes cut rows once it sees it
+        g.refresh()
     try:
         call = engine._shared.begin_quota_call()
         holding = Holding(version, quota.max_staleness, quota.budget)
-        rows = submit(holding)  # this call's rows (``rollout._Call``)
+        rows, talk = submit(holding, call)  # this call's rows (``rollout._Call``), conversations
     except BaseException:
         held.give_back(kept)
         raise
-    new = [Group(rows, i, version, quota) for i in range(len(prompts))]
+    new = [Group(rows, i, version, quota, talk) for i in range(len(prompts))]
     return _serve(held, kept + new, len(kept), quota, call)
 
 
 def _serve(
     held: Held, groups: list[Group], carried: int, quota: Quota, call: int
 ) -> Iterator[tuple[int | None, Any]]:
-    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+    done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    puts = [lambda item, k=k: done.put((k, item)) for k in range(len(groups))]
     for k, g in enumerate(groups):  # a held group already whole is first in the queue
-        for r in g.rows:
-            g.call.futures[r].add_done_callback(lambda _f, k=k: done.put(k))  # in the driver: a put
-    count, left, served = [0] * len(groups), set(range(len(groups))), 0
+        g.watch(puts[k])
+    left, served = set(range(len(groups))), 0
     try:
         while served < quota.groups and left:
             try:
-                k = done.get(timeout=0.02)
+                k, item = done.get(timeout=0.02)
             except queue.Empty:  # rows with a budget (held ones: their own call's) may all be cut
                 if all(groups[j].cut(call) for j in left):
                     return
                 continue
-            count[k] += 1
             g = groups[k]
-            if count[k] < g.call.n:
+            if k not in left or not g.advance(item, call, puts[k]):
                 continue
             left.discard(k)
             batch = g.batch()

@@ -150,8 +150,8 @@ def rollout(
     """Generate ``n`` samples for each prompt and pack them as a ``RolloutBatch``. Not collective.
 
     ``groups=K``: a partial rollout, returned once K groups are whole, the others held by the
-    engine for the next call (with ``max_staleness``, ``stale``, ``tokens_per_call``:
-    ``generation/partial.py``).
+    engine for the next call (with ``max_staleness``, ``stale``, ``tokens_per_call``; with
+    ``env``, held conversations: ``generation/partial.py``).
 
     ``params`` defaults to ``ROLLOUT_DEFAULTS`` (sampling, temperature 1); ``overrides`` are
     ``SamplingParams`` fields (``seed`` may be a list, one per prompt). Logprobs are always
@@ -221,12 +221,18 @@ def rollout_iter(
 def _quota(
     engine: Any, prompts: Any, params: Any, n: int, overrides: dict[str, Any], quota: Any, extra: Any
 ) -> Iterator[tuple[int | None, RolloutBatch]]:
-    """A partial rollout's groups as they are served (``partial.py``)."""
+    """A partial rollout's groups as they are served (``partial.py``); with ``env``, held
+    conversations (``turns.Talk``)."""
+    env, max_turns, inputs = extra
+    if env is None and max_turns is not None:
+        raise ValueError("max_turns goes with env= (a multi-turn rollout)")
+    most = None if env is None else turns.check_turn_args(env, max_turns)
 
-    def submit(holding: Any) -> _Call:
-        return _Call(engine, prompts, params, n, overrides, holding=holding)
+    def submit(holding: Any, now: int) -> tuple[_Call, turns.Talk | None]:
+        call = _Call(engine, prompts, params, n, overrides, holding=holding)
+        return call, None if most is None else turns.Talk(engine, call, env, most, holding, now)
 
-    return partial.quota_groups(engine, prompts, n, quota, extra, submit)
+    return partial.quota_groups(engine, prompts, n, quota, inputs, submit)
 
 
 def _multi_turn(
