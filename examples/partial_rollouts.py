@@ -9,18 +9,24 @@ Two arms, each from the same initial weights, the same prompts and the same numb
 
 - ``plain``: ``engine.rollout(prompts, n=4)`` waits for every group, the longest answers included;
 - ``quota``: ``engine.rollout(prompts, n=4, groups=K, max_staleness=1, stale="finish")`` returns
-  once K groups are whole (K = 3/4 of the groups in flight; new prompts top them up, and held
-  groups are served first); the others stay held, decode in the background
+  once K groups are whole (K = ``--quota`` of the groups in flight, 3/4 by default; new prompts
+  top them up, and held groups are served first); the others stay held, decode in the background
   while the reward is computed, park during the training step (``paused()`` does not wait for
   them) and resume under the new weights; the next step serves them first.
 
 Each step: reward per sample (``toy.answer_reward``), advantages within each prompt's group, one
-policy-gradient step inside ``paused()`` (a rank with no rows steps on a dummy token). Rank 0
-prints, per step, the reward, the rollout's wall time and its share of the step, and the
-staleness of the step's tokens (``engine.version - batch.versions``); then both arms' totals over
-the first ``--steps`` steps, and both arms' rewards over the same number of samples trained (the
-quota arm trains on fewer samples a step, so it runs until it has trained on as many as the
-plain arm's ``--steps``).
+policy-gradient step inside ``paused()`` (a rank with no rows steps on a dummy token). Its loss
+(``--loss decoupled``, both arms alike) is AReaL's decoupled PPO objective with TRL's truncated
+importance sampling: each token weighs ``min(exp(logp - behaviour logp), --is-cap)``, the
+behaviour logprob being the batch's (under the weights that drew the token), so a token the
+older weights drew a step ago counts as much as the current policy would have drawn it (1 for
+the plain arm's tokens, all of the current weights); ``--loss on-policy`` drops the weight. Each
+arm first runs one untimed generation: neither arm's time counts the process's warm-up. Rank 0
+prints, per step, the reward, the rollout's wall time and its share of the step, the staleness
+of the step's tokens (``engine.version - batch.versions``) and their mean weight; then both arms'
+totals over the first ``--steps`` steps, and both arms' rewards over the same number of samples
+trained (the quota arm trains on fewer samples a step, so it runs until it has trained on as
+many as the plain arm's ``--steps``).
 """
 
 from __future__ import annotations
@@ -47,11 +53,39 @@ def token_logprobs(model, b, temperature: float) -> torch.Tensor:
     return lp.gather(-1, b.response_ids[..., None]).squeeze(-1)
 
 
+def decoupled_loss(
+    lp: torch.Tensor, behaviour: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cap: float, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, summed weights) of AReaL's decoupled PPO objective over ``[R, G]`` tokens.
+
+    Two policies besides the one trained: the behaviour one that drew each token (its logprob
+    ``behaviour``, the batch's) and the proximal one, here the weights of now (one update per
+    batch: ``lp`` detached). The weight ``min(exp(proximal - behaviour), cap)`` (truncated, as
+    TRL's ``token_truncate`` importance sampling) corrects for tokens drawn by older weights; the
+    PPO ratio to the proximal policy is clipped to ``1 +- clip`` (1 at a single update, where the
+    gradient is the weighted policy gradient)."""
+    prox = lp.detach()
+    w = torch.exp(prox - behaviour).clamp(max=cap) * mask
+    ratio = torch.exp(lp - prox)
+    a = adv[:, None]
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1.0 - clip, 1.0 + clip) * a)
+    return -(w * surrogate).sum(), w.sum()
+
+
 def tasks(count: int, seed: int) -> list[str]:
     """Long-tailed: every fourth prompt counts 16 to 22 numbers, the others 3 to 5."""
     rng = random.Random(seed)
     return [toy.format_prompt(*toy.sample_task(rng, rng.randint(16, 22) if i % 4 == 3 else rng.randint(3, 5)))
             for i in range(count)]  # fmt: skip
+
+
+def quota_groups(args: argparse.Namespace) -> int:
+    """The quota arm's groups a step: ``--quota`` of the ``--prompts`` groups in flight."""
+    k = int(args.prompts * args.quota)
+    if not 1 <= k <= args.prompts:
+        p = args.prompts
+        raise ValueError(f"--quota {args.quota} of --prompts {p} is {k} groups a step: 1 to {p} work")
+    return k
 
 
 def run_arm(
@@ -75,14 +109,15 @@ def run_arm(
         policy = model
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     kw = dict(n=args.samples, temperature=args.temperature, max_new_tokens=64)
+    k = quota_groups(args)
     rollout_s, step_s, useful, rewards, stale = 0.0, 0.0, 0, [], []
     trained, history, step = 0.0, [], 0
-    t_start = time.perf_counter()
     with engine:
+        engine.generate(tasks(1, seed=-1), max_new_tokens=4)  # untimed: the first call's one-off costs
+        t_start = time.perf_counter()
         while step < args.steps or (target is not None and trained < target):
             t0 = time.perf_counter()
-            if quota:  # a step trains on 3/4 of the groups in flight (APRIL): held ones first
-                k = args.prompts * 3 // 4
+            if quota:  # a step trains on k of the groups in flight (APRIL): held ones first
                 mine = tasks(args.prompts - held_groups(engine), seed=1000 * step + rank)
                 b = engine.rollout(mine, groups=k, max_staleness=1, stale="finish", seed=step, **kw)
             else:
@@ -94,17 +129,23 @@ def run_arm(
             per = r.view(-1, args.samples) if len(r) else r.view(0, args.samples)
             adv = (per - per.mean(-1, keepdim=True)).view(-1)
             age = (engine.version - b.versions)[b.response_mask.bool()].float()
-            stats = torch.tensor([r.sum().item(), float(len(r)), float(b.response_mask.sum()),
-                                  float(age.sum()), float(len(age))], dtype=torch.float64)  # fmt: skip
             with engine.paused():
-                dist.all_reduce(stats)
                 policy.train()
                 if len(b):
-                    lp = token_logprobs(policy, b, args.temperature)
-                    loss = -(adv[:, None] * lp * b.response_mask).sum() * world / max(stats[2].item(), 1.0)
+                    lp, mask = token_logprobs(policy, b, args.temperature), b.response_mask.float()
+                    if args.loss == "decoupled":
+                        behaviour, cap = b.behaviour_logprobs, args.is_cap
+                        loss, weights = decoupled_loss(lp, behaviour, adv, mask, cap, args.clip)
+                    else:
+                        loss, weights = -(adv[:, None] * lp * mask).sum(), mask.sum()
                 else:
                     dummy = torch.zeros((1, 1), dtype=torch.long)
-                    loss = policy(input_ids=dummy).logits.sum() * 0.0
+                    loss, weights = policy(input_ids=dummy).logits.sum() * 0.0, torch.zeros(())
+                stats = torch.tensor([r.sum().item(), float(len(r)), float(b.response_mask.sum()),
+                                      float(age.sum()), float(len(age)), weights.item()],
+                                     dtype=torch.float64)  # fmt: skip
+                dist.all_reduce(stats)
+                loss = loss * world / max(stats[2].item(), 1.0)  # a mean over every rank's tokens
                 if args.backend == "deepspeed":
                     policy.backward(loss)
                     policy.step()
@@ -121,12 +162,13 @@ def run_arm(
                 spent = time.perf_counter() - t_start
             rewards.append(stats[0].item() / max(stats[1].item(), 1.0))
             stale.append(stats[3].item() / max(stats[4].item(), 1.0))
+            weight = stats[5].item() / max(stats[2].item(), 1.0)
             trained += stats[1].item()
             history.append((trained, rewards[-1]))
             if rank == 0:
                 print(f"{'quota' if quota else 'plain'} step {step:2d}  reward {rewards[-1]:.3f}  "
                       f"rollout {t1 - t0:.2f}s ({(t1 - t0) / (t2 - t0):.0%} of the step)  "
-                      f"staleness {stale[-1]:.2f}", flush=True)  # fmt: skip
+                      f"staleness {stale[-1]:.2f}  weight {weight:.3f}", flush=True)  # fmt: skip
             step += 1
     last = rewards[-3:]
     return {"rollout_s": rollout_s / args.steps, "share": rollout_s / step_s, "tokens_per_s": useful / spent,
@@ -142,8 +184,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt (n)")
     ap.add_argument("--temperature", type=float, default=2.0)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--quota", type=float, default=0.75, help="the quota arm's share of the groups in flight")
+    ap.add_argument("--loss", choices=("decoupled", "on-policy"), default="decoupled")
+    ap.add_argument("--is-cap", type=float, default=3.0, help="importance weights truncated here (TRL's)")
+    ap.add_argument("--clip", type=float, default=0.2, help="PPO clip of the ratio to the proximal policy")
     ap.add_argument("--local-rank", "--local_rank", type=int, default=0)
     args = ap.parse_args()
+    quota_groups(args)  # a ValueError before anything starts
     rank, world = shardgen.init()
     out = {"plain": run_arm(args, False, rank, world)}
     # The quota arm trains on fewer samples a step: it runs until it has trained on as many.

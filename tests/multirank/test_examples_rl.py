@@ -128,7 +128,7 @@ def _check_partial(rc: int, out: str, steps: int) -> dict[str, list[float]]:
     for arm in ("plain", "quota"):
         lines = re.findall(
             rf"^{arm} step +(\d+)  reward ([\d.]+)  rollout ([\d.]+)s \((\d+)% of the step\)  "
-            r"staleness ([\d.]+)$",
+            r"staleness ([\d.]+)  weight ([\d.]+)$",
             out,
             flags=re.M,
         )
@@ -136,12 +136,17 @@ def _check_partial(rc: int, out: str, steps: int) -> dict[str, list[float]]:
         # the quota arm goes on until it trained on as many samples as the plain arm's steps
         assert done[:steps] == list(range(steps)) and done == list(range(len(done))), f"{arm}: steps\n{out}"
         assert len(done) == steps or arm == "quota", f"one {arm} line per step on rank 0\n{out}"
-        assert all(0.0 <= float(r) <= 1.0 and 0 < int(p) <= 100 for _, r, _, p, _ in lines), out
+        assert all(0.0 <= float(r) <= 1.0 and 0 < int(p) <= 100 for _, r, _, p, _, _ in lines), out
         most = 0.0 if arm == "plain" else 1.0
-        assert all(0.0 <= float(s) <= most for *_, s in lines), f"{arm}: staleness past {most}\n{out}"
+        assert all(0.0 <= float(s) <= most for *_, s, _ in lines), f"{arm}: staleness past {most}\n{out}"
+        # the tokens' mean importance weight (behaviour logprobs against the trained weights'):
+        # 1 on the current weights' own tokens, up to the cap (3) on older ones
+        assert all(0.0 < float(w) <= 3.0 for *_, w in lines), out
+        if arm == "plain":
+            assert all(abs(float(w) - 1.0) < 0.01 for *_, w in lines), f"plain: weights not 1\n{out}"
         summary = rf"^{arm}: rollout [\d.]+s a step \(\d+% of the step\), \d+ useful tokens/s, "
         assert re.search(summary + r"reward \(last 3 steps\) [\d.]+, staleness [\d.]+$", out, flags=re.M), out
-        secs[arm] = [float(t) for _, _, t, _, _ in lines]
+        secs[arm] = [float(t) for _, _, t, _, _, _ in lines]
     curve = re.findall(r"^at (\d+) samples trained: reward plain ([\d.]+)  quota ([\d.]+)$", out, flags=re.M)
     assert len(curve) == steps and all(0 <= float(p) <= 1 and 0 <= float(q) <= 1 for _, p, q in curve), out
     assert re.search(r"^rollout wall time per step, quota / plain: [\d.]+x$", out, flags=re.M), out
