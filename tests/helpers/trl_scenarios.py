@@ -182,6 +182,16 @@ UNSUPPORTED_KNOBS = (  # each with the text its ValueError must name
 )
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers (a tool for TRL's tool loop).
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
 def partial_refusals() -> list[str]:
     """The ValueError messages for settings partial rollouts refuse (no ranks needed)."""
     from datasets import Dataset
@@ -195,6 +205,7 @@ def partial_refusals() -> list[str]:
         ({"groups_ahead": 2}, {}),  # 2 groups a rank: the first step would train on none
         ({"groups_ahead": 1}, {"rollout_func": reward}),
         ({}, {"max_staleness": -1}),
+        ({"groups_ahead": 1}, {"tools": [add]}),
     )
     for kw, extra in cases:
         cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), bf16=False, report_to=[], use_cpu=True,

@@ -104,10 +104,12 @@ def test_partial_rollouts_serve_whole_groups_once(trlworld):
 
 def test_partial_rollout_settings_are_refused_by_name():
     msgs = sc.partial_refusals()
-    assert len(msgs) == 3, msgs
+    assert len(msgs) == 4, msgs
     assert "groups_ahead=2: the first step trains on 2 - 2 groups of 2 per rank" in msgs[0], msgs[0]
-    assert "does not take tools=, environment_factory= or rollout_func=" in msgs[1], msgs[1]
+    assert "does not take rollout_func=: it generates the step itself" in msgs[1], msgs[1]
     assert "max_staleness must be an integer >= 0, got -1" in msgs[2], msgs[2]
+    assert "does not take tools=: TRL's tool loop (_tool_call_loop) runs every tool turn" in msgs[3], msgs[3]
+    assert "would be cut mid-loop" in msgs[3] and "rollout(env=)" in msgs[3], msgs[3]
 
 
 def test_stock_trainer_fails_with_uneven_generation_calls(trlworld):

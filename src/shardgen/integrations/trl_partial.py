@@ -26,12 +26,16 @@ token's under the weights that sampled it) are the completions' sampling logprob
 weights), the decoupled objective's behaviour and proximal policies.
 
 Refused by name: a per-rank generation batch that ``num_generations`` does not divide, ``H >= K``,
-``tools=``/``environment_factory=``/``rollout_func=`` (a held conversation would need its
-environment past the step).
+and ``tools=``, ``environment_factory=``, ``rollout_func=``, each with its reason: TRL 1.16 runs
+its tool loop inside the step's generation on the step's own rows (a held conversation would be
+cut mid-loop, and the engine's ``rollout(env=)`` could take it only by re-implementing that loop
+outside TRL), resets its environments for the next step's rows, and a ``rollout_func`` generates
+the step itself.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from shardgen.generation.partial import Quota
@@ -48,6 +52,8 @@ class PartialRollouts:
             Quota.of(0, max_staleness, "drop", None)  # ValueError with the value
             if isinstance(groups_ahead, bool) or not isinstance(groups_ahead, int) or groups_ahead < 0:
                 raise ValueError(f"groups_ahead must be an integer >= 0, got {groups_ahead!r}")
+            given = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
+            self._shardgen_refuse_generators(given)
         super().__init__(*args, **kwargs)
         self.shardgen_max_staleness, self.shardgen_groups_ahead = max_staleness, groups_ahead
         self._shardgen_served: tuple[list[list[int]], list[list[int]], list[list[float]]] | None = None
@@ -72,11 +78,31 @@ class PartialRollouts:
                 f"groups_ahead={h}: the first step trains on {k} - {h} groups of {n} per rank, which must be "
                 f">= 1 and split into steps_per_generation={args.steps_per_generation} equal parts"
             )
-        if self.tools or self.environment_factories is not None or self.rollout_func is not None:
-            raise ValueError(
-                "max_staleness= (partial rollouts) does not take tools=, environment_factory= or "
-                "rollout_func=: a held conversation would need its environment and tool loop past the step"
+
+    @staticmethod
+    def _shardgen_refuse_generators(given: dict[str, Any]) -> None:
+        """``ValueError`` for the generators of TRL's own that partial rollouts cannot hold, each
+        with its reason. Before TRL's constructor, whose own checks (a chat template that renders
+        tool calls) would otherwise speak first and not of the staleness."""
+        why = []
+        if given.get("tools"):
+            why.append(
+                "tools=: TRL's tool loop (_tool_call_loop) runs every tool turn inside the step's own "
+                "generation, on that step's rows (their messages, tool_mask and tool dicts live until the "
+                "step scores them), so a conversation held past the step would be cut mid-loop; serving it "
+                "with the engine's rollout(env=) would mean re-implementing that loop (tool-call parsing, "
+                "sync and async tools, tool_mask, max_tool_calling_iterations) outside TRL"
             )
+        if given.get("environment_factory") is not None:
+            why.append(
+                "environment_factory=: TRL hands each step's rows instances from a pool and reset()s them "
+                "for the next step's rows, and gives them to the reward functions in that step's order, so "
+                "a held conversation's environment would be reset under it"
+            )
+        if given.get("rollout_func") is not None:
+            why.append("rollout_func=: it generates the step itself, leaving the engine no rows to hold")
+        if why:
+            raise ValueError("max_staleness= (partial rollouts) does not take " + "; ".join(why))
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, on the groups a partial rollout served in place of ``inputs`` (training only)."""
