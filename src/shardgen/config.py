@@ -216,8 +216,10 @@ class EngineConfig:
     thread busy in pure Python cannot starve the driver (in lockstep, one slow driver paces every
     rank). Restored while every open engine is paused (no driver has a forward to pace) and when
     the last engine closes; None leaves the interpreter's setting alone."""
-    idle_sleep_max: float = 0.005
-    """Longest sleep (s) between ticks when no rank has work: bounds the latency of a new request."""
+    idle_sleep_max: float = 0.05
+    """Longest sleep (s) between ticks when no rank has work: bounds the latency of a new request.
+    For the first second of idleness the sleeps stay under 5 ms (``core/driver.py``), so only a
+    request after a long idle waits up to this; meanwhile an idle engine ticks 20 times a second."""
     init_timeout: float = 300.0
     """Seconds the collective constructor waits for every rank to arrive before naming the absent ones."""
     stall_timeout: float = 60.0

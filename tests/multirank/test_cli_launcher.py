@@ -39,8 +39,8 @@ def reference(workdir: Path) -> list[dict]:
     return reference_results(workdir)
 
 
-# In `make fuzz`, not `make test`: two 2-rank launches; a killed rank's one line and the
-# resume run at 3 ranks below.
+# In `make fuzz`, not `make test`: two 2-rank launches; a killed rank's one line (and, in `make
+# fuzz`, its resume at 3 ranks) below.
 @pytest.mark.long
 def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list[dict]) -> None:
     out = workdir / "restarted.jsonl"
@@ -56,24 +56,14 @@ def test_rank_killed_then_elastic_restart_resumes(workdir: Path, reference: list
     assert_no_orphans(out)
 
 
-def test_a_killed_rank_is_one_line_with_the_resume_command(workdir: Path, reference: list[dict]) -> None:
-    """3 ranks, rank 1 killed (SIGKILL, by pid), no restarts: stderr names rank 1 and the signal,
-    says the journals are intact and gives the exact command; no torch traceback. The command
-    then resumes the job to the reference's results."""
-    out = workdir / "killed.jsonl"
-    args = [
-        "run",
-        "--prompts",
-        "prompts.jsonl",
-        "--out",
-        str(out),
-        "--nproc",
-        "3",
-        "--batch-size",
-        "1",
-        "--quiet",
-    ]
-    job = Job(args, workdir, "killed")
+def _kill_rank_1(workdir: Path, name: str) -> tuple[list[str], Path]:
+    """A 3-rank job whose rank 1 is killed (SIGKILL, by pid) once 6 prompts are journaled, no
+    restarts: stderr names rank 1 and the signal, says the journals are intact and gives the
+    exact command; no torch traceback. -> the job's arguments and its ``--out``."""
+    out = workdir / f"{name}.jsonl"
+    args = ["run", "--prompts", "prompts.jsonl", "--out", str(out), "--nproc", "3"]
+    args += ["--batch-size", "1", "--quiet"]
+    job = Job(args, workdir, name)
     wait_for_journals(job, out, 6)
     ranks = [pid for pid in processes_mentioning(str(out)) if b"RANK=1\0" in _environ(pid)]
     assert ranks, f"no rank 1 found\n{job.output()}"
@@ -86,7 +76,29 @@ def test_a_killed_rank_is_one_line_with_the_resume_command(workdir: Path, refere
     assert f"Results so far are in the journals, which are intact: resume with: {resume}" in err, job.output()
     assert "Traceback" not in err and "ChildFailedError" not in err, job.output()
     assert_no_orphans(out)
-    again = run([*resume.split()[1:]], workdir, timeout=240)
+    return args, out
+
+
+def test_a_killed_rank_is_one_line_and_its_journals_are_intact(workdir: Path, reference: list[dict]) -> None:
+    """The killed job's journals hold what a resume starts from (read as ``--resume`` reads them):
+    the prompts answered before the kill, each as the reference answered it. (Its resume command,
+    run: below, in `make fuzz`; a resume after a signal runs in test_cli.py.)"""
+    from shardgen.jobs.journal import id_key, load_results
+
+    _, out = _kill_rank_1(workdir, "killed")
+    done = load_results(str(out), include_out=False)
+    assert 6 <= len(done) < len(reference), (len(done), len(reference))
+    ref = [r for r in reference if id_key(r["id"]) in done]
+    assert len(ref) == len(done), sorted(done)
+    assert_results_agree([done[id_key(r["id"])] for r in ref], ref, "journaled before the kill")
+
+
+# In `make fuzz`, not `make test`: a second 3-rank launch (the test above reads the journals it
+# resumes from; test_cli.py runs a resume to the end).
+@pytest.mark.long
+def test_a_killed_rank_then_its_resume_command_finishes_the_job(workdir: Path, reference: list[dict]) -> None:
+    args, out = _kill_rank_1(workdir, "killed-resumed")
+    again = run([*args, "--resume"], workdir, timeout=240)
     assert_results_agree(read_results(out), reference, f"resumed\n{again.output()}")
 
 

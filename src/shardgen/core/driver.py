@@ -55,6 +55,11 @@ from shardgen.generation.scheduler import LocalWork
 from shardgen.numerics import invariant_numerics
 from shardgen.timeouts import Timeouts
 
+#: Idle ticks sleep at most this long while the idleness is under DEEP_IDLE_AFTER_S old, then up
+#: to ``EngineConfig.idle_sleep_max`` (a burst of calls keeps its latency; a long idle its CPU).
+SHALLOW_IDLE_SLEEP_S = 0.005
+DEEP_IDLE_AFTER_S = 1.0
+
 
 @dataclass(frozen=True)
 class DriverSetup:
@@ -232,7 +237,7 @@ class Driver:
 
     def _loop(self) -> None:
         sh, cfg, stats = self.shared, self.config, self.stats
-        idle = 0
+        idle, idle_since = 0, time.monotonic()
         while True:
             new, closed, pause = sh.take_inbox()
             self.work.check_mode()  # a train()/eval() switch drops the prefix cache
@@ -286,7 +291,16 @@ class Driver:
                 stats.idle_ticks += 1
                 self.phase = Phase.IDLE
                 t0 = time.perf_counter()
-                sh.wake.wait(min(cfg.idle_sleep_max, 0.0005 * (2**idle)))
+                if idle == 0:
+                    idle_since = time.monotonic()
+                # Doubling from 0.5 ms: a request that arrives on any rank waits at most the
+                # sleep in progress. Past the first second of idleness, up to idle_sleep_max:
+                # an idle tick costs about 2 ms of CPU (most of it in gloo's network thread), so
+                # an open engine with nothing to do would keep a quarter of a core busy per rank.
+                cap = cfg.idle_sleep_max
+                if time.monotonic() - idle_since < DEEP_IDLE_AFTER_S:
+                    cap = min(cap, SHALLOW_IDLE_SLEEP_S)
+                sh.wake.wait(min(cap, 0.0005 * (2**idle)))
                 self.timeline.since(t0, "idle")
                 sh.wake.clear()
                 idle = min(idle + 1, 16)
