@@ -133,6 +133,27 @@ def test_stats_count_ticks_forwards_and_tokens():
     assert st["ticks"] >= st["forward_ticks"] + st["idle_ticks"]
 
 
+def test_an_idle_engine_slows_its_ticks_after_a_second_and_a_request_still_wakes_it():
+    """Idle ticks sleep under 5 ms for the first second of idleness, then up to idle_sleep_max
+    (each costs CPU in the control plane's collective): about 20 ticks a second, not 200. A
+    request submitted to a deeply idle engine still starts at once (its own rank's wake)."""
+    import time
+
+    from shardgen.core.driver import DEEP_IDLE_AFTER_S
+
+    with shardgen.Engine(tiny_model("llama", seed=8), backend="local") as eng:
+        eng.generate([[5, 6, 7]], max_new_tokens=2)
+        time.sleep(DEEP_IDLE_AFTER_S + 0.2)
+        before = eng.stats()["idle_ticks"]
+        time.sleep(1.0)
+        ticks = eng.stats()["idle_ticks"] - before
+        t0 = time.monotonic()
+        eng.generate([[5, 6, 7]], max_new_tokens=2)
+        took = time.monotonic() - t0
+    assert 5 <= ticks <= 40, ticks  # idle_sleep_max 50 ms; 5 ms sleeps would give about 200
+    assert took < eng.config.idle_sleep_max + 1.0, took
+
+
 def test_text_prompts_with_a_tokenizer():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
