@@ -239,6 +239,24 @@ def test_pacer_prices_a_width_from_its_forwards_of_about_as_many_rows():
     assert pacer.width(few[:4], [0.9] * 4, 4) == 1
 
 
+def test_pacer_prices_an_untried_width_from_the_decode_steps_line():
+    """Before any width is timed enough, it is priced as a decode step of rows * width rows: with
+    the weights at hand (seconds mostly per row) a 9-wide forward of 64 rows is not tried on
+    middling drafts; where a forward's seconds are mostly fixed (per-layer gathers) it is."""
+    drafts = [list(range(8))] * 64
+    compute = Pacer()
+    for _ in range(TRUSTED):
+        compute.timed(1, rows=64, seconds=4.0)  # 2 s fixed, 1/32 s per row
+        compute.timed(1, rows=16, seconds=2.5)
+    assert compute.cost(9, 64) == pytest.approx((2.0 + 576 / 32) / 4.0)
+    assert compute.width(drafts, [0.4] * 64, 64) == 0
+    gathers = Pacer()
+    for _ in range(TRUSTED):
+        gathers.timed(1, rows=64, seconds=13.0)  # 12 s fixed, 1/64 s per row
+        gathers.timed(1, rows=16, seconds=12.25)
+    assert gathers.width(drafts, [0.4] * 64, 64) == 2  # a column costs 1/13 of a step
+
+
 def test_pacer_one_slow_forward_under_load_does_not_price_a_width_out():
     """A width's cost is the least of its latest forwards, trusted once timed a few times; a width
     priced out is tried again once its samples age out."""

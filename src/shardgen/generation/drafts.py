@@ -58,15 +58,18 @@ class Pacer:
     decode step of as many rows, both measured on this rank. A decode step's seconds are a line
     in its rows (a fixed part: per-layer gathers, ticks; a part per row: compute), fitted to the
     least seconds seen at each row count (load only ever slows a forward); a verify forward's
-    cost is the least of its latest forwards' seconds over that line at their rows. Per-layer
-    gathers make a wider forward nearly free; with the weights at hand (``once``, local) it
-    costs its compute, and only good drafts pay."""
+    cost is the least of its latest forwards' seconds over that line at their rows; until some
+    width is timed often enough, that of a decode step of rows * width rows. Per-layer gathers make
+    a wider forward nearly free; with the weights at hand (``once``, local) it costs its
+    compute, and only good drafts pay."""
 
     def __init__(self) -> None:
         # width -> its latest forwards: (forward number, rows, seconds)
         self.samples: dict[int, deque[tuple[int, int, float]]] = {}
         self.forwards = 0
         self._known: tuple[int, bool, dict[int, list[tuple[int, float]]]] = (-1, False, {})
+        self._line: Callable[[int], float] | None = None
+        self._fitted = False  # the decode line has a fixed part (two row counts or more seen)
 
     def timed(self, width: int, rows: int, seconds: float) -> None:
         """A decode (width 1) or verify forward of ``rows`` rows took ``seconds``."""
@@ -82,6 +85,7 @@ class Pacer:
         """A decode step's seconds at ``rows`` rows: a line through the least seconds seen at each
         row count (least squares, no negative part); through the origin when one count was seen
         (seconds per row). None: no decode step timed lately."""
+        self._fitted = False
         least: dict[int, float] = {}
         for r, sec in self._fresh(1):
             least[r] = min(sec, least.get(r, sec))
@@ -94,6 +98,7 @@ class Pacer:
             var = sum((x - mx) ** 2 for x in xs)
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
             if slope >= 0.0 and my - slope * mx > 0.0:
+                self._fitted = True
                 return lambda rows: my + slope * (rows - mx)
         return lambda rows: b * rows
 
@@ -113,6 +118,7 @@ class Pacer:
                     if fresh:
                         costs[w] = [(r, sec / line(r)) for r, sec in fresh]
             self._known = (self.forwards, line is not None, costs)
+            self._line = line
         _, measured, costs = self._known
         if not measured:
             return 1.0 + UNMEASURED_COLUMN_COST * (width - 1)
@@ -132,6 +138,10 @@ class Pacer:
         if known:  # its cost per extra column, at the nearest width timed often enough
             near_w = min(known, key=lambda w: abs(w - width))
             guess = 1.0 + (known[near_w] - 1.0) * (width - 1) / (near_w - 1)
+        elif self._fitted and rows is not None and self._line is not None:
+            # No width timed often enough yet: a decode step of rows * width rows, as its compute
+            # would be (the line's fixed part paid once).
+            guess = self._line(rows * width) / self._line(rows)
         else:
             guess = 1.0 + UNMEASURED_COLUMN_COST * (width - 1)
         return min(guess, priced(width)) if width in costs else guess
