@@ -153,7 +153,7 @@ def shardgen_uneven(steps: int = 3, speculate: int = 0) -> dict:
 
     cost = drafts.Pacer.cost
     if speculate:
-        drafts.Pacer.cost = lambda self, width: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
+        drafts.Pacer.cost = lambda self, width, rows=None: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
     try:
         return _shardgen_uneven(steps, speculate)
     finally:

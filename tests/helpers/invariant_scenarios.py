@@ -131,7 +131,7 @@ def speculative_rollouts(backend: str, gather: str, dtype: str) -> dict:
     runs, stats = {}, {}
     drafts.DraftStore.draft = draft  # type: ignore[method-assign]
     # Columns priced as before any is measured: which drafts run does not hang on timings.
-    drafts.Pacer.cost = lambda self, width: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
+    drafts.Pacer.cost = lambda self, width, rows=None: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
     try:
         for spec in (0, 4):
             with shardgen.Engine(_model(dtype), **base, speculate=spec) as eng:

@@ -152,7 +152,7 @@ def _grpo_two_steps(
 
     cost = drafts.Pacer.cost
     if speculate:
-        drafts.Pacer.cost = lambda self, width: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
+        drafts.Pacer.cost = lambda self, width, rows=None: 1.0 + drafts.UNMEASURED_COLUMN_COST * (width - 1)  # type: ignore[method-assign]
     try:
         trainer.train()
     finally:

@@ -19,7 +19,7 @@ from shardgen import toy
 from shardgen.config import EngineConfig
 from shardgen.generation import scheduler as sch
 from shardgen.generation import verify
-from shardgen.generation.drafts import UNMEASURED_COLUMN_COST, DraftStore, NgramIndex, Pacer
+from shardgen.generation.drafts import STALE, TRUSTED, UNMEASURED_COLUMN_COST, DraftStore, NgramIndex, Pacer
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def cheap_columns(request, monkeypatch):
     """A verify forward's columns priced as before any is measured (nearly free), so that which
     drafts run does not hang on this machine's timings (the rows never do)."""
     if "pacer" not in request.node.name:
-        monkeypatch.setattr(Pacer, "cost", lambda self, width: 1.0 + UNMEASURED_COLUMN_COST * (width - 1))
+        monkeypatch.setattr(Pacer, "cost", lambda self, w, rows=None: 1.0 + UNMEASURED_COLUMN_COST * (w - 1))
 
 
 def _ids(tok, prompts: list[str], n: int) -> list[list[int]]:
@@ -201,13 +201,83 @@ def test_pacer_verifies_only_what_pays():
     pacer = Pacer()
     good, bad = [[5, 6, 7, 8]] * 4, [[5, 6, 7, 8]] * 4
     assert pacer.width(good, [0.9] * 4, 4) == 4  # unmeasured: nearly free, every column tried
-    pacer.timed(1, rows=4, seconds=1.0)
-    pacer.timed(5, rows=4, seconds=3.0)  # five columns cost three decode steps (weights at hand)
-    pacer.timed(2, rows=4, seconds=1.2)
+    for _ in range(TRUSTED):  # each width timed often enough to be priced on its own
+        pacer.timed(1, rows=4, seconds=1.0)
+        pacer.timed(5, rows=4, seconds=3.0)  # five columns cost three decode steps (weights at hand)
+        pacer.timed(2, rows=4, seconds=1.2)
     assert pacer.cost(5) == 3.0 and pacer.width(bad, [0.1] * 4, 4) == 0  # a decode step pays more
     assert pacer.width(good, [0.95] * 4, 4) == 4
     assert pacer.width(good, [0.3] * 4, 4) == 1  # few drafts kept: one column pays, more do not
     assert pacer.width([[], []], [0.9] * 2, 2) == 0  # no draft: a decode step
+
+
+def test_pacer_prices_a_verify_forward_against_a_decode_step_of_as_many_rows():
+    """Per-layer: a forward's seconds are mostly its gathers, whatever its rows. A 9-wide forward
+    timed when few rows were left costs about a decode step of as few rows, not the seconds per
+    row of a full decode step's (which would price it at 3.5 steps and stop drafting)."""
+    pacer = Pacer()
+    for _ in range(TRUSTED):
+        pacer.timed(1, rows=64, seconds=1.0)
+        pacer.timed(1, rows=16, seconds=0.85)  # the fixed part: 0.8 s, then 1/320 s per row
+        pacer.timed(9, rows=16, seconds=1.0)
+    assert pacer.cost(9) == pytest.approx(1.0 / 0.85)
+    assert pacer.width([list(range(8))] * 4, [0.9] * 4, 16) == 8
+
+
+def test_pacer_prices_a_width_from_its_forwards_of_about_as_many_rows():
+    """With the weights at hand a verify forward's own costs weigh little beside a small decode
+    step's fixed part and much beside a full one: a width cheap at 4 rows is not cheap at 64."""
+    pacer = Pacer()
+    for _ in range(TRUSTED):
+        pacer.timed(1, rows=64, seconds=4.0)
+        pacer.timed(1, rows=4, seconds=2.5)
+        pacer.timed(2, rows=4, seconds=2.6)  # about a decode step of 4 rows
+        pacer.timed(2, rows=64, seconds=7.0)  # 1.75 decode steps of 64 rows
+    assert pacer.cost(2, 4) == pytest.approx(2.6 / 2.5) and pacer.cost(2, 64) == pytest.approx(7.0 / 4.0)
+    few = [[5]] * 8 + [[]] * 56  # 8 rows of 64 with a one-token draft
+    assert pacer.width(few, [0.9] * 64, 64) == 0  # 7 tokens kept do not pay 0.75 of 64 rows' step
+    assert pacer.width(few[:4], [0.9] * 4, 4) == 1
+
+
+def test_pacer_prices_an_untried_width_from_the_decode_steps_line():
+    """Before any width is timed enough, it is priced as a decode step of rows * width rows: with
+    the weights at hand (seconds mostly per row) a 9-wide forward of 64 rows is not tried on
+    middling drafts; where a forward's seconds are mostly fixed (per-layer gathers) it is."""
+    drafts = [list(range(8))] * 64
+    compute = Pacer()
+    for _ in range(TRUSTED):
+        compute.timed(1, rows=64, seconds=4.0)  # 2 s fixed, 1/32 s per row
+        compute.timed(1, rows=16, seconds=2.5)
+    assert compute.cost(9, 64) == pytest.approx((2.0 + 576 / 32) / 4.0)
+    assert compute.width(drafts, [0.4] * 64, 64) == 0
+    gathers = Pacer()
+    for _ in range(TRUSTED):
+        gathers.timed(1, rows=64, seconds=13.0)  # 12 s fixed, 1/64 s per row
+        gathers.timed(1, rows=16, seconds=12.25)
+    assert gathers.width(drafts, [0.4] * 64, 64) == 2  # a column costs 1/13 of a step
+
+
+def test_pacer_one_slow_forward_under_load_does_not_price_a_width_out():
+    """A width's cost is the least of its latest forwards, trusted once timed a few times; a width
+    priced out is tried again once its samples age out."""
+    good = [list(range(8))] * 4
+    pacer = Pacer()
+    for _ in range(TRUSTED):
+        pacer.timed(1, rows=4, seconds=1.0)
+    pacer.timed(9, rows=4, seconds=20.0)  # the first 9-wide forward, slowed by load
+    assert pacer.width(good, [0.9] * 4, 4) == 8  # still tried
+    for _ in range(TRUSTED):
+        pacer.timed(9, rows=4, seconds=1.2)
+    pacer.timed(9, rows=4, seconds=30.0)  # another slow one among them
+    assert pacer.cost(9) == pytest.approx(1.2) and pacer.width(good, [0.9] * 4, 4) == 8
+    dear = Pacer()
+    for _ in range(TRUSTED):
+        dear.timed(1, rows=4, seconds=1.0)
+        dear.timed(9, rows=4, seconds=20.0)  # truly dear: a decode step pays more
+    assert dear.width(good, [0.9] * 4, 4) == 0
+    for _ in range(STALE):
+        dear.timed(1, rows=4, seconds=1.0)
+    assert dear.width(good, [0.9] * 4, 4) == 8  # aged out: tried again
 
 
 def test_ngram_index_and_history_budget():

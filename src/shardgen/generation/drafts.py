@@ -19,6 +19,7 @@ draft length. Pure Python, no torch, no collectives: the driver thread only.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,39 +34,117 @@ ROLLOUTS_PER_PROMPT = 16
 #: stops drafting for ``COOLDOWN`` steps (drafting does not pay for it now).
 MISSES_TO_PAUSE = 2
 COOLDOWN = 4
-#: Weight of the newest value in the moving averages (acceptance rates, forward times).
+#: Weight of the newest value in the moving averages (acceptance rates).
 AVERAGING = 0.3
 #: A verify forward's cost per extra column, relative to a decode step's, until measured: low,
 #: so that each width is tried (its measured cost then decides).
 UNMEASURED_COLUMN_COST = 0.05
+#: Forwards timed per width, the latest. A width's cost is the least of them: load on the machine
+#: only ever slows a forward, so the least is the best estimate of what the width costs.
+SAMPLES = 16
+#: A width timed fewer times than this (among its fresh samples) is priced at no more than the
+#: widths timed that often suggest: one forward slowed by load cannot keep it from being tried
+#: again, and it is soon timed often enough to be priced on its own (each try of a width that
+#: does not pay costs what it costs: two, not more).
+TRUSTED = 2
+#: Samples older than this many forwards age out, so that a width priced out under load is tried
+#: again once it is no longer known (one forward per this many, at most, per width).
+STALE = 64
 
 
 class Pacer:
     """Whether a verify forward pays, and how wide: from each row's acceptance rate, the draft
-    tokens it is expected to keep (a geometric run), against what the wider forward costs, per
-    row, over a decode step, both measured on this rank (moving averages of the forward's
-    seconds per row, per width). Per-layer gathers make a wider forward nearly free; with the
-    weights at hand (``once``, local) it costs its compute, and only good drafts pay."""
+    tokens it is expected to keep (a geometric run), against what the wider forward costs over a
+    decode step of as many rows, both measured on this rank. A decode step's seconds are a line
+    in its rows (a fixed part: per-layer gathers, ticks; a part per row: compute), fitted to the
+    least seconds seen at each row count (load only ever slows a forward); a verify forward's
+    cost is the least of its latest forwards' seconds over that line at their rows; until some
+    width is timed often enough, that of a decode step of rows * width rows. Per-layer gathers make
+    a wider forward nearly free; with the weights at hand (``once``, local) it costs its
+    compute, and only good drafts pay."""
 
     def __init__(self) -> None:
-        self.per_row: dict[int, float] = {}  # width -> seconds per row of a forward that wide
+        # width -> its latest forwards: (forward number, rows, seconds)
+        self.samples: dict[int, deque[tuple[int, int, float]]] = {}
+        self.forwards = 0
+        self._known: tuple[int, bool, dict[int, list[tuple[int, float]]]] = (-1, False, {})
+        self._line: Callable[[int], float] | None = None
+        self._fitted = False  # the decode line has a fixed part (two row counts or more seen)
 
     def timed(self, width: int, rows: int, seconds: float) -> None:
         """A decode (width 1) or verify forward of ``rows`` rows took ``seconds``."""
-        per = seconds / max(1, rows)
-        old = self.per_row.get(width)
-        self.per_row[width] = per if old is None else old + AVERAGING * (per - old)
+        self.forwards += 1
+        kept = self.samples.setdefault(width, deque(maxlen=SAMPLES))
+        kept.append((self.forwards, max(1, rows), seconds))
 
-    def cost(self, width: int) -> float:
-        """A forward ``width`` wide over a decode step, per row (1.0 for a decode step)."""
-        one = self.per_row.get(1)
-        measured = [w for w in self.per_row if w > 1]
-        if one is None or not measured:
+    def _fresh(self, width: int) -> list[tuple[int, float]]:
+        """``width``'s (rows, seconds) of the forwards timed within the last ``STALE``."""
+        return [(r, s) for n, r, s in self.samples.get(width, ()) if self.forwards - n < STALE]
+
+    def _decode_line(self) -> Callable[[int], float] | None:
+        """A decode step's seconds at ``rows`` rows: a line through the least seconds seen at each
+        row count (least squares, no negative part); through the origin when one count was seen
+        (seconds per row). None: no decode step timed lately."""
+        self._fitted = False
+        least: dict[int, float] = {}
+        for r, sec in self._fresh(1):
+            least[r] = min(sec, least.get(r, sec))
+        if not least:
+            return None
+        xs, ys = list(least), list(least.values())
+        b = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)  # through the origin
+        if len(xs) > 1:
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+            if slope >= 0.0 and my - slope * mx > 0.0:
+                self._fitted = True
+                return lambda rows: my + slope * (rows - mx)
+        return lambda rows: b * rows
+
+    def cost(self, width: int, rows: int | None = None) -> float:
+        """A forward ``width`` wide of ``rows`` rows (None: any) over a decode step of as many rows
+        (1.0 for a decode step). A verify forward's own costs (its wider inputs, the acceptance)
+        weigh more beside a small decode step, so a width is priced from its forwards of about
+        as many rows (half to twice), else from those nearest in rows."""
+        if width <= 1:
+            return 1.0
+        if self._known[0] != self.forwards:  # (priced once per forward timed, not per width asked)
+            line = self._decode_line()
+            costs: dict[int, list[tuple[int, float]]] = {}
+            if line is not None:
+                for w in self.samples:
+                    fresh = self._fresh(w) if w > 1 else []
+                    if fresh:
+                        costs[w] = [(r, sec / line(r)) for r, sec in fresh]
+            self._known = (self.forwards, line is not None, costs)
+            self._line = line
+        _, measured, costs = self._known
+        if not measured:
             return 1.0 + UNMEASURED_COLUMN_COST * (width - 1)
-        if width in self.per_row:
-            return self.per_row[width] / one
-        near = min(measured, key=lambda w: abs(w - width))  # its cost per extra column, at this width
-        return 1.0 + (self.per_row[near] / one - 1.0) * (width - 1) / (near - 1)
+
+        def priced(w: int) -> float:
+            seen = costs[w]
+            if rows is None:
+                return min(c for _, c in seen)
+            near = [c for r, c in seen if rows <= 2 * r and r <= 2 * rows]
+            if near:
+                return min(near)
+            return min(seen, key=lambda rc: abs(rc[0] - rows))[1]
+
+        known = {w: priced(w) for w, seen in costs.items() if len(seen) >= TRUSTED}
+        if width in known:
+            return known[width]
+        if known:  # its cost per extra column, at the nearest width timed often enough
+            near_w = min(known, key=lambda w: abs(w - width))
+            guess = 1.0 + (known[near_w] - 1.0) * (width - 1) / (near_w - 1)
+        elif self._fitted and rows is not None and self._line is not None:
+            # No width timed often enough yet: a decode step of rows * width rows, as its compute
+            # would be (the line's fixed part paid once).
+            guess = self._line(rows * width) / self._line(rows)
+        else:
+            guess = 1.0 + UNMEASURED_COLUMN_COST * (width - 1)
+        return min(guess, priced(width)) if width in costs else guess
 
     def width(self, drafts: list[list[int]], rates: list[float], live: int) -> int:
         """The draft length K (0: a decode step) whose expected tokens gained, over the live
@@ -81,7 +160,7 @@ class Pacer:
                 if n >= k:
                     odds[i] *= r
                     gain += odds[i]
-            net = gain - (self.cost(k + 1) - 1.0) * live
+            net = gain - (self.cost(k + 1, len(drafts)) - 1.0) * live
             if net > best:
                 best, best_k = net, k
         return best_k
@@ -107,21 +186,32 @@ class NgramIndex:
         self.catch_up(len(self.seqs) - 1, whole)
         return len(self.seqs) - 1
 
-    def catch_up(self, sid: int, whole: bool = False) -> None:
-        """Index sequence ``sid``'s n-grams ending before its last token (``whole``: all of them)."""
-        seq, table = self.seqs[sid], self.table
+    def catch_up(self, sid: int, whole: bool = False, twin: tuple[NgramIndex, int] | None = None) -> None:
+        """Index sequence ``sid``'s n-grams ending before its last token (``whole``: all of them).
+        ``twin``: another index holding the same sequence, and its id there: indexed along with
+        the same keys (made once) where it has reached the same place, else on its own."""
+        seq = self.seqs[sid]
         stop = len(seq) if whole else len(seq) - 1
         start = self._indexed[sid]
+        tables = [(self.table, sid)]
+        if twin is not None:
+            other, oid = twin
+            if other._indexed[oid] == start:
+                tables.append((other.table, oid))
+                other._indexed[oid] = max(start, stop + 1)
+            else:
+                other.catch_up(oid, whole)
         for end in range(max(start, MIN_NGRAM), stop + 1):
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
                 key = tuple(seq[end - n : end])
-                hits = table.get(key)
-                if hits is None:  # (no empty list made for every n-gram seen before)
-                    table[key] = [(sid, end)]
-                    continue
-                hits.append((sid, end))
-                if len(hits) > OCCURRENCES:
-                    del hits[0]
+                for table, i in tables:
+                    hits = table.get(key)
+                    if hits is None:  # (no empty list made for every n-gram seen before)
+                        table[key] = [(i, end)]
+                        continue
+                    hits.append((i, end))
+                    if len(hits) > OCCURRENCES:
+                        del hits[0]
         self._indexed[sid] = max(start, stop + 1)
 
     def lookup(self, context: list[int], k: int) -> list[int]:
@@ -315,15 +405,18 @@ class DraftStore:
         new = seq.tokens[len(state.seq) - min(len(seq.prompt_ids), MAX_NGRAM - 1) :]
         state.seq.extend(new)
         index = state.entry.index
-        if state.sid >= len(index.seqs) or index.seqs[state.sid] is not state.seq:
+        fresh = state.sid >= len(index.seqs) or index.seqs[state.sid] is not state.seq
+        if fresh:
             state.sid = index.add(state.seq)  # the index was rebuilt since
-        else:
-            index.catch_up(state.sid)
-        if not self.budget:
-            return
-        if state.across is not self.recent:  # (again) into the index across prompts
-            state.across, state.aid = self.recent, self.recent.add(state.seq)
-        else:
+        twin = None
+        if self.budget:
+            if state.across is not self.recent:  # (again) into the index across prompts
+                state.across, state.aid = self.recent, self.recent.add(state.seq)
+            else:
+                twin = (self.recent, state.aid)
+        if not fresh:
+            index.catch_up(state.sid, twin=twin)
+        elif twin is not None:
             self.recent.catch_up(state.aid)
 
     def _evict(self) -> None:

@@ -75,20 +75,86 @@ def verify_step(batch: Any, forward: Callable[..., Any], drafts: tuple[tuple[int
 def _accept(
     seqs: list[Any], logits: torch.Tensor, drafts: tuple[tuple[int, ...], ...]
 ) -> tuple[list[int], list[int]]:
-    """Walk the positions in order, every row still going at once: draw, commit, compare.
+    """Walk the positions in order: draw, commit, compare. Greedy rows (no forced token) take
+    every position's argmax at once, as the plain step takes each (an argmax is exact); rows
+    that draw or may be forced go column by column, every such row still going at once.
     -> (tokens committed, draft tokens accepted) per row."""
     B = len(seqs)
-    going = [not s.finished for s in seqs]
     committed, accepted = [0] * B, [0] * B
+    greedy, other = [], []
+    for i, s in enumerate(seqs):
+        if not s.finished:
+            plain = not s.params.do_sample and s.forced_bos is None and s.forced_eos is None
+            (greedy if plain else other).append(i)
+    if greedy:
+        _accept_greedy(seqs, logits, drafts, greedy, committed, accepted)
+    if other:
+        _accept_drawn(seqs, logits, drafts, other, committed, accepted)
+    return committed, accepted
+
+
+def _accept_greedy(
+    seqs: list[Any],
+    logits: torch.Tensor,
+    drafts: tuple[tuple[int, ...], ...],
+    rows: list[int],
+    committed: list[int],
+    accepted: list[int],
+) -> None:
+    """``_accept`` for greedy rows: one argmax over every position, each row's tokens up to its
+    first miss (and the token there) committed in order; the logprobs of those only, in one
+    ``chosen_logprobs`` (each row's value depends on its own logits alone)."""
+    every = torch.argmax(logits, dim=-1)  # [B, W]: exactly the plain step's argmax per position
+    tokens = (every if len(rows) == len(seqs) else every[rows]).tolist()  # [R][W] (no copy of the logits)
+    runs = []
+    for r, i in enumerate(rows):
+        d, t = drafts[i], tokens[r]
+        n = 0
+        while n < len(d) and t[n] == d[n]:
+            n += 1
+        runs.append(n + 1)  # the matching draft tokens, then the target's own token
+    lps: list[list[float]] | None = None
+    want = [r for r, i in enumerate(rows) if seqs[i].params.logprobs]
+    if want:
+        pick = [(r, j) for r in want for j in range(runs[r])]
+        W = logits.shape[1]
+        at = torch.tensor([rows[r] * W + j for r, j in pick], device=logits.device)
+        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, at)
+        chosen = torch.tensor([tokens[r][j] for r, j in pick], device=logits.device)
+        got = chosen_logprobs(flat, chosen, [seqs[rows[r]].params for r, _ in pick]).tolist()
+        lps, k = [[] for _ in rows], 0
+        for r, _ in pick:
+            lps[r].append(got[k])
+            k += 1
+    for r, i in enumerate(rows):
+        s, t = seqs[i], tokens[r]
+        for j in range(runs[r]):  # EOS, a stop string or the length end the row where they fall
+            s.append(t[j], lps[r][j] if lps is not None and s.params.logprobs else None)
+            if s.finished:
+                break
+        committed[i] = j + 1
+        accepted[i] = min(j + 1, runs[r] - 1)  # the run's last token is a miss or past the draft
+
+
+def _accept_drawn(
+    seqs: list[Any],
+    logits: torch.Tensor,
+    drafts: tuple[tuple[int, ...], ...],
+    rows: list[int],
+    committed: list[int],
+    accepted: list[int],
+) -> None:
+    """``_accept`` for rows that draw (or may be forced): column by column, one draw per committed
+    token from the row's generator (``select_tokens``), as the plain step draws it."""
+    going = list(rows)
     for j in range(logits.shape[1]):
-        rows = [i for i in range(B) if going[i]]
-        if not rows:
+        if not going:
             break
-        idx = torch.tensor(rows, device=logits.device)
+        idx = torch.tensor(going, device=logits.device)
         sub = logits[:, j].index_select(0, idx)  # [R, V]: each row's draw depends on its row alone
-        params = [seqs[i].params for i in rows]
-        tokens = select_tokens(sub, params, [seqs[i].generator for i in rows])
-        forced = [(r, t) for r, i in enumerate(rows) if (t := seqs[i].forced_token()) is not None]
+        params = [seqs[i].params for i in going]
+        tokens = select_tokens(sub, params, [seqs[i].generator for i in going])
+        forced = [(r, t) for r, i in enumerate(going) if (t := seqs[i].forced_token()) is not None]
         if forced:  # HF's forced tokens, as the plain step takes them
             tokens = tokens.clone()
             for r, t in forced:
@@ -96,15 +162,16 @@ def _accept(
         lps = None
         if any(p.logprobs for p in params):
             lps = chosen_logprobs(sub, tokens, params).tolist()
-        for r, (i, t) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+        still = []
+        for r, (i, t) in enumerate(zip(going, tokens.tolist(), strict=True)):
             s, d = seqs[i], drafts[i]
             s.append(t, lps[r] if (lps is not None and s.params.logprobs) else None)
             committed[i] += 1
             hit = j < len(d) and t == d[j]
             accepted[i] += hit
-            if s.finished or not hit:
-                going[i] = False
-    return committed, accepted
+            if hit and not s.finished:
+                still.append(i)
+        going = still
 
 
 def _keep_columns(
