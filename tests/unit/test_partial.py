@@ -200,7 +200,9 @@ def test_generate_budget_arguments_are_checked(engine):
     finished = eng.generate(prompts, **GEN)
     with pytest.raises(ValueError, match="completion 0 is not a held row"):
         eng.resume(finished)
-    held = eng.generate(prompts, tokens_per_call=2, **{**GEN, "eos_token_id": EOS[-1:]})
+    # no EOS: a sampled row may otherwise end within its budget of 2 and not be held
+    held = eng.generate(prompts, tokens_per_call=2, **{**GEN, "eos_token_id": []})
+    assert held[0].finish_reason == "held", held[0]
     other = dataclasses.replace(held[0], handle=Handle(object(), held[0].handle.request))
     with pytest.raises(ValueError, match="completion 0 is held by another engine"):
         eng.resume([other])
