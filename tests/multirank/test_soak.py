@@ -6,8 +6,9 @@
   one process, on 2 ranks: threads, native threads, file descriptors, process groups, the c10d
   store's keys and ``atexit`` callbacks come back to their baseline.
 
-``make test`` runs the short ones; ``make fuzz`` the ``long`` ones (20,000 prompts, 5,000 calls,
-200 engines). The figures (``MEASURED`` lines, ``pytest -s``) are docs/RELIABILITY.md's.
+``make test`` runs the short engines soak (10 engines); ``make fuzz`` every other one, short and
+full size (20,000 prompts, 5,000 calls, 200 engines). The figures (``MEASURED`` lines,
+``pytest -s``) are docs/RELIABILITY.md's.
 """
 
 from __future__ import annotations
@@ -81,12 +82,15 @@ def _nothing_left(per_rank: list[dict], what: str) -> None:
 # ------------------------------------------------------------------ short: make test
 
 
+# In `make fuzz`, not `make test`: a 1,000-prompt job is about 50 s of CPU; its long form (20,000
+# prompts) runs there too, and the job's paths run in tests/multirank/test_cli*.py.
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_job_memory_is_flat_short(tmp_path):
     _job(SHORT_PROMPTS, tmp_path)
 
 
-# In `make fuzz`, not `make test`: its long form runs there too; the short job soak stays here.
+# In `make fuzz`, not `make test`: its long form runs there too.
 @pytest.mark.long
 @pytest.mark.timeout(420)
 def test_engine_open_across_calls_leaves_nothing(world2):
