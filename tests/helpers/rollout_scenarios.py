@@ -324,6 +324,17 @@ def shrink_weights(model, steps: int = 1) -> None:
                 (p.ds_tensor if hasattr(p, "ds_tensor") else p).mul_(SHRINK)
 
 
+def slow_forwards(eng: Any, seconds: float = 0.003) -> None:
+    """Every forward of ``eng`` takes ``seconds`` longer: held rows still decode when a call returns."""
+    real = eng.backend.forward
+
+    def slow(plan: Any, inputs: Any) -> Any:
+        time.sleep(seconds)
+        return real(plan, inputs)
+
+    eng.backend.forward = slow
+
+
 def check_versions(b, ref, temperature: float, greedy: bool) -> int:
     """Each drawn response token against the weights of its version (``b.versions``; version v =
     ``ref`` shrunk v times): its logprob (teacher forcing, one unpadded row) within 1e-5 and,
@@ -376,13 +387,7 @@ def partial_steps(
     n, steps, temperature = 2, 3, 0.8
     served, spans = [], 0
     with shardgen.Engine(model, backend=backend, gather=gather, max_batch_size=6) as eng:
-        real = eng.backend.forward
-
-        def slow(plan, inputs):
-            time.sleep(0.003)
-            return real(plan, inputs)
-
-        eng.backend.forward = slow
+        slow_forwards(eng)
         born = {}
         kw = dict(
             n=n, max_staleness=1, stale=stale, max_new_tokens=24, eos_token_id=EOS, temperature=temperature

@@ -120,9 +120,8 @@ def held_conversations(backend: str, gather: str = "per-layer") -> dict[str, Any
     Greedy. -> per group served (prompt index, -1 for the new one; turns), the rows spanning the
     step, the groups held after; every drawn token checked against its version's weights
     (``check_versions``: a resumed conversation equals its prefix fed to the new weights)."""
-    import time
 
-    from rollout_scenarios import _pair, check_versions, shrink_weights
+    from rollout_scenarios import _pair, check_versions, shrink_weights, slow_forwards
 
     import shardgen
     from shardgen.generation.partial import held_groups
@@ -132,13 +131,7 @@ def held_conversations(backend: str, gather: str = "per-layer") -> dict[str, Any
     prompts, extra = prompts_of(r, 3 - r), prompts_of(10 + r, 1)
     kw = dict(n=2, max_new_tokens=6, eos_token_id=[], do_sample=False, temperature=0.8)
     with shardgen.Engine(model, backend=backend, gather=gather, max_batch_size=6) as eng:
-        real = eng.backend.forward
-
-        def slow(plan, inputs):
-            time.sleep(0.003)
-            return real(plan, inputs)
-
-        eng.backend.forward = slow
+        slow_forwards(eng)
         first = eng.rollout(prompts, env=env_for(r, 2), max_turns=3, groups=1, max_staleness=1, **kw)
         held = held_groups(eng)
         with eng.paused():  # the held conversations park mid-turn or wait at their boundary

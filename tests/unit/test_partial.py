@@ -4,7 +4,6 @@ the local backend. The same on sharded backends, 2 and 3 ranks: tests/multirank/
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch
@@ -17,15 +16,6 @@ from shardgen.config import SamplingParams
 from shardgen.generation.partial import held_groups
 
 KW = dict(n=2, max_new_tokens=12, eos_token_id=[2], temperature=0.9, seed=5)
-
-
-@pytest.fixture()
-def engine():
-    torch.set_num_threads(1)
-    model = tiny_model("llama", seed=11)
-    ref = copy.deepcopy(model)
-    with shardgen.Engine(model, backend="local", max_batch_size=8) as eng:
-        yield eng, model, ref
 
 
 def test_rows_cut_at_their_budget_resume_where_they_were(engine):

@@ -4,7 +4,6 @@ backend. The same on sharded backends, 2 and 3 ranks: tests/multirank/test_turns
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 
@@ -34,15 +33,6 @@ def recording_env(turns_of) -> tuple:
         return None if seen >= turns_of(row) else list(REPLY)
 
     return env, log
-
-
-@pytest.fixture()
-def engine():
-    torch.set_num_threads(1)
-    model = tiny_model("llama", seed=11)
-    ref = copy.deepcopy(model)
-    with shardgen.Engine(model, backend="local", max_batch_size=8) as eng:
-        yield eng, model, ref
 
 
 def _wait_turns_ended(eng, limit: float = 20.0) -> None:
