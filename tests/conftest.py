@@ -193,3 +193,22 @@ def ranks_factory():
     yield make
     for r in made:
         r.close()
+
+
+@pytest.fixture()
+def engine():
+    """A local engine on a tiny Llama (seed 11), its model, and a copy of the model's weights as
+    they were (tests/unit/test_partial*.py train the model between calls; a module's own
+    ``engine`` fixture overrides this one)."""
+    import copy
+
+    import torch
+    from models import tiny_model
+
+    import shardgen
+
+    torch.set_num_threads(1)
+    model = tiny_model("llama", seed=11)
+    ref = copy.deepcopy(model)
+    with shardgen.Engine(model, backend="local", max_batch_size=8) as eng:
+        yield eng, model, ref
