@@ -224,9 +224,7 @@ def _quota(
     """A partial rollout's groups as they are served (``partial.py``); with ``env``, held
     conversations (``turns.Talk``)."""
     env, max_turns, inputs = extra
-    if env is None and max_turns is not None:
-        raise ValueError("max_turns goes with env= (a multi-turn rollout)")
-    most = None if env is None else turns.check_turn_args(env, max_turns)
+    most = _turn_limit(env, max_turns)
 
     def submit(holding: Any, now: int) -> tuple[_Call, turns.Talk | None]:
         call = _Call(engine, prompts, params, n, overrides, holding=holding)
@@ -247,18 +245,24 @@ def _multi_turn(
 ) -> tuple[_Call, Iterator[tuple[int, RolloutBatch]] | None]:
     """The call's checked arguments and rows (its first turns submitted), and with ``env`` its conversations
     (``turns.py``); None for a single-turn call."""
-    if env is None:
-        if max_turns is not None:
-            raise ValueError("max_turns goes with env= (a multi-turn rollout)")
-        return _Call(engine, prompts, params, n, overrides, inputs), None
-    if getattr(engine.model.config, "is_encoder_decoder", False):
+    if env is not None and getattr(engine.model.config, "is_encoder_decoder", False):
         raise ValueError(
             "env= (a multi-turn rollout) needs a decoder-only model: an encoder-decoder's next turn "
             "would be a new encoder input, not the conversation's continuation"
         )
-    most = turns.check_turn_args(env, max_turns)
+    most = _turn_limit(env, max_turns)
     call = _Call(engine, prompts, params, n, overrides, inputs)
-    return call, turns.conversations(engine, call, env, most)
+    return call, None if most is None else turns.conversations(engine, call, env, most)
+
+
+def _turn_limit(env: Any, max_turns: int | None) -> int | None:
+    """A multi-turn call's most model turns (``turns.check_turn_args``); None for a single-turn
+    call (``max_turns`` without ``env`` refused). Both doors, plain and partial, check this way."""
+    if env is None:
+        if max_turns is not None:
+            raise ValueError("max_turns goes with env= (a multi-turn rollout)")
+        return None
+    return turns.check_turn_args(env, max_turns)
 
 
 def _groups(call: _Call, done: queue.SimpleQueue[int]) -> Iterator[tuple[int, RolloutBatch]]:
