@@ -48,8 +48,10 @@ LONGEST := tests/multirank/test_slurm_example.py tests/multirank/test_examples_r
 	tests/multirank/test_deepspeed_backend.py tests/multirank/test_clean_exit.py tests/multirank/test_bench.py \
 	tests/multirank/test_user_faults.py tests/multirank/test_doc_snippets.py \
 	tests/multirank/test_rollout_multirank.py
+# The slowest tests listed at the end (`make test DURATIONS=0` lists every one).
+DURATIONS ?= 25
 test: $(STAMP) lint
-	SHARDGEN_TEST_SMALL_ROWS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 \
+	SHARDGEN_TEST_SMALL_ROWS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) \
 		-m "not bigworld and not long" $(LONGEST) tests
 
 demo: $(STAMP)

@@ -78,6 +78,7 @@ _START_ATTEMPTS = 4  # port races: retry init with a new port this many times
 # are preloaded. DeepSpeed picks its accelerator from DS_ACCELERATOR when imported: it is
 # preloaded (about 2 s of CPU a rank) only where every rank takes the CPU accelerator, no CUDA
 # here, with DS_ACCELERATOR=cpu set for the server too.
+# The server imports tests/helpers/rank_preload.py last: shardgen itself, then gc.freeze().
 # SHARDGEN_TEST_START=spawn starts every rank as a fresh interpreter instead.
 _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama"]
 
@@ -91,9 +92,9 @@ def _preload() -> list[str]:
         or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu"
         or torch.cuda.is_available()
     ):
-        return _PRELOAD
+        return [*_PRELOAD, "rank_preload"]
     os.environ["DS_ACCELERATOR"] = "cpu"  # the server's (and so every rank's) DeepSpeed
-    return [*_PRELOAD, "deepspeed"]
+    return [*_PRELOAD, "deepspeed", "rank_preload"]
 
 
 def start_method() -> str:
