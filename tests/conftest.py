@@ -212,3 +212,29 @@ def engine():
     ref = copy.deepcopy(model)
     with shardgen.Engine(model, backend="local", max_batch_size=8) as eng:
         yield eng, model, ref
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the temp folders
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's HF oracle cache (``models.hf_generate``): one folder for every worker of the run
+    (xdist's workers keep their temp folders side by side in the run's folder) and the ranks they
+    start, who inherit the environment. Set ``SHARDGEN_TEST_ORACLE_DIR`` empty to compute every
+    answer afresh."""
+    from models import ORACLE_DIR
+
+    if ORACLE_DIR in os.environ:
+        return
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    run = base.parent if base.name.startswith("popen-gw") else base
+    folder = run / "hf-oracle"
+    folder.mkdir(exist_ok=True)
+    os.environ[ORACLE_DIR] = str(folder)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported (torch, transformers, shardgen: ~400,000 objects), so the
+    collector's full passes during the tests walk only what the tests allocate (each pass over
+    them costs about 0.2 s of CPU). The ranks' fork server does the same (tests/helpers/rank_preload.py)."""
+    import gc
+
+    gc.freeze()

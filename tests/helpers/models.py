@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
+import threading
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -64,9 +69,62 @@ def batch(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> tuple[torch.
 
 
 def hf_generate(model, ids, mask, **kw) -> torch.Tensor:
-    """The oracle: single-process HF generate (synced_gpus off, or it would deadlock in a world)."""
+    """The oracle: single-process HF generate (synced_gpus off, or it would deadlock in a world).
+
+    Kept in the run's oracle cache (``ORACLE_DIR``, below) under everything its output depends
+    on, so the ranks of a world and the backend and gather cases of one scenario compute each
+    answer once per ``make test``."""
+    path = _oracle_path(model, ids, mask, kw)
+    if path is not None and os.path.exists(path):
+        return torch.load(path)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, do_sample=False, synced_gpus=False, **kw)
+        out = model.generate(ids, attention_mask=mask, do_sample=False, synced_gpus=False, **kw)
+    if path is not None:
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        torch.save(out, tmp)
+        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+    return out
+
+
+# The folder of the run's oracle cache, from the test session (tests/conftest.py); unset: no cache.
+ORACLE_DIR = "SHARDGEN_TEST_ORACLE_DIR"
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _oracle_path(model, ids, mask, kw: dict) -> str | None:
+    """The cache file of this call: a hash of the model's class, config, generation config and
+    weights, the inputs and keywords, and the numerics in force (the small-row switch, invariant
+    numerics, the default dtype); None where a keyword is not a plain value (a logits processor,
+    a streamer) or no cache folder is set."""
+    folder = os.environ.get(ORACLE_DIR)
+    if not folder or not all(isinstance(v, _PLAIN) or _plain_seq(v) for v in kw.values()):
+        return None
+    import rounding
+
+    mode = sys.modules.get("shardgen.numerics.mode")
+    numerics = (rounding.installed(), mode is not None and mode.active(), torch.get_default_dtype())
+    h = hashlib.sha256()
+    try:
+        for part in (
+            type(model).__qualname__,
+            model.config.to_json_string(use_diff=False),
+            model.generation_config.to_json_string(use_diff=False),
+            repr((sorted(kw.items()), model.training, numerics)),
+        ):
+            h.update(part.encode())
+        for name, t in [*model.named_parameters(), *model.named_buffers(), ("ids", ids), ("mask", mask)]:
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                return None  # a sharded (DTensor) or otherwise wrapped weight: computed, not kept
+            t = t.detach()
+            h.update(f"{name}{tuple(t.shape)}{t.dtype}{t.device}".encode())
+            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    except (TypeError, ValueError, RuntimeError):  # a config or tensor that does not serialize
+        return None
+    return os.path.join(folder, h.hexdigest() + ".pt")
+
+
+def _plain_seq(v) -> bool:
+    return type(v) in (list, tuple) and all(isinstance(x, _PLAIN) for x in v)
 
 
 def eos_after(model, ids, mask, row: int, step: int, **kw) -> int:
