@@ -99,12 +99,12 @@ LAUNCHED_ENV = "SHARDGEN_LAUNCHED"  # set for ranks spawned by launch()
 
 def lost_ranks_line(failures: dict[int, object], resume: str | None) -> str | None:
     """One line for ranks that died by a signal (killed, out of memory): who, how, and how to go
-    on. None when every failed rank exited by itself: such a rank said why on its own."""
+    on. None when every failed rank exited by itself: such a rank said why on its own. A rank
+    killed is said even when its peers then exited with an error of their own: they saw it gone
+    (``PeerStalledError``) before the agent stopped them, and their lines do not say the signal."""
     codes = {r: _as_signal(int(getattr(f, "exitcode", 0))) for r, f in failures.items()}
     # The agent stops the others with SIGTERM once one fails: those are not the cause.
     cause = {r: c for r, c in codes.items() if c != -signal.SIGTERM} or codes
-    if any(c > 0 for c in cause.values()):
-        return None  # a rank exited with an error of its own, and said it
     lost = []
     for rank, f in sorted(failures.items()):
         code = codes[rank]
@@ -115,7 +115,7 @@ def lost_ranks_line(failures: dict[int, object], resume: str | None) -> str | No
                 name = "an unknown signal"
             lost.append(f"rank {rank} (pid {getattr(f, 'pid', '?')}) was killed by signal {-code} ({name})")
     if not lost:
-        return None
+        return None  # every failed rank exited with an error of its own, and said it
     line = f"shardgen: error: {'; '.join(lost)}; the other ranks were stopped."
     if resume:
         line += f" Results so far are in the journals, which are intact: resume with: {resume}"
