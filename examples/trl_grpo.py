@@ -8,7 +8,9 @@ of the expected numbers it got right), through ``shardgen.integrations.trl.GRPOT
 own ``GRPOTrainer`` with one import changed. FSDP2: transformers shards the model at load
 (``distributed_config=DistributedConfig(fsdp_size=world)``); DeepSpeed: ZeRO-3 through the
 ``deepspeed`` field of ``GRPOConfig`` (accelerate's DeepSpeed engine). Rank 0 prints TRL's logs
-(reward per step) and a summary line.
+(reward per step) and a summary line. ``--speculate K`` drafts each row's next tokens from what the
+engine has seen (the other samples of its prompt, earlier rollouts of it) and prints the drafts'
+acceptance and tokens per decode forward (docs/PERFORMANCE.md 22).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import os
 import random
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt (num_generations)")
     ap.add_argument("--temperature", type=float, default=2.5)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft up to K tokens per row from what the engine has seen (0: off)",
+    )
     ap.add_argument("--local-rank", "--local_rank", type=int, default=0)  # the DeepSpeed launcher's
     args = ap.parse_args()
 
@@ -92,13 +102,27 @@ def main() -> None:
         args=config,
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
         processing_class=tok,
+        shardgen_config={"speculate": args.speculate},
     )
+    t0 = time.perf_counter()
     trainer.train()
+    seconds = time.perf_counter() - t0
     if rank == 0:
-        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        history = trainer.state.log_history
+        rewards = [h["reward"] for h in history if "reward" in h]
         k = max(1, min(5, len(rewards) // 2))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
+        if args.speculate:  # TRL's logs: per step, all ranks summed
+            drafted = sum(h.get("shardgen/drafted", 0.0) for h in history)
+            accepted = sum(h.get("shardgen/accepted", 0.0) for h in history)
+            per = [h["shardgen/tokens_per_forward"] for h in history if "shardgen/tokens_per_forward" in h]
+            rate, tpf = accepted / max(drafted, 1.0), sum(per) / max(len(per), 1)
+            print(
+                f"speculation: drafted {drafted:.0f}  accepted {accepted:.0f} ({rate:.2f})  "
+                f"tokens per forward {tpf:.2f}"
+            )
+        print(f"train: {len(rewards)} steps in {seconds:.1f} s")
     dist.barrier()
     dist.destroy_process_group()
 

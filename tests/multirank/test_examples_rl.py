@@ -43,11 +43,17 @@ def test_rl_rollout_deepspeed_launcher():
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install 'shardgen[trl]')")
 def test_trl_grpo_fsdp2_torchrun():
-    """The TRL subclass on the toy task (DeepSpeed: tests/multirank/test_trl.py covers that backend)."""
-    rc, out, _ = run(torchrun("trl_grpo.py", "--backend", "fsdp2", "--steps", "2", "--prompts-per-rank", "2"))
+    """The TRL subclass on the toy task (DeepSpeed: tests/multirank/test_trl.py covers that backend),
+    with speculative decoding (``--speculate``: its counters from TRL's logs on rank 0)."""
+    args = ["--backend", "fsdp2", "--steps", "2", "--prompts-per-rank", "2", "--speculate", "4"]
+    rc, out, _ = run(torchrun("trl_grpo.py", *args))
     assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
     assert len(re.findall(r"'reward': '[\d.]+'", out)) == 2, out  # TRL logs each step once (rank 0)
     assert re.search(r"^reward: first 1 steps [\d.]+ -> last 1 steps [\d.]+$", out, flags=re.M), out
+    m = re.search(r"^speculation: drafted (\d+)  accepted (\d+) \(([\d.]+)\)  tokens per forward ([\d.]+)$",
+                  out, flags=re.M)  # fmt: skip
+    assert m and int(m[2]) <= int(m[1]) and float(m[4]) >= 1.0, out
+    assert re.search(r"^train: 2 steps in [\d.]+ s$", out, flags=re.M), out
 
 
 def _check_opsd(rc: int, out: str, steps: int, world: int, prompts: int, samples: int) -> list[tuple]:
