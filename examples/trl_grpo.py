@@ -122,7 +122,8 @@ def main() -> None:
                 f"speculation: drafted {drafted:.0f}  accepted {accepted:.0f} ({rate:.2f})  "
                 f"tokens per forward {tpf:.2f}"
             )
-        print(f"train: {len(rewards)} steps in {seconds:.1f} s")
+        gen = sum(h.get("shardgen/generate_seconds", 0.0) for h in history)
+        print(f"train: {len(rewards)} steps in {seconds:.1f} s, generation {gen:.1f} s of it")
     dist.barrier()
     dist.destroy_process_group()
 

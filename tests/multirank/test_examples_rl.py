@@ -53,7 +53,7 @@ def test_trl_grpo_fsdp2_torchrun():
     m = re.search(r"^speculation: drafted (\d+)  accepted (\d+) \(([\d.]+)\)  tokens per forward ([\d.]+)$",
                   out, flags=re.M)  # fmt: skip
     assert m and int(m[2]) <= int(m[1]) and float(m[4]) >= 1.0, out
-    assert re.search(r"^train: 2 steps in [\d.]+ s$", out, flags=re.M), out
+    assert re.search(r"^train: 2 steps in [\d.]+ s, generation [\d.]+ s of it$", out, flags=re.M), out
 
 
 def _check_opsd(rc: int, out: str, steps: int, world: int, prompts: int, samples: int) -> list[tuple]:

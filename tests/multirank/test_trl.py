@@ -66,8 +66,9 @@ def test_subclass_with_speculation_keeps_the_rows_and_logs_its_stats(trlworld):
         _trained_with_uneven_calls(out)
     for r, (a, b) in enumerate(zip(plain, spec, strict=True)):
         assert b["completions"] == a["completions"], f"rank {r}: speculation changed the completions"
-    assert all(set(h) == {"shardgen/prompt_tokens_computed", "shardgen/prompt_tokens_cached"}
-               for h in plain[0]["shardgen"]), plain[0]["shardgen"]  # fmt: skip
+    keys = {"shardgen/prompt_tokens_computed", "shardgen/prompt_tokens_cached", "shardgen/generate_seconds"}
+    assert all(set(h) == keys for h in plain[0]["shardgen"]), plain[0]["shardgen"]
+    assert all(0.0 < h["shardgen/generate_seconds"] < 300.0 for o in (plain, spec) for h in o[0]["shardgen"])
     logged = spec[0]["shardgen"]
     assert len(logged) == 2 and all("shardgen/tokens_per_forward" in h for h in logged), logged
     assert sum(h["shardgen/drafted"] for h in logged) > 0, logged

@@ -30,10 +30,11 @@ How it fits TRL 1.16 (``trl/trainer/grpo_trainer.py``):
   rank enters ``engine.paused()`` (collective) and stays there, through the loss, backward and
   optimizer step, until its next ``_generate``. ``train()`` closes the engine at the end.
 
-Logged per step beside TRL's metrics, all ranks summed: ``shardgen/prompt_tokens_computed`` and
-``shardgen/prompt_tokens_cached``; with ``shardgen_config={"speculate": K}`` also
-``shardgen/drafted``, ``shardgen/accepted`` (draft tokens fed and kept) and
-``shardgen/tokens_per_forward`` (a live row's tokens per decode forward).
+Logged per step beside TRL's metrics: ``shardgen/generate_seconds`` (the generation phase's wall
+time on its slowest rank, tool turns included) and, all ranks summed,
+``shardgen/prompt_tokens_computed`` and ``shardgen/prompt_tokens_cached``; with
+``shardgen_config={"speculate": K}`` also ``shardgen/drafted``, ``shardgen/accepted`` (draft
+tokens fed and kept) and ``shardgen/tokens_per_forward`` (a live row's tokens per decode forward).
 
 Sampling: ``temperature``, ``top_k``, ``top_p``, ``max_completion_length`` and the EOS ids TRL
 resolved; logprobs under ``softmax(logits / temperature)``, what TRL recomputes. TRL settings
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any
 
 from shardgen.config import EngineConfig
@@ -171,10 +173,10 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
         self._shardgen_pause.close()  # resume: the engine generates again
         mode = "train" if self.model.training else "eval"  # as TRL's _generate reads it
         training, self._shardgen_phase = self.model.training, True
-        before = self._shardgen_counts()
+        before, t0 = self._shardgen_counts(), time.perf_counter()
         try:
             out = super()._generate(prompts)
-            self._shardgen_log(mode, before)
+            self._shardgen_log(mode, before, time.perf_counter() - t0)
             return out
         finally:
             self._shardgen_phase = False
@@ -198,18 +200,22 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
         stats = self.shardgen_engine.stats()
         return [int(stats[k]) for k in self.COUNTERS]
 
-    def _shardgen_log(self, mode: str, before: list[int]) -> None:
-        """Log the phase's prompt tokens (and with ``speculate``: ``drafted``, ``accepted``,
-        ``tokens_per_forward``), all ranks summed. Collective (``gather`` on the default group):
-        every rank, once per phase, after TRL's own gathers and before the pause."""
+    def _shardgen_log(self, mode: str, before: list[int], seconds: float) -> None:
+        """Log the phase's ``seconds`` on its slowest rank and its prompt tokens (and with
+        ``speculate``: ``drafted``, ``accepted``, ``tokens_per_forward``), all ranks summed.
+        Collective (``gather`` on the default group): every rank, once per phase, after TRL's own
+        gathers and before the pause."""
         import torch
 
         now = self._shardgen_counts()
         delta = [a - b for a, b in zip(now, before, strict=True)]
-        local = torch.tensor(delta, device=self.accelerator.device)
-        total = self.accelerator.gather(local).view(-1, len(self.COUNTERS)).sum(0).tolist()
+        # float64: the counts stay exact (below 2**53) beside the seconds
+        local = torch.tensor([*delta, seconds], dtype=torch.float64, device=self.accelerator.device)
+        rows = self.accelerator.gather(local).view(-1, len(self.COUNTERS) + 1)
+        total = [int(x) for x in rows[:, :-1].sum(0).tolist()]
         c = dict(zip(self.COUNTERS, total, strict=True))
         metrics = self._metrics[mode]
+        metrics["shardgen/generate_seconds"].append(float(rows[:, -1].max()))
         metrics["shardgen/prompt_tokens_computed"].append(float(c["prefill_tokens"]))
         metrics["shardgen/prompt_tokens_cached"].append(float(c["cached_prompt_tokens"]))
         if self.shardgen_config.speculate:
