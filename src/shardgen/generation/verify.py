@@ -122,10 +122,9 @@ def _accept_greedy(
         flat = logits.reshape(-1, logits.shape[-1]).index_select(0, at)
         chosen = torch.tensor([tokens[r][j] for r, j in pick], device=logits.device)
         got = chosen_logprobs(flat, chosen, [seqs[rows[r]].params for r, _ in pick]).tolist()
-        lps, k = [[] for _ in rows], 0
-        for r, _ in pick:
-            lps[r].append(got[k])
-            k += 1
+        lps = [[] for _ in rows]
+        for (r, _), lp in zip(pick, got, strict=True):
+            lps[r].append(lp)
     for r, i in enumerate(rows):
         s, t = seqs[i], tokens[r]
         for j in range(runs[r]):  # EOS, a stop string or the length end the row where they fall
