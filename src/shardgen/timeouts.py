@@ -38,7 +38,7 @@ class Timeouts:
     param_group: float
     """Backstop timeout of the parameter group: a gather stuck this long raises even without liveness."""
     control_group: float
-    """Backstop timeout of the control group: the tick's all-reduce waits in short slices, and the
+    """Backstop timeout of the control group: the tick's all-gather waits in short slices, and the
     pause waits on the store, so only a lost peer can reach it; generous, since idle ranks tick."""
 
 

@@ -96,7 +96,7 @@ def test_last_collectives_right_before_exit_do_not_abort():
 
 
 def test_gloo_worker_releasing_a_tick_after_its_caller_needs_no_gil_at_exit():
-    """The control plane's buffer keeps a second C++ reference (``ControlPlane._pin``), so the
+    """The control plane's buffers keep a second C++ reference (``ControlPlane._pins``), so the
     gloo worker that releases a tick's work after the caller let go of it does not take the GIL
     (core/protocol.py). Without it, rank 0 of tests/helpers/exit_tick_rank.py aborts at exit every time
     (its worker waits for the GIL into finalization)."""

@@ -84,14 +84,14 @@ EXIT_GIL_HANDOFF_S = 0.05
 @atexit.register
 def _exit_guard() -> None:
     """At interpreter exit, a failed engine may leave gloo work that never completes (a driver
-    stuck in a gather, or a tick's all-reduce abandoned when the verdict came): the groups'
+    stuck in a gather, or a tick's all-gather abandoned when the verdict came): the groups'
     destructors would join gloo's worker threads until the group timeout. Leave at once,
     non-zero, instead (after rank 0's ``liveness.linger``, registered later, so run first).
 
     Otherwise, give the GIL away for a moment before the interpreter finalizes. A gloo worker
     thread drops a finished collective's work object after the caller's ``wait()`` returned;
     dropping the work's tensors takes the GIL. When the last collective came just before exit
-    (a tick's all-reduce, a script's final barrier), the worker can ask for the GIL while the
+    (a tick's all-gather, a script's final barrier), the worker can ask for the GIL while the
     main thread finalizes: Python then ends the worker with ``pthread_exit``, whose unwinding
     through gloo's ``noexcept`` destructor calls ``std::terminate``, and a rank whose work was
     done exits with SIGABRT ("terminate called without an active exception"; seen in a core

@@ -42,7 +42,7 @@ class EngineStats:
     requests: int = 0
     generated_tokens: int = 0
     forward_s: float = 0.0  # time in real and shadow forwards
-    control_s: float = 0.0  # time in the tick's all-reduce
+    control_s: float = 0.0  # time in the tick's all-gather
     busy_s: float = 0.0  # time in real forwards only
 
     def as_dict(self) -> dict[str, Any]:

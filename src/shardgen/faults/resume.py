@@ -1,7 +1,7 @@
 """The end of an agreed pause: no driver ticks again before every rank has left its ``paused()``.
 
 Peers may stay inside their block for long (a training step), so the drivers wait on the c10d
-store, not in the next tick's all-reduce, whose group has a timeout. A rank still inside long
+store, not in the next tick's all-gather, whose group has a timeout. A rank still inside long
 after this one left is named once, with its stack where it runs on this host: the usual cause is
 a collective of the user's own inside the block that not every rank runs as often.
 """
