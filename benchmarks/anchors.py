@@ -294,7 +294,7 @@ def report(name, n, methods, secs, toks, fwd, sg_stats, off_stats, prompts, rows
         rest = st["wall_s"] - st["forward_s"] - st["control_s"]
         lines.append(
             f"shardgen per rollout (mean rank): wall {st['wall_s']:.2f} s = forwards {st['forward_s']:.2f} s "
-            f"({st['forwards']:.0f} + {st['shadow_forwards']:.0f} shadow) + tick all-reduce "
+            f"({st['forwards']:.0f} + {st['shadow_forwards']:.0f} shadow) + tick "
             f"{st['control_s']:.2f} s + the rest {rest:.2f} s"
         )
     return lines, tok_s

@@ -22,7 +22,7 @@ The engine's step is split by timers wrapped around FSDP2's own hooks and shardg
 - ``hooks``: FSDP2's pre- and post-forward hooks less the above (its state machine, input casts);
 - ``compute``: the engine's forward time (``stats()["forward_s"]``) less all of the above: the
   model's arithmetic and the forward's own Python;
-- ``outside forwards``: the step less the forward time: the tick's all-reduce
+- ``outside forwards``: the step less the forward time: the tick's all-gather
   (``control_s``, shown apart), sampling, the driver's bookkeeping;
 - ``faults``: minor page faults per step of the process (the engine's, and the unsharded
   model's ``generate``).
@@ -139,7 +139,7 @@ def rank_main(args: argparse.Namespace) -> None:
     def snapshot() -> dict[str, float]:
         s = engine.stats()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        return {**TIMES, "forward": s["forward_s"], "tick all-reduce": s["control_s"], "faults": faults}
+        return {**TIMES, "forward": s["forward_s"], "tick": s["control_s"], "faults": faults}
 
     def timed(fn, n: int) -> tuple[float, dict[str, float]]:
         dist.barrier()
@@ -173,7 +173,7 @@ def rank_main(args: argparse.Namespace) -> None:
                     row[k] = d.get(k, 0.0)
                 row["compute"] = d["forward"] - sum(row[k] for k in PARTS)
                 row["outside forwards"] = row[name] - d["forward"]
-                row["tick all-reduce"] = d["tick all-reduce"]
+                row["tick"] = d["tick"]
         row["floor"] = row["floor compute"] + row["floor broadcasts"]
         rounds.append(row)
     engine.close()
@@ -189,7 +189,7 @@ def rank_main(args: argparse.Namespace) -> None:
 def report(ranks: list[list[dict[str, float]]]) -> str:
     """A table: per round, rank 0's split of the step (ms) and the ratios to the floor."""
     cols = ["shardgen fsdp2", "floor", "floor compute", "floor broadcasts", "fsdp2 kept unsharded", "compute",
-            *PARTS, "outside forwards", "tick all-reduce"]  # fmt: skip
+            *PARTS, "outside forwards", "tick"]  # fmt: skip
     cols += ["shardgen fsdp2 faults", "floor compute faults"]
     heads = [c if c.endswith("faults") else f"{c} ms" for c in cols]
     lines = ["| round | x floor (worst rank) | " + " | ".join(heads) + " |"]

@@ -13,7 +13,7 @@ the physical floor of ``once``), ``once-fsdp2``, ``once-deepspeed``, ``per-layer
 ``per-layer-deepspeed``. One engine per method, all built before timing, rounds interleaved.
 Reports useful tokens/s and each method as a multiple of ``local`` and of ``per-layer-fsdp2``,
 and where each rank's timed wall time went (``engine.stats()`` over the timed rounds: real
-forwards, shadow forwards, the tick's all-reduce, the rest: gathers, idle ticks, the user thread).
+forwards, shadow forwards, the tick's all-gather, the rest: gathers, idle ticks, the user thread).
 """
 
 from __future__ import annotations

@@ -149,8 +149,8 @@ def part_budget(args, rank: int) -> dict:
             secs[budget] += dt
             tokens[budget] += sum(len(c.token_ids) for c in done)
             chunks[budget] += st["prefill_forwards"] - st["prefills"]
-            # a tick's period, from its all-reduce's end to the next one's: the slowest forward
-            # of the tick on any rank, plus the all-reduce (forward ticks only)
+            # a tick's period, from its all-gather's end to the next one's: the slowest forward
+            # of the tick on any rank, plus the all-gather (forward ticks only)
             last, forwarded = None, False
             for _, t1, kind in spans:
                 if kind == "tick":
