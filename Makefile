@@ -49,10 +49,10 @@ LONGEST := tests/multirank/test_slurm_example.py tests/multirank/test_examples_r
 	tests/multirank/test_user_faults.py tests/multirank/test_doc_snippets.py \
 	tests/multirank/test_rollout_multirank.py
 # The slowest tests listed at the end (`make test DURATIONS=0` lists every one).
+DURATIONS ?= 25
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
 # some machines): the suite starts about a hundred Python processes, each of which would compile
 # shardgen and the test helpers again, and pytest would rewrite the test files in every worker.
-DURATIONS ?= 25
 test: $(STAMP) lint
 	PYTHONDONTWRITEBYTECODE= SHARDGEN_TEST_SMALL_ROWS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) \
 		-m "not bigworld and not long" $(LONGEST) tests

@@ -4,8 +4,8 @@ work after the Python side let go of it, while the main thread keeps the GIL unt
 ``python exit_tick_rank.py RANK PORT``, two ranks. Rank 0 starts the control plane's
 all-gather (``ControlPlane._mine`` into ``_rows``, the tick's buffers) and drops the work's
 handle at once; rank 1 joins the all-gather 0.3 s later, so rank 0's gloo worker finishes the
-work and holds its last reference. Rank 0's main thread meanwhile spins with a 1000 s switch interval (it
-never yields the GIL) and then exits, with the exit guard's GIL hand-off taken out (this checks
+work and holds its last reference. Rank 0's main thread meanwhile spins with a 1000 s switch
+interval (it never yields the GIL) and then exits, with the exit guard's GIL hand-off taken out (this checks
 the plane's own release, not that mitigation). If the worker's release of the buffer needs the
 GIL, it waits for it into finalization, and Python ends it there with ``pthread_exit`` inside
 gloo's ``noexcept`` destructor: SIGABRT, "terminate called without an active exception".

@@ -85,7 +85,7 @@ class TickRow:
 
     @staticmethod
     def from_vector(values: list[int]) -> TickRow:
-        """The row a vector of ``to_vector`` (or a sum of them) holds."""
+        """The row a vector of ``to_vector`` holds."""
         assert len(values) == NCOLS, f"a tick row of {len(values)} columns, not {NCOLS}"
         return TickRow(*values)
 
@@ -244,9 +244,9 @@ class ControlPlane:
         """
         import torch.distributed as dist
 
-        self._mine.copy_(torch.tensor(row.to_vector(), dtype=torch.int64))
         if self.world == 1:
-            return TickState([TickRow.from_vector(self._mine.tolist())])
+            return TickState([TickRow.from_vector(row.to_vector())])
+        self._mine.copy_(torch.tensor(row.to_vector(), dtype=torch.int64))
         work = dist.all_gather(self._rows, self._mine, group=self.group, async_op=True)
         while True:
             try:
