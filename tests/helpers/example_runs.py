@@ -1,6 +1,12 @@
 """Running the examples and the README's scripts as a user would (tests/multirank/test_examples.py,
 tests/multirank/test_readme.py): under torchrun and the DeepSpeed launcher, each in its own session, with
 a hard timeout that kills its process group (the launcher and the ranks it started, nothing else).
+
+:func:`run_forked` starts a script's ranks as torchrun would (the same environment, each rank the
+script's ``__main__``), forked from the server that the test ranks come from (tests/helpers/world.py):
+a fresh interpreter spends about 5 s of CPU importing torch and transformers, most of a small
+example's run. Launchers themselves are tested where they are the subject: ``shardgen run`` and
+its torchrun agent in tests/multirank/test_cli*.py, the DeepSpeed launcher in test_examples.py.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,3 +129,67 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------ ranks forked, as torchrun starts them
+
+
+def run_forked(
+    script: str | Path, *args: str, nproc: int = 2, timeout: float = RUN_TIMEOUT_S
+) -> tuple[int, str, float]:
+    """Run ``script args`` on ``nproc`` ranks as ``torchrun --nproc-per-node nproc`` would: each rank
+    gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) and runs the script as
+    ``__main__`` (tests/helpers/forked.py), all ranks writing to one output. As under torchrun, the
+    first rank to fail ends the others (after a short grace); on ``timeout`` every rank is killed
+    (by pid) and the test fails with the output. ``script``: a path, or an example's file name.
+    -> (exit code, output, seconds); the exit code is the first failing rank's."""
+    script = Path(script) if Path(script).is_absolute() else EXAMPLES / script
+    for _ in range(3):  # a lost port race, as run() does
+        rc, out, elapsed = _run_forked_once(script, list(args), nproc, timeout)
+        if rc == 0 or "EADDRINUSE" not in out:
+            break
+    return rc, out, elapsed
+
+
+def _run_forked_once(script: Path, args: list[str], nproc: int, timeout: float) -> tuple[int, str, float]:
+    from forked import Forked
+
+    port = str(free_port())
+    fd, log = tempfile.mkstemp(prefix="shardgen-forked-", suffix=".log")
+    os.close(fd)
+    base = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    )
+    if not _cuda():
+        base.setdefault("DS_ACCELERATOR", "cpu")
+    n = str(nproc)
+    t0 = time.monotonic()
+    ranks = []
+    rc, failed_at = 0, 0.0
+    try:
+        for r in map(str, range(nproc)):
+            env = dict(base, RANK=r, LOCAL_RANK=r, ROLE_RANK=r, GROUP_RANK="0")
+            env.update(WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, ROLE_WORLD_SIZE=n)
+            ranks.append(Forked(str(script), args, env, log, cwd=str(ROOT)))
+        while any(p.poll() is None for p in ranks):
+            now = time.monotonic()
+            if now - t0 > timeout:
+                for p in ranks:
+                    p.kill()
+                out = Path(log).read_text(errors="replace")
+                pytest.fail(f"timed out after {timeout:g}s: {script} {' '.join(args)}\n--- output ---\n{out}")
+            if rc == 0:
+                rc = next((p.poll() for p in ranks if p.poll() not in (None, 0)), 0)
+                failed_at = now
+            elif now - failed_at > 5.0:  # torchrun's behaviour: a failed rank ends the job
+                break
+            time.sleep(0.05)
+        rc = rc or next((p.poll() for p in ranks if p.poll() not in (None, 0)), 0)
+    finally:
+        for p in ranks:
+            p.kill()
+        out = Path(log).read_text(errors="replace")
+        os.unlink(log)
+    elapsed = time.monotonic() - t0
+    print(f"$ ({nproc} forked ranks) {script} {' '.join(args)}  ({elapsed:.1f}s, rc={rc})\n{out}")
+    return rc, out, elapsed

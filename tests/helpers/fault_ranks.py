@@ -2,10 +2,9 @@
 
 Not under torchrun's agent (which would kill the survivors itself), so a test sees
 exactly what a healthy rank does. Each rank runs the script as ``__main__`` in a process forked
-from the test ranks' fork server (``world.py``: torch and transformers imported once), with
-its own environment, its output in its log file, and the interpreter's exit sequence (threads
-joined, then ``atexit``), as ``python script.py scenario`` would. ``SHARDGEN_TEST_START=spawn``
-starts each as a fresh interpreter instead.
+from the test ranks' fork server (``forked.py``), with its own environment, its output in its log
+file, and the interpreter's exit sequence, as ``python script.py scenario`` would.
+``SHARDGEN_TEST_START=spawn`` starts each as a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -18,70 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+from forked import Forked
 from ports import free_port
-from world import start_context, start_method
+from world import start_method
 
 _FRESH = start_method() == "spawn"
 
 HERE = Path(__file__).parent
 STALL = 4.0
-
-
-def _run_script(script: str, arg: str, env: dict, log: str) -> None:
-    """In the forked rank: ``python script arg`` with ``env``, stdout and stderr to ``log``."""
-    import atexit
-    import runpy
-    import threading
-
-    os.environ.clear()
-    os.environ.update(env)
-    import rounding
-
-    rounding.apply_env()  # SHARDGEN_TEST_SMALL_ROWS as this rank's environment says
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.argv = [script, arg]
-    code: object = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        code = e.code
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception
-        code = 1
-    # What the interpreter does at exit and a forked multiprocessing child skips: wait for the
-    # non-daemon threads, then run the atexit hooks (shardgen's exit guard, rank 0's linger).
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
-
-
-class Forked:
-    """A rank forked from the fork server, with the ``subprocess.Popen`` calls the tests use."""
-
-    def __init__(self, script: str, arg: str, env: dict, log: str) -> None:
-        self._proc = start_context().Process(target=_run_script, args=(script, arg, env, log), daemon=False)
-        self._proc.start()
-        self.pid = self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.exitcode
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self.returncode is None:
-            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0)
-        return self.returncode
 
 
 class Ranks:
@@ -119,7 +62,7 @@ class Ranks:
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
             else:
                 open(self.logs[r], "w").close()  # the test may read it before the rank starts
-                self.procs.append(Forked(str(HERE / script), scenario, env, str(self.logs[r])))
+                self.procs.append(Forked(str(HERE / script), [scenario], env, str(self.logs[r])))
         self.t0 = time.monotonic()
 
     def text(self, r: int) -> str:

@@ -1,5 +1,6 @@
-"""The README's torchrun programs, one after another in one torchrun job (tests/multirank/test_readme.py):
-``torchrun --nproc-per-node 2 tests/helpers/readme_programs.py a.py b.py ...`` runs each file as its own
+"""The README's torchrun programs, one after another in one job (tests/multirank/test_readme.py):
+``torchrun --nproc-per-node 2 tests/helpers/readme_programs.py a.py b.py ...`` (or its ranks forked
+as torchrun starts them, tests/helpers/example_runs.py ``run_forked``) runs each file as its own
 ``__main__``, exactly as written, and prints ``=== done NAME`` on rank 0 once every rank has
 finished it, so the output splits by program. One job instead of one per program: each launch
 costs its ranks' imports.

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from example_runs import RUN_TIMEOUT_S
+from example_runs import RUN_TIMEOUT_S, run_forked
 
 from shardgen.bench import command as bench
 from shardgen.core import timeline
@@ -96,15 +96,13 @@ def test_bench_two_ranks_four_methods(tmp_path: Path):
 
 def test_gpu_check_script_runs_its_steps_on_the_cpu(tmp_path):
     """``make gpu``'s script, ``--smoke`` (CPU, tiny models): every gather mode of both backends
-    equal to HF, the prefix cache, the decode figures, as JSON."""
+    equal to HF, the prefix cache, the decode figures, as JSON. One rank, started as
+    ``torchrun --nproc-per-node=1`` starts it (forked: tests/helpers/example_runs.py)."""
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "gpu.json"
-    script = str(root / "benchmarks" / "gpu_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone", script,
-           "--smoke", "--rounds", "1", "--json", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(root / "src")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=root)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    script = root / "benchmarks" / "gpu_check.py"
+    rc, output, _ = run_forked(script, "--smoke", "--rounds", "1", "--json", str(out), nproc=1)
+    assert rc == 0, output
     res = json.loads(out.read_text())
     assert res["ok"] and len(res["modes"]) == 8, res
     assert all(m["control_plane"] == "gloo" and m["equal_hf"] for m in res["modes"]), res["modes"]

@@ -1,6 +1,9 @@
-"""The RL examples, run as a user would: ``rl_rollout.py`` under torchrun (FSDP2) and the DeepSpeed
-launcher, and the TRL subclass (2 CPU ranks). A file of its own beside tests/multirank/test_examples.py,
-so that the suite's workers share the example runs (``make test`` runs one file per worker).
+"""The RL examples, run as a user would: ``rl_rollout.py`` as torchrun starts it (FSDP2) and under the
+DeepSpeed launcher, and the TRL subclass (2 CPU ranks). In ``make test`` the ranks are forked as
+torchrun would start them (tests/helpers/example_runs.py ``run_forked``: no fresh interpreters); the
+launchers' own runs of these scripts are in ``make fuzz``. A file of its own beside
+tests/multirank/test_examples.py, so that the suite's workers share the example runs (``make test``
+runs one file per worker).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ import importlib.util
 import re
 
 import pytest
-from example_runs import HAS_DEEPSPEED, RUN_TIMEOUT_S, deepspeed_launcher, run, torchrun
+from example_runs import HAS_DEEPSPEED, RUN_TIMEOUT_S, deepspeed_launcher, run, run_forked, torchrun
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -27,12 +30,17 @@ def _check_rl_rollout(rc: int, out: str, steps: int) -> None:
 RL_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2"]
 
 
+def test_rl_rollout_fsdp2():
+    _check_rl_rollout(*run_forked("rl_rollout.py", "--backend", "fsdp2", *RL_ARGS)[:2], steps=2)
+
+
+# In `make fuzz`, not `make test`: the same run under torchrun itself (its agent, fresh interpreters).
+@pytest.mark.long
 def test_rl_rollout_fsdp2_torchrun():
     _check_rl_rollout(*run(torchrun("rl_rollout.py", "--backend", "fsdp2", *RL_ARGS))[:2], steps=2)
 
 
-# In `make fuzz`, not `make test`: rl_rollout.py runs on FSDP2 above, and opsd.py on DeepSpeed
-# (under torchrun) below.
+# In `make fuzz`, not `make test`: rl_rollout.py runs on FSDP2 above, and opsd.py on DeepSpeed below.
 @pytest.mark.long
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_rl_rollout_deepspeed_launcher():
@@ -42,11 +50,11 @@ def test_rl_rollout_deepspeed_launcher():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install 'shardgen[trl]')")
-def test_trl_grpo_fsdp2_torchrun():
+def test_trl_grpo_fsdp2():
     """The TRL subclass on the toy task (DeepSpeed: tests/multirank/test_trl.py covers that backend),
     with speculative decoding (``--speculate``: its counters from TRL's logs on rank 0)."""
     args = ["--backend", "fsdp2", "--steps", "2", "--prompts-per-rank", "2", "--speculate", "4"]
-    rc, out, _ = run(torchrun("trl_grpo.py", *args))
+    rc, out, _ = run_forked("trl_grpo.py", *args)
     assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
     assert len(re.findall(r"'reward': '[\d.]+'", out)) == 2, out  # TRL logs each step once (rank 0)
     assert re.search(r"^reward: first 1 steps [\d.]+ -> last 1 steps [\d.]+$", out, flags=re.M), out
@@ -83,13 +91,13 @@ def _check_opsd(rc: int, out: str, steps: int, world: int, prompts: int, samples
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_opsd_torchrun_full_logits_learns():
+def test_opsd_full_logits_learns():
     """The example's own settings, fewer steps: the student learns where its answers end. Over
     the run the task score rises (exact answers, out of 24 samples a step) and the divergence
     from the frozen teacher falls. With the teacher on the student's own moving weights (the
     example's old recipe) the score collapses to 0-2/24 by step 12 while the loss still falls."""
     steps, k = 12, 4
-    rc, out = run(torchrun("opsd.py", "--steps", str(steps)), timeout=2 * RUN_TIMEOUT_S)[:2]
+    rc, out = run_forked("opsd.py", "--steps", str(steps), timeout=2 * RUN_TIMEOUT_S)[:2]
     history = _check_opsd(rc, out, steps=steps, world=2, prompts=12, samples=2)
     first, last = history[:k], history[-k:]
 
@@ -106,8 +114,8 @@ def test_opsd_torchrun_full_logits_learns():
 OPSD_ARGS = ["--steps", "2", "--prompts", "5", "--samples", "2", "--numerics", "fast"]
 
 
-# In `make fuzz`, not `make test` (a 3-rank DeepSpeed launch is a minute of CPU): opsd.py runs under
-# torchrun on DeepSpeed above, with its default teacher.
+# In `make fuzz`, not `make test` (a 3-rank DeepSpeed launch is a minute of CPU): opsd.py runs on
+# DeepSpeed above (torchrun's environment), with its default teacher.
 @pytest.mark.long
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
 def test_opsd_deepspeed_launcher_3_ranks_top_k_separate_teacher():

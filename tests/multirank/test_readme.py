@@ -1,5 +1,7 @@
 """The README's scripts, each run as its block says (``torchrun --nproc-per-node 2 NAME.py``): all but
-the DeepSpeed one in one torchrun job (tests/helpers/readme_programs.py), each as its own ``__main__``.
+the DeepSpeed one in one job (tests/helpers/readme_programs.py), each as its own ``__main__``, its ranks
+started as torchrun starts them (tests/helpers/example_runs.py ``run_forked``; the DeepSpeed one under
+torchrun itself, in ``make fuzz``).
 
 A file of its own beside tests/multirank/test_examples.py (both launch through
 tests/helpers/example_runs.py), so that the suite's workers share the example runs (``make test`` runs
@@ -13,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from example_runs import HAS_DEEPSPEED, RANK_LINE, ROOT, RUN_TIMEOUT_S, launcher, run
+from example_runs import HAS_DEEPSPEED, RANK_LINE, ROOT, RUN_TIMEOUT_S, launcher, run, run_forked
 from ports import free_port
 
 from shardgen import toy
@@ -28,7 +30,7 @@ README = ROOT / "README.md"
 README_SCRIPT = re.compile(
     r"^( *)```python\n\1(# torchrun --nproc-per-node 2 (\w+\.py)[^\n]*\n.*?)^\1```", re.S | re.M
 )
-# Run together in one torchrun job (tests/helpers/readme_programs.py); zero3.py needs DeepSpeed, alone.
+# Run together in one job (tests/helpers/readme_programs.py); zero3.py needs DeepSpeed, alone.
 TOGETHER = ["quickstart.py", "rl.py", "opsd.py"]
 
 
@@ -61,12 +63,9 @@ def _run_readme_script(name: str, tmp_path: Path, timeout: float = RUN_TIMEOUT_S
 
 @pytest.fixture(scope="module")
 def together(tmp_path_factory) -> dict[str, str]:
-    """``{name: its output}`` of the README programs run in one torchrun job."""
+    """``{name: its output}`` of the README programs run in one job of 2 ranks."""
     scripts = _write(TOGETHER, tmp_path_factory.mktemp("readme"))
-    cmd = [*launcher("torchrun", "torch.distributed.run"), "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(ROOT / "tests" / "helpers" / "readme_programs.py"),
-           *map(str, scripts)]  # fmt: skip
-    rc, out, _ = run(cmd, timeout=RUN_TIMEOUT_S)
+    rc, out, _ = run_forked(ROOT / "tests" / "helpers" / "readme_programs.py", *map(str, scripts))
     assert rc == 0, f"exit code {rc}\n--- output ---\n{out}"
     assert "FutureWarning" not in out, out
     parts = re.split(r"=== done (\w+\.py)\n", out)

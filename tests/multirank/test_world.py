@@ -262,3 +262,39 @@ def test_gpu_marker_skips_exactly_when_cuda_is_missing(monkeypatch, cuda):
     else:
         with pytest.raises(pytest.skip.Exception, match="needs a CUDA device"):
             conftest.pytest_runtest_setup(_Item("gpu", "slow"))
+
+
+# ----------------------------------------------------------------------------------------
+# scripts run on forked ranks as torchrun starts them (tests/helpers/example_runs.py)
+# ----------------------------------------------------------------------------------------
+
+FORKED_SCRIPT = """
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+print(f"rank {dist.get_rank()} env {sorted(env.items())} argv {sys.argv[1:]} cwd {os.getcwd()}")
+dist.barrier()
+if sys.argv[1] == "fail" and dist.get_rank() == 1:
+    raise ValueError("boom on rank 1")
+if sys.argv[1] == "fail":
+    time.sleep(120)  # a peer left waiting: the failed rank ends the job, as under torchrun
+dist.destroy_process_group()
+"""
+
+
+def test_run_forked_is_torchrun_to_the_script_and_ends_the_job_at_a_failure(tmp_path):
+    from example_runs import ROOT, run_forked
+
+    script = tmp_path / "script.py"
+    script.write_text(FORKED_SCRIPT)
+    rc, out, _ = run_forked(script, "ok", nproc=3)
+    assert rc == 0, out
+    for r in range(3):
+        env = [("LOCAL_RANK", str(r)), ("LOCAL_WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"),
+               ("RANK", str(r)), ("WORLD_SIZE", "3")]  # fmt: skip
+        assert f"rank {r} env {env} argv ['ok'] cwd {ROOT}" in out, out
+    t0 = time.monotonic()
+    rc, out, _ = run_forked(script, "fail", nproc=2, timeout=60)
+    assert rc == 1 and "ValueError: boom on rank 1" in out and "Traceback" in out, out
+    assert time.monotonic() - t0 < 30, "the job did not end at the failure"
