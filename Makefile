@@ -38,15 +38,15 @@ lint: $(STAMP)
 # run in `make fuzz`, marked `long`).
 # The longest files (launched jobs, examples, multi-tower models: 40-150 s each) go first, in this
 # order, so no worker starts one at the end (xdist's own order puts files with few tests last).
-LONGEST := tests/multirank/test_slurm_example.py tests/multirank/test_examples_rl.py \
-	tests/multirank/test_cli.py tests/multirank/test_cli_demo.py tests/multirank/test_readme.py \
-	tests/multirank/test_examples.py tests/multirank/test_journal_faults.py tests/multirank/test_arch_matrix.py \
-	tests/multirank/test_towers.py tests/multirank/test_cli_launcher.py tests/multirank/test_trl_tools.py \
-	tests/multirank/test_trl.py tests/multirank/test_engine_multirank.py tests/multirank/test_stationary.py \
-	tests/multirank/test_invariant_numerics.py tests/multirank/test_encdec.py tests/multirank/test_faults.py \
+LONGEST := tests/multirank/test_slurm_example.py tests/multirank/test_cli.py \
+	tests/multirank/test_journal_faults.py tests/multirank/test_towers.py tests/multirank/test_engine_multirank.py \
+	tests/multirank/test_cli_demo.py tests/multirank/test_examples.py tests/multirank/test_arch_matrix.py \
+	tests/multirank/test_cli_launcher.py tests/multirank/test_trl_tools.py tests/multirank/test_encdec.py \
+	tests/multirank/test_trl.py tests/multirank/test_stationary.py tests/multirank/test_examples_rl.py \
+	tests/multirank/test_invariant_numerics.py tests/multirank/test_faults.py \
 	tests/multirank/test_liveness.py tests/multirank/test_integrations_deepspeed.py \
 	tests/multirank/test_deepspeed_backend.py tests/multirank/test_clean_exit.py tests/multirank/test_bench.py \
-	tests/multirank/test_user_faults.py tests/multirank/test_doc_snippets.py \
+	tests/multirank/test_readme.py tests/multirank/test_user_faults.py tests/multirank/test_doc_snippets.py \
 	tests/multirank/test_rollout_multirank.py
 # The slowest tests listed at the end (`make test DURATIONS=0` lists every one).
 DURATIONS ?= 25
