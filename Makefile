@@ -63,8 +63,9 @@ demo: $(STAMP)
 # Every input surface with 10,000 examples each (tests/unit/test_input_fuzz.py); random schedules on
 # 2-4 ranks (tests/helpers/fuzz.py), N from seed SEED0; the fault cases at 5-8 ranks and the long
 # reliability cases (journal faults; the soaks of tests/multirank/test_soak.py: 20,000 prompts, 5,000
-# calls, 200 engines; the shipped tool model trained again; the stationary ZeRO-Inference example);
-# the two-agent torchrun job 10 times.
+# calls, 200 engines; the shipped tool model trained again; the stationary ZeRO-Inference example;
+# the examples under torchrun and the DeepSpeed launcher; the rest of the architecture, backend and
+# gather-mode cross products that `make test` covers case by case); the two-agent torchrun job 10 times.
 N ?= 1000
 SEED0 ?= 0
 fuzz: $(STAMP)
@@ -73,7 +74,8 @@ fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "bigworld or long" tests/multirank/test_faults.py tests/multirank/test_journal_faults.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/multirank/test_soak.py tests/multirank/test_trl_tools.py tests/multirank/test_examples.py \
 		tests/multirank/test_examples_rl.py tests/multirank/test_cli_launcher.py tests/multirank/test_cli_demo.py tests/multirank/test_readme.py tests/multirank/test_cli.py \
-		tests/multirank/test_trl.py
+		tests/multirank/test_trl.py tests/multirank/test_stationary.py tests/multirank/test_towers.py tests/multirank/test_encdec.py \
+		tests/multirank/test_engine_multirank.py
 	$(BIN)/python tests/helpers/two_agents.py 10
 
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.

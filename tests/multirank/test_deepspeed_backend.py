@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multirank
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 TOL = 1e-5
-SEED_HANG_S = 20.0  # the seed script finishes in ~2 s when it does not hang
+SEED_HANG_S = 10.0  # the seed script finishes in ~2 s when it does not hang
 
 
 @pytest.fixture(scope="module")

@@ -267,12 +267,21 @@ def test_two_ranks_requests_starting_while_the_peer_decodes(ds_world2, backend, 
             assert out[1]["shadows"] > 0  # rank 1 waited on rank 0's forwards, encoder included
 
 
+KIN_CASES = [("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001)]
+
+
 @pytest.mark.multirank
-def test_two_ranks_bart_kin_and_mt5(ds_world2):
+@pytest.mark.parametrize(
+    "rest", [pytest.param(False, id="test"), pytest.param(True, id="rest", marks=pytest.mark.long)]
+)
+def test_two_ranks_bart_kin_and_mt5(ds_world2, rest):
     """mBART, Marian, Pegasus and mT5 as above: FSDP2 stationary (the encoder's exchanges sized at
-    the call) and DeepSpeed with a bucket per unit."""
-    for kind in KIN:
-        for backend, gather, bucket_mb in [("fsdp2", "stationary", None), ("deepspeed", "per-layer", 0.001)]:
+    the call) and DeepSpeed with a bucket per unit. In `make test` each kind on one of the two
+    (alternating), the other in `make fuzz` (``rest``)."""
+    for i, kind in enumerate(KIN):
+        for j, (backend, gather, bucket_mb) in enumerate(KIN_CASES):
+            if ((i + j) % 2 == 1) != rest:
+                continue
             out = ds_world2.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
             for r, res in enumerate(out):
                 assert res["bad"] == [], f"{kind} {backend}, rank {r}: {res['bad']}"
@@ -319,18 +328,31 @@ def test_whisper_score_two_ranks(ds_world2, backend, bucket_mb):
     assert [res["forwards"] for res in out] == [2, 1]
 
 
+# At 3 ranks, the cases of `make test`, then those of `make fuzz` (each gather mode and DeepSpeed's
+# bucket settings also at 2 ranks: test_two_ranks_requests_starting_while_the_peer_decodes).
+ENCDEC3 = [
+    ("t5", "fsdp2", "per-layer", None),
+    ("bart", "deepspeed", "per-layer", 0),
+    ("bart", "fsdp2", "stationary", None),
+]
+ENCDEC3_REST = [
+    ("bart", "fsdp2", "per-layer", None),
+    ("bart", "fsdp2", "once", None),
+    ("t5", "deepspeed", "per-layer", 0.001),
+]
+
+
 @pytest.mark.multirank
-def test_three_ranks_uneven_and_a_rank_holding_none(ds_world3):
+@pytest.mark.parametrize(
+    "cases", [pytest.param(ENCDEC3, id="test"), pytest.param(ENCDEC3_REST, id="rest", marks=pytest.mark.long)]
+)
+def test_three_ranks_uneven_and_a_rank_holding_none(ds_world3, cases):
     """Rank 2 holds no request: its shadows run the encoder whenever a peer starts one. FSDP2
     per-layer, once and stationary; DeepSpeed with a bucket per unit and module by module (its
     own hooks)."""
 
     world = ds_world3
-    for kind, backend, gather, bucket_mb in [
-        ("t5", "fsdp2", "per-layer", None), ("bart", "fsdp2", "per-layer", None),
-        ("bart", "fsdp2", "once", None), ("t5", "deepspeed", "per-layer", 0.001),
-        ("bart", "deepspeed", "per-layer", 0), ("bart", "fsdp2", "stationary", None),
-    ]:  # fmt: skip
+    for kind, backend, gather, bucket_mb in cases:
         out = world.run(sc.encdec_equal, kind, backend, gather, 2, bucket_mb, timeout=240)
         for r, res in enumerate(out):
             assert res["bad"] == [], f"{kind} {backend} {gather} {bucket_mb}, rank {r}: {res['bad']}"

@@ -89,12 +89,17 @@ def _assert_random_workload(out: list[dict]) -> None:
     assert_lockstep([o["stats"] for o in out])
 
 
-@pytest.mark.parametrize("case", range(8))
+# Four seeds each in `make test` (tests/multirank/test_fuzz.py runs random schedules there too),
+# the other four in `make fuzz`, beside tests/helpers/fuzz.py's thousand.
+SEEDS = [*range(4), *(pytest.param(c, marks=pytest.mark.long) for c in range(4, 8))]
+
+
+@pytest.mark.parametrize("case", SEEDS)
 def test_e_random_workloads_world3(world3, case):
     _assert_random_workload(world3.run(sc.random_workload, case, timeout=180))
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", SEEDS)
 def test_e_random_workloads_world4(world4, case):
     _assert_random_workload(
         world4.run(sc.random_workload, 10 + case, arch="gpt2" if case % 2 else "llama", timeout=180)

@@ -23,7 +23,7 @@ from world import World, WorldHang  # noqa: E402
 pytestmark = pytest.mark.multirank
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-HANG_S = 20.0  # the same step through ShardgenRollout returns in about a second
+HANG_S = 10.0  # the same step through ShardgenRollout returns in about a second
 
 
 # ----------------------------------------------------------------------------- in-process
