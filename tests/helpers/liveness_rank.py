@@ -102,7 +102,14 @@ def main(scenario: str) -> None:
         raise engine._shared.failed
 
     if scenario == "user_raises":
-        user_raises(engine, rank, victim, os.environ["WHERE"])
+        try:
+            user_raises(engine, rank, victim, os.environ["WHERE"])
+        except ValueError:
+            if os.environ["WHERE"] == "before_close":
+                # The process stays (its driver thread too) for a while after the raise: the close
+                # that `with` makes after it must not be agreed to by the peers waiting in theirs.
+                time.sleep(2.0)
+            raise
         return
 
     if scenario == "user_thread_stuck" and rank == victim:
@@ -157,6 +164,7 @@ def user_raises(engine, rank: int, victim: int, where: str) -> None:
             out.loss.backward()
             event("stepped")
         if where == "before_close" and rank == victim:
+            time.sleep(1.0)  # the peers are in close() by now
             event("raising")
             raise ValueError(f"user code failed {where}")
         event("closing")

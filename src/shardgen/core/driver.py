@@ -240,6 +240,12 @@ class Driver:
         idle, idle_since = 0, time.monotonic()
         while True:
             new, closed, pause = sh.take_inbox()
+            # A failed engine says nothing more in the tick; above all not "closed": a rank whose
+            # block raised calls close() after its failure is set, and peers already waiting in
+            # theirs would agree to it and close cleanly, never told (the failure is set first,
+            # so a close taken here is always seen with it).
+            if sh.failed is not None:
+                raise sh.failed
             self.work.check_mode()  # a train()/eval() switch drops the prefix cache
             self.work.add(new)
             # Partial rollouts' held rows (generation/parking.py): the quota calls begun (rows cut at
