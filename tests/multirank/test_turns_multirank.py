@@ -35,14 +35,18 @@ def test_conversations_uneven_turns_2_ranks(ds_world2, backend, gather, max_pref
     assert turns[0] != turns[1], turns  # ranks took different numbers of turns
 
 
-def test_conversations_3_ranks_both_backends(ds_world3):
+# DeepSpeed stationary in `make test`, FSDP2 per layer in `make fuzz` (both gather modes of both
+# backends also at 2 ranks above).
+@pytest.mark.parametrize(
+    "backend, gather",
+    [("deepspeed", "stationary"), pytest.param("fsdp2", "per-layer", marks=pytest.mark.long)],
+)
+def test_conversations_3_ranks_both_backends(ds_world3, backend, gather):
     """Rank 2 has no prompt: it joins every tick, pause included, with no conversation."""
-    world = ds_world3
-    for backend, gather in (("fsdp2", "per-layer"), ("deepspeed", "stationary")):
-        out = world.run(ts.conversations, backend, gather, 7, timeout=240)
-        for res in out[:2]:
-            assert_conversations(res)
-        assert out[2]["on"]["greedy"] == [] and out[2]["on"]["computed"] == 0
+    out = ds_world3.run(ts.conversations, backend, gather, 7, timeout=240)
+    for res in out[:2]:
+        assert_conversations(res)
+    assert out[2]["on"]["greedy"] == [] and out[2]["on"]["computed"] == 0
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
