@@ -75,7 +75,8 @@ fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m long tests/multirank/test_soak.py tests/multirank/test_trl_tools.py tests/multirank/test_examples.py \
 		tests/multirank/test_examples_rl.py tests/multirank/test_cli_launcher.py tests/multirank/test_cli_demo.py tests/multirank/test_readme.py tests/multirank/test_cli.py \
 		tests/multirank/test_trl.py tests/multirank/test_stationary.py tests/multirank/test_towers.py tests/multirank/test_encdec.py \
-		tests/multirank/test_engine_multirank.py tests/multirank/test_turns_multirank.py tests/multirank/test_invariant_numerics.py
+		tests/multirank/test_engine_multirank.py tests/multirank/test_turns_multirank.py tests/multirank/test_invariant_numerics.py \
+		tests/multirank/test_rollout_multirank.py
 	$(BIN)/python tests/helpers/two_agents.py 10
 
 # Every method side by side at 2 and 4 ranks (about 6 minutes on 2 cores); see docs/PERFORMANCE.md.

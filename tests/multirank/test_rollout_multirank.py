@@ -36,13 +36,14 @@ def test_training_between_rollouts(ds_world2, mode):
         assert all(res["restored"]), f"rank {r}: {res['restored']}"
 
 
+# Each backend and gather mode in `make test`; DeepSpeed per layer and FSDP2 stationary in `make fuzz`.
 @pytest.mark.parametrize(
     "backend, gather, max_prefill_tokens",
     [
         ("fsdp2", "per-layer", None),
-        ("deepspeed", "per-layer", None),
+        pytest.param("deepspeed", "per-layer", None, marks=pytest.mark.long),
         ("fsdp2", "once", None),
-        ("fsdp2", "stationary", None),
+        pytest.param("fsdp2", "stationary", None, marks=pytest.mark.long),
         ("deepspeed", "stationary", 7),
     ],
 )

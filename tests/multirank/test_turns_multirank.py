@@ -15,14 +15,16 @@ from turns_scenarios import assert_conversations
 pytestmark = pytest.mark.multirank
 
 
+# Every gather mode and both backends in `make test` (prefills chunked and whole); DeepSpeed once
+# and FSDP2 stationary in `make fuzz`.
 @pytest.mark.parametrize(
     "backend, gather, max_prefill_tokens",
     [
         ("fsdp2", "per-layer", None),
         ("deepspeed", "per-layer", 7),
         ("fsdp2", "once", 7),
-        ("deepspeed", "once", None),
-        ("fsdp2", "stationary", None),
+        pytest.param("deepspeed", "once", None, marks=pytest.mark.long),
+        pytest.param("fsdp2", "stationary", None, marks=pytest.mark.long),
         ("deepspeed", "stationary", 7),
     ],
 )
