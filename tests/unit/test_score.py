@@ -215,3 +215,25 @@ def test_text_prompts_with_the_tokenizer():
 def test_mistakes_raise_value_errors_with_the_numbers(engine, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         engine.score(**kwargs)
+
+
+def test_stats_count_a_forward_before_its_rows_are_resolved(engine, monkeypatch):
+    """A score run's last forward resolves its rows' futures: ``stats()`` read right after the
+    call must count it (the suite once read one forward short under load)."""
+    work = engine._driver.work
+    at_resolve, forwards = [], []
+    real_scored, real_forward = work.on_scored, engine.backend.forward
+
+    def scored(req, row):
+        at_resolve.append((work.stats.forwards, len(forwards)))
+        real_scored(req, row)
+
+    def forward(plan, inputs):
+        forwards.append(1)
+        return real_forward(plan, inputs)
+
+    monkeypatch.setattr(work, "on_scored", scored)
+    monkeypatch.setattr(engine.backend, "forward", forward)
+    base = work.stats.forwards
+    engine.score([[4, 5, 6]], [[7, 8]])
+    assert at_resolve and all(n - base == k for n, k in at_resolve), at_resolve

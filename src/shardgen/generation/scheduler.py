@@ -185,6 +185,9 @@ class LocalWork:
         def forward(**inputs: Any) -> Any:
             return self.backend.forward(plan, inputs)
 
+        # Counted first: a score run's last forward resolves its rows' futures, and a stats() read
+        # right after the call returns must count it.
+        self.stats.forwards += 1
         if plan.kind is Work.SCORE:
             self._score_forward(plan, forward)
         elif plan.kind is Work.CHUNK:
@@ -202,7 +205,6 @@ class LocalWork:
             assert self.batch is not None and self.prefilling is None
             self.phase = Work.DECODE
             self._decode(plan, forward)
-        self.stats.forwards += 1
         self.stats.busy_s += time.perf_counter() - t0
         self._collect()
         return True
