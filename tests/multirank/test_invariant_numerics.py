@@ -42,7 +42,11 @@ def test_every_row_is_its_own_bits_at_2_ranks(ds_world2, backend, gather, dtype)
     _all_equal(ds_world2.run(invariant_rollouts, backend, gather, dtype, timeout=300))
 
 
-@pytest.mark.parametrize(("backend", "dtype"), [("fsdp2", "bfloat16"), ("deepspeed", "float32")])
+# FSDP2 at 3 ranks under the switch in `make test`: the speculative case below; this one in `make fuzz`.
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [pytest.param("fsdp2", "bfloat16", marks=pytest.mark.long), ("deepspeed", "float32")],
+)
 def test_every_row_is_its_own_bits_at_3_ranks(ds_world3, backend, dtype):
     _all_equal(ds_world3.run(invariant_rollouts, backend, "per-layer", dtype, timeout=300))
 

@@ -251,10 +251,18 @@ def test_user_sharded_models_match_hf(worlds, kind, name):
         assert o["plan"]["embeddings"] == ["model.embed_tokens"] and o["plan"]["fallbacks"] == {}, o
 
 
+# Each backend and gather mode once in `make test` (llama-odd or gemma, alternating), the other
+# model of each in `make fuzz`.
+BF16_CASES = [
+    pytest.param(name, gather, kind, marks=[pytest.mark.long] if (i + j + (name == "gemma")) % 2 else [])
+    for i, kind in enumerate(["fsdp2", "deepspeed"])
+    for j, gather in enumerate(["stationary", "per-layer", "once"])
+    for name in ["llama-odd", "gemma"]
+]
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["fsdp2", "deepspeed"])
-@pytest.mark.parametrize("gather", ["stationary", "per-layer", "once"])
-@pytest.mark.parametrize("name", ["llama-odd", "gemma"])
+@pytest.mark.parametrize("name, gather, kind", BF16_CASES)
 def test_bf16_over_fp32_weights_matches_hf(worlds, kind, gather, name):
     import stationary_scenarios as sc
 

@@ -61,8 +61,17 @@ def new_tokens(out: dict) -> int:
 
 
 # At 2 ranks in `make fuzz` (about 19 CPU-s for both backends); 3 ranks here.
-@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.long), 3])
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+# At 3 ranks on FSDP2 in `make test` (DeepSpeed's uneven turns: test_environment_factory_uneven_turns);
+# the rest in `make fuzz`.
+@pytest.mark.parametrize(
+    "backend, n",
+    [
+        ("fsdp2", 3),
+        pytest.param("deepspeed", 3, marks=pytest.mark.long),
+        pytest.param("fsdp2", 2, marks=pytest.mark.long),
+        pytest.param("deepspeed", 2, marks=pytest.mark.long),
+    ],
+)
 def test_tool_loop_uneven_turns_no_reprefill(worlds, model_path, backend, n):
     world = worlds[n]
     cached = world.run(sc.grpo_tool_step, backend, model_path, UNEVEN[n], "cache", timeout=STEP_S)
