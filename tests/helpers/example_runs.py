@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ports import free_port
+from ports import free_port, lost_port_race
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -71,7 +71,7 @@ def run(cmd: list[str], timeout: float = RUN_TIMEOUT_S) -> tuple[int, str, float
     check and the store's bind) run it again on a new port, up to three times."""
     for _ in range(3):
         rc, out, elapsed = _run_once(cmd, timeout)
-        if rc == 0 or "EADDRINUSE" not in out:
+        if rc == 0 or not lost_port_race(out):
             break
         cmd = _new_port(cmd)
     return rc, out, elapsed
@@ -146,7 +146,7 @@ def run_forked(
     script = Path(script) if Path(script).is_absolute() else EXAMPLES / script
     for _ in range(3):  # a lost port race, as run() does
         rc, out, elapsed = _run_forked_once(script, list(args), nproc, timeout)
-        if rc == 0 or "EADDRINUSE" not in out:
+        if rc == 0 or not lost_port_race(out):
             break
     return rc, out, elapsed
 
@@ -164,32 +164,33 @@ def _run_forked_once(script: Path, args: list[str], nproc: int, timeout: float) 
         base.setdefault("DS_ACCELERATOR", "cpu")
     n = str(nproc)
     t0 = time.monotonic()
-    ranks = []
-    rc, failed_at = 0, 0.0
+    ranks, rc, failed_at, timed_out = [], 0, 0.0, False
     try:
         for r in map(str, range(nproc)):
             env = dict(base, RANK=r, LOCAL_RANK=r, ROLE_RANK=r, GROUP_RANK="0")
             env.update(WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, ROLE_WORLD_SIZE=n)
             ranks.append(Forked(str(script), args, env, log, cwd=str(ROOT)))
-        while any(p.poll() is None for p in ranks):
+        while True:
+            codes = [p.poll() for p in ranks]
+            rc = rc or next((c for c in codes if c not in (None, 0)), 0)  # the first rank to fail
             now = time.monotonic()
+            if None not in codes:
+                break
             if now - t0 > timeout:
-                for p in ranks:
-                    p.kill()
-                out = Path(log).read_text(errors="replace")
-                pytest.fail(f"timed out after {timeout:g}s: {script} {' '.join(args)}\n--- output ---\n{out}")
-            if rc == 0:
-                rc = next((p.poll() for p in ranks if p.poll() not in (None, 0)), 0)
+                timed_out = True
+                break
+            if rc and not failed_at:
                 failed_at = now
-            elif now - failed_at > 5.0:  # torchrun's behaviour: a failed rank ends the job
+            elif rc and now - failed_at > 5.0:  # torchrun's behaviour: a failed rank ends the job
                 break
             time.sleep(0.05)
-        rc = rc or next((p.poll() for p in ranks if p.poll() not in (None, 0)), 0)
     finally:
         for p in ranks:
             p.kill()
         out = Path(log).read_text(errors="replace")
         os.unlink(log)
+    if timed_out:
+        pytest.fail(f"timed out after {timeout:g}s: {script} {' '.join(args)}\n--- output ---\n{out}")
     elapsed = time.monotonic() - t0
     print(f"$ ({nproc} forked ranks) {script} {' '.join(args)}  ({elapsed:.1f}s, rc={rc})\n{out}")
     return rc, out, elapsed

@@ -35,7 +35,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1, outside the ephemeral range, that was free a moment ago.
 
     Only another explicit bind can take it before the caller binds it; callers that start a
-    store still retry on "address in use" (``world.World`` does).
+    store still retry on "address in use" (``lost_port_race``: ``world.World`` does).
     """
     global _next
     lo, hi = _worker_slice()
@@ -46,3 +46,8 @@ def free_port() -> int:
         if _bindable(port):
             return port
     raise RuntimeError(f"no free port in {lo}-{hi}")
+
+
+def lost_port_race(output: str) -> bool:
+    """Whether a process's output says its store could not bind its port (another took it)."""
+    return "EADDRINUSE" in output or "address already in use" in output.lower()

@@ -53,7 +53,7 @@ from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ports import free_port
+from ports import free_port, lost_port_race
 
 __all__ = [
     "World",
@@ -390,7 +390,7 @@ class World:
                 if msg[0] == "ready":
                     continue
                 text = msg[2] if msg[0] == "dead" else msg[1]
-                if "EADDRINUSE" in text or "address already in use" in text.lower():
+                if lost_port_race(text):
                     raise _AddressInUse
                 errors[r] = text
             if errors:
