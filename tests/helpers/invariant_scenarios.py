@@ -145,3 +145,39 @@ def speculative_rollouts(backend: str, gather: str, dtype: str) -> dict:
         out[f"epoch{epoch}"] = [sum(same), len(same)]
     out["drafts"] = [int(0 < stats["accepted"] < stats["drafted"]), 1]
     return out
+
+
+#: Prompts whose answers share no numbers: a rank's own rollouts of the others draft nothing.
+SHARED_PROMPTS = ["count from 1 to 20 :", "count down from 60 to 41 :", "count from 25 to 40 :"]
+
+
+def shared_history(backend: str, gather: str, share: bool = True) -> dict:
+    """Each rank decodes one prompt per call, dealt round the ranks (rank r takes prompt r + call),
+    as a trainer's sampler deals prompts anew each epoch: from the second call on, a rank's prompt
+    is one another rank answered, and the drafts come from that rank's rollout (shared through the
+    tick). -> the rows equal to the plain engine's (greedy), the draft tokens accepted per call and
+    the rollouts received. ``share=False``: the sharing switched off (the control)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import shardgen
+    from shardgen.toy import toy_model_path
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = toy_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    rows, accepted = {}, []
+    for spec in (0, 8):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with shardgen.Engine(model, tok, backend=backend, gather=gather, speculate=spec) as eng:
+            eng._driver.work.drafts.share &= share  # the control's switch
+            rows[spec] = []
+            for call in range(world):
+                dist.barrier()  # every rank's earlier rollouts are finished (and shared by the next tick)
+                before = eng.stats()["accepted"]
+                prompt = SHARED_PROMPTS[(rank + call) % world]
+                out = eng.generate([prompt], max_new_tokens=24, do_sample=False)
+                rows[spec].append(out[0].token_ids)
+                if spec:
+                    accepted.append(eng.stats()["accepted"] - before)
+            received = eng.stats()["drafts_received"]
+    return {"equal": rows[0] == rows[8], "accepted": accepted, "received": received}

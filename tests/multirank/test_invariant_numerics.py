@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_scenarios import ARCHS, make
-from invariant_scenarios import invariant_rollouts, speculative_rollouts
+from invariant_scenarios import invariant_rollouts, shared_history, speculative_rollouts
 from models import batch, tiny_model
 from numerics import assert_rows_are_their_own_bits
 
@@ -162,3 +162,18 @@ def test_a_model_the_switch_cannot_serve_is_refused_by_name(arch, over, word):
 def test_numerics_is_checked_at_the_door():
     with pytest.raises(ValueError, match="numerics"):
         shardgen.Engine(tiny_model("llama"), backend="local", numerics="exact")
+
+
+@pytest.mark.parametrize(("backend", "gather"), [("fsdp2", "per-layer"), ("deepspeed", "stationary")])
+def test_drafts_come_from_the_rollouts_of_other_ranks(ds_world3, backend, gather):
+    """A prompt dealt to another rank each call drafts from the rollout the rank before answered:
+    every call after the first accepts most of its answer, the rows the plain engine's. The
+    control, sharing off, accepts nothing there (the prompts' answers share no numbers)."""
+    for r, res in enumerate(ds_world3.run(shared_history, backend, gather, timeout=300)):
+        assert res["equal"], f"rank {r}: rows differ from the plain engine's"
+        assert all(a >= 10 for a in res["accepted"][1:]), f"rank {r}: accepted per call {res['accepted']}"
+        # Two peers' rollouts of every call but the last (whose may not be carried yet).
+        assert res["received"] >= 2 * 2, f"rank {r}: received {res['received']}"
+    if backend == "fsdp2":
+        for r, res in enumerate(ds_world3.run(shared_history, backend, gather, False, timeout=300)):
+            assert res["equal"] and res["received"] == 0 and max(res["accepted"][1:]) < 3, f"rank {r}: {res}"

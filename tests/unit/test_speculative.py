@@ -285,7 +285,7 @@ def test_ngram_index_and_history_budget():
     index.add([1, 2, 3, 4, 5])
     assert index.lookup([9, 2, 3], 2) == [4, 5]
     assert index.lookup([4, 5], 3) == []  # nothing follows
-    store = DraftStore(budget=6, max_k=4)
+    store = DraftStore(budget=6)
 
     @dataclasses.dataclass
     class Row:
@@ -316,7 +316,7 @@ class _Row:
 def test_a_new_row_starts_from_its_prompts_acceptance():
     """A row of a prompt whose drafts were taken starts at that rate (the Pacer then widens its
     first verify forward); a row of a new prompt at the default guess."""
-    store = DraftStore(budget=1000, max_k=8)
+    store = DraftStore(budget=1000)
     first = _Row([1, 2, 3], [10, 11])
     store.row(first)
     for _ in range(4):
@@ -326,6 +326,53 @@ def test_a_new_row_starts_from_its_prompts_acceptance():
     drafts = [list(range(8))] * 4
     assert Pacer().width(drafts, [store.row(again).rate] * 4, 4) == 8  # a fresh row would take less
     assert Pacer().width(drafts, [0.5] * 4, 4) < 8
+
+
+def _finished(store: DraftStore, prompt: list[int], tokens: list[int]) -> None:
+    row = _Row(prompt, [])
+    store.row(row)
+    row.tokens.extend(tokens)
+    store.finish(row)
+
+
+def test_a_rollout_shared_by_another_rank_drafts_its_prompt_here():
+    """Rank A's finished rollout, carried as ``outgoing`` ints, drafts the same prompt's rows on
+    rank B: one kept by its digest until a row of it starts on B, one straight into the index of
+    a prompt B decodes now; and into B's index across prompts."""
+    a, b = DraftStore(budget=1000), DraftStore(budget=1000)
+    a.share = True
+    _finished(a, [1, 2, 3], [10, 11, 12, 13, 14])
+    live = _Row([4, 5, 6], [20])
+    b.row(live)  # B decodes the second prompt now
+    _finished(a, [4, 5, 6], [20, 21, 22, 23])
+    words = a.outgoing()
+    assert a.outgoing() == [] and len(words) == 2 * 2 + (3 + 5) + (3 + 4)
+    assert list(b.entries) == [(4, 5, 6)]
+    b.incoming(words)
+    assert b.received == 2 and b.foreign  # the first prompt: by its digest, no row of it here yet
+    assert b.draft(_Row([1, 2, 3], [10]), 4) == [11, 12, 13, 14]
+    assert not b.foreign and b.kept == 7 + 8  # taken into the prompt's index when its row started
+    assert b.draft(live, 3) == [21, 22, 23]
+    assert b.draft(_Row([9, 9, 11], [12]), 2) == [13, 14]  # across prompts
+
+
+def test_shared_rollouts_within_the_tick_limit_and_the_budget():
+    a = DraftStore(budget=1000)
+    a.share = True
+    for p in range(3):
+        _finished(a, [p, p, p], list(range(100, 120)))  # 3 + 20 tokens: 25 words each
+    assert len(a.outgoing(60)) == 50 and len(a.outgoing(60)) == 25 and a.outgoing(60) == []
+    _finished(a, [7, 7, 7], list(range(100, 120)))
+    head = a.outgoing(10)  # a rollout longer than a tick carries: its head
+    assert head[1:] == [8, 7, 7, 7, 100, 101, 102, 103, 104]
+    b = DraftStore(budget=30)
+    b.incoming(head)
+    for p in range(3):  # other ranks' rollouts of prompts not seen here: the oldest out first
+        b.incoming([p, 23, *range(23)])
+    assert list(b.foreign) == [2] and b._foreign_tokens == 23
+    quiet = DraftStore(budget=1000)  # share off (one rank): nothing waits to be sent
+    _finished(quiet, [1, 2, 3], [4, 5, 6])
+    assert not quiet.outbox and quiet.outgoing() == []
 
 
 @pytest.mark.parametrize(

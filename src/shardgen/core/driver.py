@@ -125,6 +125,8 @@ class Driver:
             backend.hf_model, backend, self.device, config, self.stats, on_finished=self._finished,
             on_scored=self._scored, prefix_cache_tokens=prefix,
         )  # fmt: skip
+        # Finished rollouts go to the other ranks to draft from (the tick carries them).
+        self.work.drafts.share = world > 1 and bool(config.speculate)
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
         self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
@@ -261,16 +263,21 @@ class Driver:
                 parking.requeue(self.work)
             # One plan per outcome of the tick's admission, decided before it and carried in it.
             admitted, held = self.work.plan(True), self.work.plan(False)
+            shared = self.work.drafts.outgoing() if self.work.drafts.share else []
             row = TickRow(
                 live=self.work.live, pending=self.work.waiting, open=int(not closed), pause=int(pause),
                 fingerprint=self.fp.value if cfg.debug_collectives else 0,
                 tokens=admitted.tokens, head_rows=admitted.head_rows,
                 held_tokens=held.tokens, held_head_rows=held.head_rows,
-                towers=admitted.towers, held_towers=held.towers,
+                towers=admitted.towers, held_towers=held.towers, shared=len(shared),
             )  # fmt: skip
             self.phase = Phase.TICK
             t0 = time.perf_counter()
             state = self.cp.agree(row, abort=lambda: sh.failed)
+            if state.total("shared"):  # finished rollouts to draft from (collective: every rank)
+                self._take_shared(self.cp.exchange(shared, state.col("shared"), abort=lambda: sh.failed))
+                if cfg.debug_collectives:
+                    self.fp.fold("exchange")
             stats.control_s += self.timeline.since(t0, "tick") - t0
             stats.ticks += 1
             self.tick += 1
@@ -325,6 +332,13 @@ class Driver:
                 self.backend.enter_pause()  # with the user's own setup (their groups outlive ours)
                 self.phase = Phase.CLOSED
                 return
+
+    def _take_shared(self, words: list[list[int]]) -> None:
+        """The other ranks' finished rollouts (``ControlPlane.exchange``) into this rank's drafts."""
+        for r, theirs in enumerate(words):
+            if r != self.cp.rank and theirs:
+                self.work.drafts.incoming(theirs)
+        self.stats.drafts_received = self.work.drafts.received
 
     def _release_if_gathered(self) -> None:
         """Back to sharded weights. Every rank calls it on the same (agreed) tick."""

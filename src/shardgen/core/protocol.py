@@ -19,9 +19,15 @@ Every rank's driver runs the same sequence of ticks. A tick is:
    work runs up to ``burst_steps`` forwards and a rank without work runs none. Otherwise no
    rank touches the parameter group.
 
-Because (1) is the only control collective, (2) is deterministic and (3) depends
-only on (2), every rank issues the same collectives in the same order on each
-private group, whatever its local work, its user thread, or its timing. What a
+Speculative decoding's shared rollouts (``generation/drafts.py``) ride on the tick: a rank's
+row says how many ints it shares (``shared``), and when the agreed total is not 0 every rank
+calls ``exchange()`` right after ``agree()``, an all-gather of those ints sized from the agreed
+row. So it too is decided by the agreed state alone, and no rank waits for another's drafts
+beyond the tick they all take.
+
+Because (1) (and the exchange the agreed state calls for) are the only control collectives,
+(2) is deterministic and (3) depends only on (2), every rank issues the same collectives in
+the same order on each private group, whatever its local work, its user thread, or its timing. What a
 rank does *inside* its forward (real or shadow, batch size, prompt length) never
 changes the sequence of gathers, which depends only on the module structure.
 User collectives on the default group never interleave with these: they live on
@@ -64,7 +70,8 @@ class TickRow:
     and the rows the LM head's holds (``ForwardPlan.shape``, generation/plan.py). The
     weight-stationary mode's exchanges size every rank's share from them (``TickState.shapes``).
     ``towers``, ``held_towers``: the towers (a bit each) its forward runs, either way
-    (``TickState.towers``). A column is added here alone (``NCOLS`` counts them, checked at
+    (``TickState.towers``). ``shared``: the ints of finished rollouts it shares this tick
+    (``ControlPlane.exchange``). A column is added here alone (``NCOLS`` counts them, checked at
     import), and read by its name (``TickState.col``)."""
 
     live: int = 0
@@ -78,6 +85,7 @@ class TickRow:
     held_head_rows: int = 0
     towers: int = 0
     held_towers: int = 0
+    shared: int = 0
 
     def to_vector(self) -> list[int]:
         """The row as the tick's all-gather carries it: one int64 per column, in field order."""
@@ -91,7 +99,7 @@ class TickRow:
 
 
 #: Columns of a row (``TickRow``'s fields): the size of the tick's vector, which the docs quote.
-NCOLS = 11
+NCOLS = 12
 assert len(fields(TickRow)) == NCOLS, "TickRow's columns changed: NCOLS (and the docs) say their count"
 
 #: Off only in the test that shows the agreement is needed: each rank then runs the towers its
@@ -232,6 +240,9 @@ class ControlPlane:
         # worker asking for it while the interpreter finalizes is ended by ``pthread_exit``
         # inside gloo's ``noexcept`` destructor: ``std::terminate`` at exit (see agree()).
         self._pins = [t.view(-1) for t in (self._mine, *self._rows)]
+        # exchange()'s buffers, one set per width (a power of two: a few widths in all), whole
+        # tensors pinned alike (a view handed to gloo would be a tensor of its own, unpinned).
+        self._xbufs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def agree(self, row: TickRow, abort: Callable[[], BaseException | None] | None = None) -> TickState:
         """All-gather this rank's row with every other rank's. Collective on the control group.
@@ -248,17 +259,50 @@ class ControlPlane:
             return TickState([TickRow.from_vector(row.to_vector())])
         self._mine.copy_(torch.tensor(row.to_vector(), dtype=torch.int64))
         work = dist.all_gather(self._rows, self._mine, group=self.group, async_op=True)
-        while True:
-            try:
-                work.wait(timeout=_SLICE)
-                break
-            except RuntimeError as e:
-                if "timed out" not in str(e).lower():
-                    raise
-                err = abort() if abort is not None else None
-                if err is not None:
-                    raise err from None
+        _wait(work, abort)
         return TickState([TickRow.from_vector(r.tolist()) for r in self._rows])
+
+    def exchange(
+        self, words: list[int], sizes: list[int], abort: Callable[[], BaseException | None] | None = None
+    ) -> list[list[int]]:
+        """All-gather every rank's ``words``: rank r's are ``sizes[r]`` ints (the agreed tick's
+        ``shared`` column). Collective on the control group: every rank's driver thread calls it
+        right after an ``agree()`` whose ``shared`` total is not 0, and only then. Waits as
+        ``agree()`` does. -> every rank's words, in row order."""
+        import torch.distributed as dist
+
+        assert len(words) == sizes[self.rank], (
+            f"{len(words)} words to share, the tick said {sizes[self.rank]}"
+        )
+        width = max(64, 1 << (max(sizes) - 1).bit_length())  # the same on every rank
+        if width not in self._xbufs:
+            bufs = (
+                torch.zeros(width, dtype=torch.int64),
+                [torch.zeros(width, dtype=torch.int64) for _ in range(self.world)],
+            )
+            self._xbufs[width] = bufs
+            self._pins += [t.view(-1) for t in (bufs[0], *bufs[1])]
+        mine, rows = self._xbufs[width]
+        if words:
+            mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
+        work = dist.all_gather(rows, mine, group=self.group, async_op=True)
+        _wait(work, abort)
+        return [r[:n].tolist() for r, n in zip(rows, sizes, strict=True)]
+
+
+def _wait(work: Any, abort: Callable[[], BaseException | None] | None) -> None:
+    """Wait for a control collective in short slices, so that ``abort()`` (the liveness verdict:
+    a peer stalled or failed) can end the wait with that error instead of blocking forever."""
+    while True:
+        try:
+            work.wait(timeout=_SLICE)
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            err = abort() if abort is not None else None
+            if err is not None:
+                raise err from None
 
 
 _SLICE = datetime.timedelta(seconds=0.2)

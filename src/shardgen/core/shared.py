@@ -37,6 +37,7 @@ class EngineStats:
     drafted: int = 0  # draft tokens fed
     accepted: int = 0  # draft tokens the rows kept
     forwards_saved: int = 0  # per verify forward, the furthest row's tokens beyond one
+    drafts_received: int = 0  # finished rollouts other ranks shared to draft from
     shadow_forwards: int = 0
     idle_ticks: int = 0
     requests: int = 0

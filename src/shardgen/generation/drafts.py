@@ -5,7 +5,10 @@ A row's draft is the continuation of an earlier occurrence of its last n tokens 
 that holds the prompt itself, the rows of this engine decoding it now (the row itself and its
 group: the other samples of its prompt) and earlier rollouts of it (earlier calls, epochs,
 training steps), then, where that offers less, in one index of every prompt's live rows and
-latest rollouts (the text prompts share, as SuffixDecoding's global tree). A conversation's next turn is a new
+latest rollouts (the text prompts share, as SuffixDecoding's global tree). Finished rollouts
+are shared with the other ranks (``outgoing``/``incoming``; the driver carries them in the tick,
+``core/protocol.py``): a trainer's sampler deals a prompt to another rank each epoch, and its
+earlier rollouts then lie on the rank that drew them. A conversation's next turn is a new
 prompt holding the conversation so far, which the index holds as its prompt. A stale or wrong
 draft only lowers the acceptance: the verify forward keeps exactly the tokens the plain engine
 draws (``verify.py``). Whether a verify forward pays, and how wide, the ``Pacer`` decides.
@@ -18,6 +21,8 @@ draft length. Pure Python, no torch, no collectives: the driver thread only.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,12 +35,10 @@ MIN_NGRAM = 2
 OCCURRENCES = 4
 #: Finished rollouts kept per prompt (the latest): an older policy's text drafts worse.
 ROLLOUTS_PER_PROMPT = 16
-#: After this many verify forwards in a row where nothing of a row's draft was accepted, the row
-#: stops drafting for ``COOLDOWN`` steps (drafting does not pay for it now).
-MISSES_TO_PAUSE = 2
-COOLDOWN = 4
-#: Weight of the newest value in the moving averages (acceptance rates).
+#: Weight of the newest value in a prompt's moving acceptance rate.
 AVERAGING = 0.3
+#: How much of a row's acceptance counts each verify forward keep (the rest is the latest's).
+DECAY = 0.7
 #: A verify forward's cost per extra column, relative to a decode step's, until measured: low,
 #: so that each width is tried (its measured cost then decides).
 UNMEASURED_COLUMN_COST = 0.05
@@ -50,6 +53,15 @@ TRUSTED = 2
 #: Samples older than this many forwards age out, so that a width priced out under load is tried
 #: again once it is no longer known (one forward per this many, at most, per width).
 STALE = 64
+#: Most words (``outgoing``'s ints) a rank shares in one tick: the rest waits for the next ones.
+SHARE_WORDS = 16_384
+
+
+def prompt_digest(prompt: tuple[int, ...] | list[int]) -> int:
+    """A prompt's 63-bit name, the same on every rank (a shared rollout names its prompt by it):
+    a collision only makes a draft wrong, which lowers the acceptance and changes no row."""
+    data = array("q", prompt).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class Pacer:
@@ -233,6 +245,7 @@ class PromptIndex:
     """One prompt's n-gram index: the prompt, its live rows and its latest finished rollouts."""
 
     prompt: tuple[int, ...]
+    digest: int = -1  # prompt_digest(prompt), the name other ranks know it by
     index: NgramIndex = field(default_factory=NgramIndex)
     finished: list[list[int]] = field(default_factory=list)
     live: int = 0  # rows decoding it now (never evicted while > 0)
@@ -254,52 +267,63 @@ class PromptIndex:
 
 @dataclass(eq=False)
 class RowDraft:
-    """A row's place in its prompt's index and its draft length, adapted to its acceptance."""
+    """A row's place in its prompt's index and how often its draft tokens are taken.
+
+    A draft's tokens are taken up to its first miss, so each verify forward is a run of
+    Bernoulli trials (the accepted tokens, then the miss if there was one): ``rate``, the chance
+    that a draft token is taken given that those before it were, is hits over trials, both
+    decayed per forward (``DECAY``). It is what the ``Pacer`` expects of the row's next draft
+    (a geometric run). A row's draft is never cut on its own: a forward's cost is that of its
+    widest row, so the Pacer cuts every draft to the one width that pays, each row weighed by its
+    rate (a row whose drafts miss adds little to the gain, and nothing to the cost)."""
 
     entry: PromptIndex
     seq: list[int]  # the tail of the prompt, then the row's tokens (grows with them)
     sid: int
-    k: int  # the draft length to ask for next
-    misses: int = 0
-    cooldown: int = 0
-    rate: float = 0.5  # how often a draft token of it is accepted (a moving average)
+    hits: float = 0.5  # a prior of one trial at 0.5 (a prompt drafted before: its rate)
+    trials: float = 1.0
     across: NgramIndex | None = None  # the index across prompts that holds its sequence
     aid: int = -1  # its id there
 
-    def observe(self, drafted: int, accepted: int, max_k: int) -> None:
-        """After a verify forward: grow the length while drafts are taken whole, shrink it to what
-        was taken otherwise, and pause drafting after ``MISSES_TO_PAUSE`` misses in a row."""
-        if drafted == 0:
-            self.cooldown = max(0, self.cooldown - 1)
-            return
-        self.rate += AVERAGING * (accepted / drafted - self.rate)
-        if accepted == drafted:
-            self.k, self.misses = min(max_k, self.k + 1), 0
-        elif accepted == 0:
-            self.misses += 1
-            self.k = 1
-            if self.misses >= MISSES_TO_PAUSE:
-                self.cooldown, self.misses = COOLDOWN, 0
-        else:
-            self.k, self.misses = max(1, accepted + 1), 0
+    @property
+    def rate(self) -> float:
+        return self.hits / self.trials
+
+    def observe(self, drafted: int, accepted: int) -> float:
+        """After a verify forward that fed ``drafted`` of its tokens: -> this forward's rate."""
+        trials = accepted + (accepted < drafted)
+        self.hits = DECAY * self.hits + accepted
+        self.trials = DECAY * self.trials + trials
+        return accepted / trials
 
 
 class DraftStore:
     """A rank's prompt indexes, least recently used first, within ``budget`` tokens (finished
-    rollouts; the prompts and live rows are always kept). Driver thread only."""
+    rollouts, its own and those other ranks shared; the prompts and live rows are always kept).
+    Driver thread only."""
 
-    def __init__(self, budget: int, max_k: int) -> None:
+    def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.max_k = max_k
         self.entries: OrderedDict[tuple[int, ...], PromptIndex] = OrderedDict()
+        self._by_digest: dict[int, PromptIndex] = {}
         self.pacer = Pacer()
-        self.kept = 0  # finished rollouts' tokens held
+        self.kept = 0  # finished rollouts' tokens held in the prompts' indexes
         self.evictions = 0
         # Every prompt's live rows and latest finished rollouts (within the budget), for the text
         # that prompts share (a format, quoted context, the same steps of another task).
         self.recent = NgramIndex()
         self._recent: deque[list[int]] = deque()
         self._recent_tokens = 0
+        # Sharing with the other ranks (the driver turns it on where there are some): this
+        # rank's finished rollouts, as ``outgoing`` words, until a tick carries them ...
+        self.share = False
+        self.outbox: deque[list[int]] = deque()
+        self._outbox_words = 0
+        # ... and theirs, for prompts not indexed here, by digest: taken into a prompt's index
+        # when a row of it starts here (within the budget, the oldest prompt out first).
+        self.foreign: OrderedDict[int, list[list[int]]] = OrderedDict()
+        self._foreign_tokens = 0
+        self.received = 0  # rollouts taken from other ranks
 
     def row(self, seq: Any) -> RowDraft:
         """``seq``'s (a ``SeqState``) draft state, made and indexed on first use."""
@@ -308,25 +332,34 @@ class DraftStore:
             key = tuple(seq.prompt_ids)
             entry = self.entries.get(key)
             if entry is None:
-                entry = self.entries[key] = PromptIndex(key)
+                entry = self._entry(key)
             self.entries.move_to_end(key)
             entry.live += 1
             own = list(seq.prompt_ids[-(MAX_NGRAM - 1) :]) + list(seq.tokens)
-            state = seq.draft = RowDraft(entry, own, entry.index.add(own), self.max_k)
+            state = seq.draft = RowDraft(entry, own, entry.index.add(own))
             if entry.rate is not None:
                 # A new row of a prompt drafted before (an earlier epoch, a sibling) starts from
                 # how well its drafts were taken, not from a guess: when they were, the Pacer
                 # widens its first forwards. A new prompt's row starts from the guess: drafts
                 # from other prompts' text are taken less.
-                state.rate = entry.rate
+                state.hits = entry.rate
         return state
 
+    def _entry(self, key: tuple[int, ...]) -> PromptIndex:
+        """A new prompt's index, with the rollouts other ranks shared of it."""
+        entry = self.entries[key] = PromptIndex(key, prompt_digest(key))
+        self._by_digest[entry.digest] = entry
+        for seq in self.foreign.pop(entry.digest, ()):
+            self._foreign_tokens -= len(seq)
+            self._keep(entry, seq)
+        return entry
+
     def draft(self, seq: Any, limit: int) -> list[int]:
-        """Up to ``limit`` (and the row's adaptive length) draft tokens for ``seq``'s next
-        positions; [] when it has none or does not draft now. Local; changes no row."""
+        """Up to ``limit`` draft tokens for ``seq``'s next positions; [] when it has none.
+        Local; changes no row."""
         state = self.row(seq)
-        k = min(state.k, limit)
-        if k <= 0 or state.cooldown:
+        k = limit
+        if k <= 0:
             return []
         self._sync(state, seq)
         context = [*seq.prompt_ids[-MAX_NGRAM:], *seq.tokens][-MAX_NGRAM:]
@@ -350,19 +383,18 @@ class DraftStore:
         return tuple(tuple(d[:k]) for d in drafts) if k else None
 
     def observe(self, seq: Any, drafted: int, accepted: int) -> None:
-        """After a verify forward: the row's acceptance adapts its draft length, and its
-        prompt's acceptance (where its next rows start) follows."""
+        """After a verify forward that fed ``drafted`` of the row's draft tokens (0: none): its
+        acceptance, and its prompt's (where its next rows start), follow."""
         state: RowDraft | None = seq.draft
-        if state is None:
+        if state is None or not drafted:
             return
-        state.observe(drafted, accepted, self.max_k)
-        if drafted:
-            taken = accepted / drafted
-            entry = state.entry
-            entry.rate = taken if entry.rate is None else entry.rate + AVERAGING * (taken - entry.rate)
+        taken = state.observe(drafted, accepted)
+        entry = state.entry
+        entry.rate = taken if entry.rate is None else entry.rate + AVERAGING * (taken - entry.rate)
 
     def finish(self, seq: Any) -> None:
-        """``seq`` finished: its rollout stays in its prompt's index (within the budget)."""
+        """``seq`` finished: its rollout stays in its prompt's index (within the budget) and goes
+        to the other ranks (``outgoing``)."""
         state: RowDraft | None = seq.draft
         if state is None:
             return
@@ -372,25 +404,77 @@ class DraftStore:
         if entry.index.seqs[state.sid] is state.seq:
             entry.index.catch_up(state.sid, whole=True)
         entry.live -= 1
-        entry.finished.append(state.seq)
-        self._remember(state)
-        self.kept += len(state.seq)
+        self._remember(state.seq, state.across, state.aid)
+        self._keep(entry, state.seq, indexed=True)
+        if self.share and self.budget:
+            words = [entry.digest, len(state.seq), *state.seq]
+            self.outbox.append(words)
+            self._outbox_words += len(words)
+            while self._outbox_words > max(self.budget, SHARE_WORDS):  # no tick for a while: the oldest out
+                self._outbox_words -= len(self.outbox.popleft())
+        self._evict()
+
+    def outgoing(self, limit: int = SHARE_WORDS) -> list[int]:
+        """The finished rollouts to share with the other ranks this tick, as ints: per rollout its
+        prompt's digest, its length and its tokens (``incoming`` reads them), about ``limit`` at
+        most (a longer rollout: its head). Taken out of the outbox."""
+        out: list[int] = []
+        while self.outbox and (not out or len(out) + len(self.outbox[0]) <= limit):
+            words = self.outbox.popleft()
+            self._outbox_words -= len(words)
+            if len(words) > limit:
+                words = [words[0], limit - 2, *words[2:limit]]
+            out.extend(words)
+        return out
+
+    def incoming(self, words: list[int]) -> None:
+        """Another rank's ``outgoing``: each rollout into its prompt's index where that prompt is
+        indexed here, else kept by its digest until a row of it starts here; and into the index
+        across prompts."""
+        i = 0
+        while i < len(words):
+            digest, n = words[i], words[i + 1]
+            seq = words[i + 2 : i + 2 + n]
+            assert len(seq) == n, f"a shared rollout of {len(seq)} tokens, not {n}"
+            i += 2 + n
+            self.received += 1
+            if not self.budget:
+                continue
+            self._remember(seq)
+            entry = self._by_digest.get(digest)
+            if entry is not None:
+                self._keep(entry, seq)
+                continue
+            kept = self.foreign.setdefault(digest, [])
+            self.foreign.move_to_end(digest)
+            kept.append(seq)
+            self._foreign_tokens += len(seq)
+            if len(kept) > ROLLOUTS_PER_PROMPT:
+                self._foreign_tokens -= len(kept.pop(0))
+        self._evict()
+
+    def _keep(self, entry: PromptIndex, seq: list[int], indexed: bool = False) -> None:
+        """A finished rollout of ``entry``'s prompt kept in its index (``indexed``: it is there
+        already, as a live row's sequence), the latest ``ROLLOUTS_PER_PROMPT`` of them."""
+        entry.finished.append(seq)
+        if not indexed:
+            entry.index.add(seq, whole=True)
+        self.kept += len(seq)
         if len(entry.finished) > 2 * ROLLOUTS_PER_PROMPT:
             dropped = sum(len(s) for s in entry.finished[:-ROLLOUTS_PER_PROMPT])
             self.kept -= dropped
             entry.rebuild([])  # its live rows re-index on their next draft
-        self._evict()
 
-    def _remember(self, state: RowDraft) -> None:
-        """A finished rollout kept in the index across prompts; past the budget, the older half
-        out (the live rows come back in at their next draft)."""
+    def _remember(self, seq: list[int], across: NgramIndex | None = None, aid: int = -1) -> None:
+        """A finished rollout kept in the index across prompts (``across``, ``aid``: that index
+        and its id there, when it holds it already as a live row's); past the budget, the older
+        half out (the live rows come back in at their next draft)."""
         if not self.budget:
             return
-        seq = state.seq
         self._recent.append(seq)
         self._recent_tokens += len(seq)
-        if state.across is self.recent:
-            self.recent.catch_up(state.aid, whole=True)
+        if across is self.recent:
+            self.recent.catch_up(aid, whole=True)
         else:
             self.recent.add(seq, whole=True)
         if self._recent_tokens > self.budget:
@@ -420,7 +504,11 @@ class DraftStore:
             self.recent.catch_up(state.aid)
 
     def _evict(self) -> None:
-        """Least recently used prompts out, until the finished rollouts fit the budget."""
+        """Within the budget: other ranks' rollouts of prompts not indexed here out first (the
+        oldest prompt first), then the least recently used prompts' indexes."""
+        while self.foreign and self.kept + self._foreign_tokens > self.budget:
+            _, seqs = self.foreign.popitem(last=False)
+            self._foreign_tokens -= sum(len(q) for q in seqs)
         for key in list(self.entries):
             if self.kept <= self.budget:
                 return
@@ -429,4 +517,5 @@ class DraftStore:
                 continue
             self.kept -= sum(len(s) for s in entry.finished)
             del self.entries[key]
+            del self._by_digest[entry.digest]
             self.evictions += 1

@@ -71,7 +71,7 @@ class LocalWork:
         self.version = 0  # the weights' version: the pauses so far
         # Speculative decoding's n-gram indexes: kept for the engine's life (a pause or a new
         # policy only makes a draft stale, which lowers the acceptance and changes no row).
-        self.drafts = DraftStore(config.speculate_history_tokens, config.speculate)
+        self.drafts = DraftStore(config.speculate_history_tokens)
         self._drafted: tuple[Any, tuple[tuple[int, ...], ...] | None] = (None, None)  # (batch state, drafts)
 
     def forget_prefixes(self) -> None:
