@@ -5,7 +5,10 @@
 
 The RL rollout pattern: the shipped toy model, each rank its own prompts (uneven: 16 on rank 0,
 11 on the others), ``n`` samples each, ``max_new_tokens`` new tokens; three epochs over the same
-prompts, then one over new ones (drafts only from the live rows and the prompts then). For each
+prompts, then one over new ones (drafts only from the live rows and the prompts then). With
+``--deal shuffled`` each epoch over the same prompts deals them to the ranks anew (as a trainer's
+``DistributedSampler(shuffle=True)``): a prompt's earlier rollout then mostly lies on another rank,
+which shares it through the tick. For each
 gather mode and each of greedy and sampled (temperature 1, a seed per epoch), a fresh engine
 with ``speculate`` off and one with it on run the four epochs; rounds alternate them. Every
 row of the speculative engine is asserted equal to the plain engine's (tokens; and logprobs
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -57,9 +61,17 @@ def rank_main(args: argparse.Namespace) -> None:
         ]  # fmt: skip
     else:
         tok = AutoTokenizer.from_pretrained(path)
-        same = [p["prompt"] for p in make_prompts(count, seed=rank)]
+        counts = [args.prompts] + [args.prompts_other] * (world - 1)
+        pool = [p["prompt"] for r in range(world) for p in make_prompts(counts[r], seed=r)]
         new = [p["prompt"] for p in make_prompts(count, seed=1000 + rank)]
-        epochs = [same, same, same, new]
+        epochs = []
+        for e in range(3):
+            order = list(range(len(pool)))
+            if args.deal == "shuffled" and e:
+                random.Random(e).shuffle(order)  # the same deal on every rank
+            start = sum(counts[:rank])
+            epochs.append([pool[i] for i in order[start : start + count]])
+        epochs.append(new)
 
     def build(gather: str, spec: int):
         if args.model == "medium":
@@ -130,6 +142,7 @@ def rank_main(args: argparse.Namespace) -> None:
         print(f"\n{args.model} model, FSDP2, {world} ranks, prompts {args.prompts}/{args.prompts_other}, "
               f"n={args.n}, "
               f"{args.max_new_tokens} new tokens, speculate={args.speculate}, numerics={args.numerics}, "
+              f"deal={args.deal}, "
               f"{args.rounds} rounds")  # fmt: skip
         for key, r in results.items():
             print(
@@ -178,6 +191,8 @@ def main() -> None:
     p.add_argument("--gathers", default="per-layer,once")
     p.add_argument("--modes", default="greedy,sampled")
     p.add_argument("--numerics", choices=["fast", "invariant"], default="fast")
+    p.add_argument("--deal", choices=["fixed", "shuffled"], default="fixed",
+                   help="fixed: a rank's prompts every epoch; shuffled: dealt anew each epoch")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="runs of each engine (alternating)")
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())

@@ -271,16 +271,17 @@ class EngineConfig:
     speculate: int = 0
     """Speculative decoding from history (``generation/drafts.py``, ``verify.py``): a decode step
     may feed each row's draft of up to this many tokens, taken from text the engine has seen (its
-    prompt, the other samples of its prompt, earlier rollouts of it), and keep the tokens the
-    plain engine draws (the same rows: bit for bit under ``numerics="invariant"``). Each row's
-    draft length adapts to its acceptance; a verify forward's tokens stay within
+    prompt, the other samples of its prompt, earlier rollouts of it on any rank), and keep the
+    tokens the plain engine draws (the same rows: bit for bit under ``numerics="invariant"``).
+    The forward's width follows the rows' acceptance; a verify forward's tokens stay within
     ``max_prefill_tokens``. Rows of an encoder-decoder, an M-RoPE VLM or a model whose cache is
     not plain per column (sliding windows, recurrent states) decode plainly. 0: off."""
     speculate_history_tokens: int = 50_000
-    """With ``speculate``: tokens of finished rollouts kept per rank to draft from, indexed by
-    prompt (least recently used prompt out) and across prompts (the latest), kept across calls
-    and training steps (a stale draft only lowers the acceptance; about 200 bytes a token per
-    index). 0: drafts from the live rows only."""
+    """With ``speculate``: tokens of finished rollouts kept per rank to draft from (its own and
+    those the other ranks share), indexed by prompt (least recently used prompt out) and across
+    prompts (the latest), kept across calls and training steps (a stale draft only lowers the
+    acceptance; about 200 bytes a token per index). 0: drafts from the live rows only, nothing
+    shared."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming every field its rule refuses (``ENGINE_RULES``, the same

@@ -15,8 +15,9 @@ draws (``verify.py``). Whether a verify forward pays, and how wide, the ``Pacer`
 
 The indexes live on a rank's ``DraftStore`` for the engine's life, bounded by a token budget
 (``EngineConfig.speculate_history_tokens``), the least recently used prompt out first. Each row
-carries its ``RowDraft`` (``SeqState.draft``): its place in its prompt's index and its adaptive
-draft length. Pure Python, no torch, no collectives: the driver thread only.
+carries its ``RowDraft`` (``SeqState.draft``): its place in its prompt's index and its
+acceptance rate. Pure Python, no torch, no collectives (the driver carries what is shared): the
+driver thread only.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class SeqState:
     cut_in: int = -1  # parked at its budget: in which quota call (-1: not, or for a pause)
     _parked_rng: Any = None  # the generator's state when parked: a padded row still draws
     #: The row's speculative-decoding state (``drafts.RowDraft``: its place in its prompt's
-    #: n-gram index, its adaptive draft length); None: it has not drafted.
+    #: n-gram index, its acceptance rate); None: it has not drafted.
     draft: Any = None
 
     def forced_token(self) -> int | None:

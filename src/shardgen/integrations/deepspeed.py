@@ -144,7 +144,14 @@ def options_of(cfg: Any) -> dict[str, Any]:
 
 
 #: ``engine.stats()`` counters a ``generate`` call reports in ``ShardgenRollout.last_stats``.
-STEP_COUNTERS = ("decode_steps", "verify_forwards", "drafted", "accepted", "forwards_saved")
+STEP_COUNTERS = (
+    "decode_steps",
+    "verify_forwards",
+    "drafted",
+    "accepted",
+    "forwards_saved",
+    "drafts_received",
+)
 
 
 def step_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
