@@ -179,11 +179,13 @@ class Driver:
             self.live.start()
         self.thread.start()
 
-    def status(self) -> tuple[int, str, int, int]:
-        """(tick, phase, forwards run, parameter gathers entered) for heartbeats; any thread."""
+    def status(self) -> tuple[int, str, int, int, int]:
+        """(tick, phase, forwards run, parameter gathers entered, shared rollouts' exchanges
+        entered) for heartbeats; any thread."""
         phase = str(Phase.FAILED if self.shared.failed is not None else self.phase)
         gathers = self.gathers.count if self.gathers is not None else 0
-        return self.tick, phase, self.stats.forwards + self.stats.shadow_forwards, gathers
+        forwards = self.stats.forwards + self.stats.shadow_forwards
+        return self.tick, phase, forwards, gathers, self.cp.exchanges
 
     def check_wait(
         self,

@@ -243,6 +243,7 @@ class ControlPlane:
         # exchange()'s buffers, one set per width (a power of two: a few widths in all), whole
         # tensors pinned alike (a view handed to gloo would be a tensor of its own, unpinned).
         self._xbufs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.exchanges = 0  # exchange() all-gathers entered: a place in the collective sequence (heartbeats)
 
     def agree(self, row: TickRow, abort: Callable[[], BaseException | None] | None = None) -> TickState:
         """All-gather this rank's row with every other rank's. Collective on the control group.
@@ -285,6 +286,7 @@ class ControlPlane:
         mine, rows = self._xbufs[width]
         if words:
             mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
+        self.exchanges += 1
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
         _wait(work, abort)
         return [r[:n].tolist() for r, n in zip(rows, sizes, strict=True)]
