@@ -81,6 +81,7 @@ class Pacer:
         self.samples: dict[int, deque[tuple[int, int, float]]] = {}
         self.forwards = 0
         self._known: tuple[int, bool, dict[int, list[tuple[int, float]]]] = (-1, False, {})
+        self._priced: tuple[tuple[int, int | None], dict[int, float]] = ((-1, None), {})
         self._line: Callable[[int], float] | None = None
         self._fitted = False  # the decode line has a fixed part (two row counts or more seen)
 
@@ -145,7 +146,12 @@ class Pacer:
                 return min(near)
             return min(seen, key=lambda rc: abs(rc[0] - rows))[1]
 
-        known = {w: priced(w) for w, seen in costs.items() if len(seen) >= TRUSTED}
+        if self._priced[0] != (self.forwards, rows):  # (once per forward and row count, not per width)
+            self._priced = (
+                (self.forwards, rows),
+                {w: priced(w) for w, seen in costs.items() if len(seen) >= TRUSTED},
+            )
+        known = self._priced[1]
         if width in known:
             return known[width]
         if known:  # its cost per extra column, at the nearest width timed often enough
