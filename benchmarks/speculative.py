@@ -81,10 +81,12 @@ def rank_main(args: argparse.Namespace) -> None:
             model = LlamaForCausalLM(LlamaConfig(**MEDIUM)).eval()
         else:
             model = AutoModelForCausalLM.from_pretrained(path).eval()
-        return shardgen.Engine(
+        eng = shardgen.Engine(
             model, tok, backend="fsdp2", gather=gather, max_batch_size=args.batch, speculate=spec,
             numerics=args.numerics,
         )  # fmt: skip
+        eng._driver.work.drafts.share &= args.share == "on"  # the control: no rollouts shared
+        return eng
 
     def run(eng, mode: str) -> tuple[list, list[dict], float]:
         outs, deltas, wall = [], [], 0.0
@@ -142,7 +144,7 @@ def rank_main(args: argparse.Namespace) -> None:
         print(f"\n{args.model} model, FSDP2, {world} ranks, prompts {args.prompts}/{args.prompts_other}, "
               f"n={args.n}, "
               f"{args.max_new_tokens} new tokens, speculate={args.speculate}, numerics={args.numerics}, "
-              f"deal={args.deal}, "
+              f"deal={args.deal}, share={args.share}, "
               f"{args.rounds} rounds")  # fmt: skip
         for key, r in results.items():
             print(
@@ -193,6 +195,8 @@ def main() -> None:
     p.add_argument("--numerics", choices=["fast", "invariant"], default="fast")
     p.add_argument("--deal", choices=["fixed", "shuffled"], default="fixed",
                    help="fixed: a rank's prompts every epoch; shuffled: dealt anew each epoch")  # fmt: skip
+    p.add_argument("--share", choices=["on", "off"], default="on",
+                   help="off: the speculative engine keeps its rollouts on its rank (a control)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="runs of each engine (alternating)")
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
