@@ -19,7 +19,17 @@ from shardgen import toy
 from shardgen.config import EngineConfig
 from shardgen.generation import scheduler as sch
 from shardgen.generation import verify
-from shardgen.generation.drafts import STALE, TRUSTED, UNMEASURED_COLUMN_COST, DraftStore, NgramIndex, Pacer
+from shardgen.generation.drafts import (
+    PIECE_MIN,
+    SHARE_WORDS,
+    STALE,
+    TRUSTED,
+    UNMEASURED_COLUMN_COST,
+    DraftStore,
+    NgramIndex,
+    Pacer,
+    share_limit,
+)
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +356,7 @@ def test_a_rollout_shared_by_another_rank_drafts_its_prompt_here():
     b.row(live)  # B decodes the second prompt now
     _finished(a, [4, 5, 6], [20, 21, 22, 23])
     words = a.outgoing()
-    assert a.outgoing() == [] and len(words) == 2 * 2 + (3 + 5) + (3 + 4)
+    assert a.outgoing() == [] and len(words) == 2 * 4 + (3 + 5) + (3 + 4)
     assert list(b.entries) == [(4, 5, 6)]
     b.incoming(words)
     assert b.received == 2 and b.foreign  # the first prompt: by its digest, no row of it here yet
@@ -356,20 +366,33 @@ def test_a_rollout_shared_by_another_rank_drafts_its_prompt_here():
     assert b.draft(_Row([9, 9, 11], [12]), 2) == [13, 14]  # across prompts
 
 
-def test_shared_rollouts_within_the_tick_limit_and_the_budget():
+def test_shared_rollouts_go_in_pieces_within_the_tick_limit_and_the_budget():
+    """A rank shares at most its limit a tick (``share_limit``: the world's total over the ranks):
+    rollouts in pieces, in order, put back together on each receiver per sender; other ranks'
+    rollouts of prompts not seen there stay within the budget, the oldest out first."""
+    assert share_limit(2) == SHARE_WORDS // 2 and share_limit(10_000) == PIECE_MIN
     a = DraftStore(budget=1000)
     a.share = True
     for p in range(3):
-        _finished(a, [p, p, p], list(range(100, 120)))  # 3 + 20 tokens: 25 words each
-    assert len(a.outgoing(60)) == 50 and len(a.outgoing(60)) == 25 and a.outgoing(60) == []
-    _finished(a, [7, 7, 7], list(range(100, 120)))
-    head = a.outgoing(10)  # a rollout longer than a tick carries: its head
-    assert head[1:] == [8, 7, 7, 7, 100, 101, 102, 103, 104]
-    b = DraftStore(budget=30)
-    b.incoming(head)
+        _finished(a, [p, p, p], list(range(100, 120)))  # 3 + 20 tokens
+    ticks = []
+    while piece := a.outgoing(20):
+        assert len(piece) <= 20
+        ticks.append(piece)
+    assert len(ticks) == 5 and not a.outbox  # 69 tokens, a head per piece, 20 words a tick
+    b = DraftStore(budget=1000)
+    b.incoming([5, 23, 0, 4, 9, 9, 9, 9], sender=2)  # another sender's first piece of 23 tokens
+    for words in ticks:
+        b.incoming(words, sender=1)
+    assert b.received == 3
+    assert sorted(seq for seqs in b.foreign.values() for seq in seqs) == [
+        [p, p, p, *range(100, 120)] for p in range(3)
+    ]
+    assert 2 in b._pieces and 5 not in b.foreign  # a sender's unfinished rollout waits for its pieces
+    small = DraftStore(budget=30)
     for p in range(3):  # other ranks' rollouts of prompts not seen here: the oldest out first
-        b.incoming([p, 23, *range(23)])
-    assert list(b.foreign) == [2] and b._foreign_tokens == 23
+        small.incoming([p, 23, 0, 23, *range(23)], sender=1)
+    assert list(small.foreign) == [2] and small._foreign_tokens == 23
     quiet = DraftStore(budget=1000)  # share off (one rank): nothing waits to be sent
     _finished(quiet, [1, 2, 3], [4, 5, 6])
     assert not quiet.outbox and quiet.outgoing() == []

@@ -49,6 +49,7 @@ from shardgen.faults.liveness import Liveness
 from shardgen.faults.resume import ResumeBarrier
 from shardgen.faults.stalls import GatherCounter
 from shardgen.generation import parking
+from shardgen.generation.drafts import share_limit
 from shardgen.generation.plan import ForwardPlan
 from shardgen.generation.requests import completion_of, resolve_future
 from shardgen.generation.scheduler import LocalWork
@@ -265,7 +266,7 @@ class Driver:
                 parking.requeue(self.work)
             # One plan per outcome of the tick's admission, decided before it and carried in it.
             admitted, held = self.work.plan(True), self.work.plan(False)
-            shared = self.work.drafts.outgoing() if self.work.drafts.share else []
+            shared = self.work.drafts.outgoing(share_limit(self.cp.world)) if self.work.drafts.share else []
             row = TickRow(
                 live=self.work.live, pending=self.work.waiting, open=int(not closed), pause=int(pause),
                 fingerprint=self.fp.value if cfg.debug_collectives else 0,
@@ -339,7 +340,7 @@ class Driver:
         """The other ranks' finished rollouts (``ControlPlane.exchange``) into this rank's drafts."""
         for r, theirs in enumerate(words):
             if r != self.cp.rank and theirs:
-                self.work.drafts.incoming(theirs)
+                self.work.drafts.incoming(theirs, sender=r)
         self.stats.drafts_received = self.work.drafts.received
 
     def _release_if_gathered(self) -> None:

@@ -54,8 +54,20 @@ TRUSTED = 2
 #: Samples older than this many forwards age out, so that a width priced out under load is tried
 #: again once it is no longer known (one forward per this many, at most, per width).
 STALE = 64
-#: Most words (``outgoing``'s ints) a rank shares in one tick: the rest waits for the next ones.
+#: Most words (``outgoing``'s ints) all ranks together share in one tick: a rank's part of it is
+#: this over the world size (at least ``PIECE_MIN``), and what does not fit waits for the next
+#: ticks (a long rollout goes in pieces). It bounds the exchange's bytes and the indexing each
+#: rank does per tick, whatever the world size.
 SHARE_WORDS = 16_384
+PIECE_MIN = 256
+#: Words before a piece's tokens: its prompt's digest, the rollout's length, the piece's offset
+#: in it and its own length.
+PIECE_HEAD = 4
+
+
+def share_limit(world: int) -> int:
+    """The words a rank may share in one tick at ``world`` ranks."""
+    return max(PIECE_MIN, SHARE_WORDS // max(1, world))
 
 
 def prompt_digest(prompt: tuple[int, ...] | list[int]) -> int:
@@ -322,10 +334,13 @@ class DraftStore:
         self._recent: deque[list[int]] = deque()
         self._recent_tokens = 0
         # Sharing with the other ranks (the driver turns it on where there are some): this
-        # rank's finished rollouts, as ``outgoing`` words, until a tick carries them ...
+        # rank's finished rollouts (digest, tokens) and how far the first one went, until ticks
+        # carry them ...
         self.share = False
-        self.outbox: deque[list[int]] = deque()
-        self._outbox_words = 0
+        self.outbox: deque[tuple[int, list[int]]] = deque()
+        self._outbox_tokens = 0
+        self._sent = 0  # tokens of the outbox's first rollout already sent
+        self._pieces: dict[int, tuple[int, int, list[int]]] = {}  # sender -> (digest, length, tokens so far)
         # ... and theirs, for prompts not indexed here, by digest: taken into a prompt's index
         # when a row of it starts here (within the budget, the oldest prompt out first).
         self.foreign: OrderedDict[int, list[list[int]]] = OrderedDict()
@@ -414,36 +429,47 @@ class DraftStore:
         self._remember(state.seq, state.across, state.aid)
         self._keep(entry, state.seq, indexed=True)
         if self.share and self.budget:
-            words = [entry.digest, len(state.seq), *state.seq]
-            self.outbox.append(words)
-            self._outbox_words += len(words)
-            while self._outbox_words > max(self.budget, SHARE_WORDS):  # no tick for a while: the oldest out
-                self._outbox_words -= len(self.outbox.popleft())
+            self.outbox.append((entry.digest, state.seq))
+            self._outbox_tokens += len(state.seq)
+            while self._outbox_tokens > self.budget and len(self.outbox) > 1:  # no ticks for a while
+                self._outbox_tokens -= len(self.outbox[1][1])  # the oldest out (the one under way stays)
+                del self.outbox[1]
         self._evict()
 
     def outgoing(self, limit: int = SHARE_WORDS) -> list[int]:
-        """The finished rollouts to share with the other ranks this tick, as ints: per rollout its
-        prompt's digest, its length and its tokens (``incoming`` reads them), about ``limit`` at
-        most (a longer rollout: its head). Taken out of the outbox."""
+        """What this rank shares this tick, as ints, at most ``limit`` (``share_limit``): the
+        outbox's rollouts in pieces, each ``[digest, length, offset, n, *n tokens]``, a rollout's
+        pieces in order over as many ticks as it takes (``incoming`` puts them back together)."""
         out: list[int] = []
-        while self.outbox and (not out or len(out) + len(self.outbox[0]) <= limit):
-            words = self.outbox.popleft()
-            self._outbox_words -= len(words)
-            if len(words) > limit:
-                words = [words[0], limit - 2, *words[2:limit]]
-            out.extend(words)
+        while self.outbox and limit - len(out) > PIECE_HEAD:
+            digest, seq = self.outbox[0]
+            n = min(len(seq) - self._sent, limit - len(out) - PIECE_HEAD)
+            out += [digest, len(seq), self._sent, n, *seq[self._sent : self._sent + n]]
+            self._sent += n
+            if self._sent == len(seq):
+                self.outbox.popleft()
+                self._outbox_tokens -= len(seq)
+                self._sent = 0
         return out
 
-    def incoming(self, words: list[int]) -> None:
-        """Another rank's ``outgoing``: each rollout into its prompt's index where that prompt is
-        indexed here, else kept by its digest until a row of it starts here; and into the index
-        across prompts."""
+    def incoming(self, words: list[int], sender: int = 0) -> None:
+        """Rank ``sender``'s ``outgoing``: each rollout, once whole, into its prompt's index where
+        that prompt is indexed here, else kept by its digest until a row of it starts here; and
+        into the index across prompts."""
         i = 0
         while i < len(words):
-            digest, n = words[i], words[i + 1]
-            seq = words[i + 2 : i + 2 + n]
-            assert len(seq) == n, f"a shared rollout of {len(seq)} tokens, not {n}"
-            i += 2 + n
+            digest, length, offset, n = words[i : i + PIECE_HEAD]
+            piece = words[i + PIECE_HEAD : i + PIECE_HEAD + n]
+            assert len(piece) == n, f"a shared piece of {len(piece)} tokens, not {n}"
+            i += PIECE_HEAD + n
+            if offset == 0:
+                self._pieces[sender] = (digest, length, [])
+            got = self._pieces.get(sender)
+            assert got is not None and got[0] == digest and len(got[2]) == offset, "a piece out of order"
+            got[2].extend(piece)
+            if len(got[2]) < length:
+                continue
+            seq = self._pieces.pop(sender)[2]
             self.received += 1
             if not self.budget:
                 continue
