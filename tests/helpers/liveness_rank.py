@@ -45,8 +45,6 @@ def main(scenario: str) -> None:
     gather = {"gather": os.environ["GATHER"]} if os.environ.get("GATHER") else {}
     if scenario == "skip_forward" and not gather:
         gather = {"gather": "per-layer"}  # the fault is a skipped per-layer gather
-    if scenario == "stuck_in_share":
-        gather["speculate"] = 4  # finished rollouts are shared through the tick
     engine = shardgen.Engine(
         tiny_model("llama", seed=3),
         backend=os.environ.get("BACKEND", "fsdp2"),
@@ -95,15 +93,6 @@ def main(scenario: str) -> None:
             return real(plan, inputs)
 
         engine.backend.forward = hangs
-
-    if scenario == "stuck_in_share" and rank == victim:
-        # The driver stops in the tick's second all-gather (the rollouts shared), its peers in
-        # theirs; its heartbeat runs on.
-        def stuck(*a, **kw):
-            event("stuck_in_share")
-            threading.Event().wait()
-
-        engine._driver.cp.exchange = stuck
 
     if scenario == "skip_forward" and rank == victim:
         # This rank has no requests, so it shadows every forward: it returns without gathering.

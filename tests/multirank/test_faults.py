@@ -83,14 +83,6 @@ def test_deadlocked_driver_with_live_heartbeat_is_named(ranks_factory, victim):
     assert "stopped reaching the tick" in ranks.events((victim + 1) % 3, "error")[0]["msg"]
 
 
-def test_driver_stuck_in_the_exchange_of_shared_rollouts_is_named(ranks_factory):
-    """With ``speculate`` on, finished rollouts ride on a second all-gather of the tick: a driver
-    that never enters it leaves its peers waiting there, and they name it, as in the tick's own."""
-    ranks = ranks_factory("stuck_in_share", 3, 1)
-    t_fault = ranks.wait_event(1, "stuck_in_share", timeout=300)["t"]
-    check_every_healthy_rank_names(ranks, 1, 3, "driver stuck in the shared rollouts' exchange", t_fault)
-
-
 @pytest.mark.parametrize("victim", [0, 1])
 def test_driver_that_skips_its_gathers_is_named_not_its_blocked_peer(ranks_factory, victim):
     ranks = ranks_factory("skip_forward", 3, victim)

@@ -67,8 +67,12 @@ def test_a_tick_row_is_one_vector_of_its_fields_and_back() -> None:
                   held_tokens=8, held_head_rows=9, towers=10, held_towers=11, shared=12)  # fmt: skip
     assert row.to_vector() == list(range(1, NCOLS + 1))
     assert TickRow.from_vector(row.to_vector()) == row
-    agreed = ControlPlane(None, 0, 1).agree(row)  # one rank: the sum is its own row
+    shared = list(range(100, 112))  # ``shared`` ints after the row, within the plane's payload
+    agreed = ControlPlane(None, 0, 1, payload=16).agree(row, shared=shared)  # one rank: its own row
     assert agreed.rows == [row] and agreed.col("held_towers") == [11] and agreed.total("live") == 1
+    assert agreed.payloads == [shared] and ControlPlane(None, 0, 1).agree(TickRow()).payloads == []
+    with pytest.raises(AssertionError, match="13 ints to share, room for 12"):
+        ControlPlane(None, 0, 1, payload=12).agree(TickRow(shared=13), shared=[0] * 13)
     summed = [a + b for a, b in zip(row.to_vector(), TickRow(live=2, towers=4).to_vector(), strict=True)]
     assert TickRow.from_vector(summed) == TickRow(3, 2, 3, 4, 5, 6, 7, 8, 9, 14, 11, 12)
 

@@ -21,6 +21,7 @@ from shardgen.generation import scheduler as sch
 from shardgen.generation import verify
 from shardgen.generation.drafts import (
     PIECE_MIN,
+    SHARE_SLOT,
     SHARE_WORDS,
     STALE,
     TRUSTED,
@@ -367,10 +368,14 @@ def test_a_rollout_shared_by_another_rank_drafts_its_prompt_here():
 
 
 def test_shared_rollouts_go_in_pieces_within_the_tick_limit_and_the_budget():
-    """A rank shares at most its limit a tick (``share_limit``: the world's total over the ranks):
+    """A rank shares at most its limit a tick (``share_limit``: a slot, the world's total over the ranks):
     rollouts in pieces, in order, put back together on each receiver per sender; other ranks'
     rollouts of prompts not seen there stay within the budget, the oldest out first."""
-    assert share_limit(2) == SHARE_WORDS // 2 and share_limit(10_000) == PIECE_MIN
+    assert (
+        share_limit(2) == SHARE_SLOT
+        and share_limit(64) == SHARE_WORDS // 64
+        and share_limit(10_000) == PIECE_MIN
+    )
     a = DraftStore(budget=1000)
     a.share = True
     for p in range(3):

@@ -45,7 +45,7 @@ class StoppedHost:
 def test_liveness_stop_leaves_a_heartbeat_blocked_on_a_stopped_store():
     t = derive(1.0, 5.0)
     store = StoppedHost()
-    live = Liveness(store, "e", 1, 2, t, status=lambda: (0, "idle", 0, 0, 0), on_failure=lambda e: None)
+    live = Liveness(store, "e", 1, 2, t, status=lambda: (0, "idle", 0, 0), on_failure=lambda e: None)
     live.start()
     try:
         time.sleep(3 * t.heartbeat)

@@ -59,12 +59,6 @@ def test_driver_deadlocked_after_its_gathers_is_behind_in_ticks():
     assert find_laggard(recs, dict.fromkeys(recs, 5.0), 4.0) == (1, [0, 2])
 
 
-def test_driver_stopped_before_the_exchange_its_tick_agreed_is_behind_in_exchanges():
-    # speculate: the tick agreed to an exchange of shared rollouts; rank 0 never entered it
-    recs = {r: {**_rec(5, "tick", 12), "shares": 3 + (r > 0)} for r in range(3)}
-    assert find_laggard(recs, dict.fromkeys(recs, 5.0), 4.0) == (0, [1, 2])
-
-
 def test_rank_that_skipped_its_gathers_is_blamed_not_the_rank_blocked_in_one():
     # rank 2 left the forward without gathering and waits in the next tick: ahead in ticks, behind in gathers
     recs = {0: _rec(5, "decode", 11), 1: _rec(5, "decode", 11), 2: _rec(5, "tick", 10)}

@@ -116,7 +116,9 @@ class Driver:
         self.last_tick_t = time.monotonic()  # when the last tick was agreed
         self.gathered = False
         self.fp = Fingerprint()
-        self.cp = ControlPlane(setup.control, self.ranks.index(rank), world)
+        # With speculate on, finished rollouts ride in the tick (a payload after each rank's row).
+        payload = share_limit(world) if world > 1 and config.speculate else 0
+        self.cp = ControlPlane(setup.control, self.ranks.index(rank), world, payload)
         self.gather_policy = resolve(config, backend, setup.hf_config, self.device, setup.control, world)
         # max_batch_size and the prefix cache's bound, where unset: from the memory budget (local)
         config, prefix = sizing.sized(config, backend, self.gather_policy, setup.hf_config, self.device)
@@ -126,8 +128,7 @@ class Driver:
             backend.hf_model, backend, self.device, config, self.stats, on_finished=self._finished,
             on_scored=self._scored, prefix_cache_tokens=prefix,
         )  # fmt: skip
-        # Finished rollouts go to the other ranks to draft from (the tick carries them).
-        self.work.drafts.share = world > 1 and bool(config.speculate)
+        self.work.drafts.share = payload > 0  # finished rollouts go to the other ranks to draft from
         self.thread = threading.Thread(target=self._run, name=f"shardgen-driver-r{rank}", daemon=True)
         self.live: Liveness | None = None  # heartbeats and the peers' verdicts (its own thread)
         self.gathers: GatherCounter | None = None  # how far this driver got, for the heartbeats
@@ -180,13 +181,11 @@ class Driver:
             self.live.start()
         self.thread.start()
 
-    def status(self) -> tuple[int, str, int, int, int]:
-        """(tick, phase, forwards run, parameter gathers entered, shared rollouts' exchanges
-        entered) for heartbeats; any thread."""
+    def status(self) -> tuple[int, str, int, int]:
+        """(tick, phase, forwards run, parameter gathers entered) for heartbeats; any thread."""
         phase = str(Phase.FAILED if self.shared.failed is not None else self.phase)
         gathers = self.gathers.count if self.gathers is not None else 0
-        forwards = self.stats.forwards + self.stats.shadow_forwards
-        return self.tick, phase, forwards, gathers, self.cp.exchanges
+        return self.tick, phase, self.stats.forwards + self.stats.shadow_forwards, gathers
 
     def check_wait(
         self,
@@ -266,7 +265,7 @@ class Driver:
                 parking.requeue(self.work)
             # One plan per outcome of the tick's admission, decided before it and carried in it.
             admitted, held = self.work.plan(True), self.work.plan(False)
-            shared = self.work.drafts.outgoing(share_limit(self.cp.world)) if self.work.drafts.share else []
+            shared = self.work.drafts.outgoing(self.cp.payload) if self.cp.payload else []
             row = TickRow(
                 live=self.work.live, pending=self.work.waiting, open=int(not closed), pause=int(pause),
                 fingerprint=self.fp.value if cfg.debug_collectives else 0,
@@ -276,11 +275,9 @@ class Driver:
             )  # fmt: skip
             self.phase = Phase.TICK
             t0 = time.perf_counter()
-            state = self.cp.agree(row, abort=lambda: sh.failed)
-            if state.total("shared"):  # finished rollouts to draft from (collective: every rank)
-                self._take_shared(self.cp.exchange(shared, state.col("shared"), abort=lambda: sh.failed))
-                if cfg.debug_collectives:
-                    self.fp.fold("exchange")
+            state = self.cp.agree(row, abort=lambda: sh.failed, shared=shared)
+            if state.total("shared"):
+                self._take_shared(state.payloads)
             stats.control_s += self.timeline.since(t0, "tick") - t0
             stats.ticks += 1
             self.tick += 1
@@ -337,7 +334,7 @@ class Driver:
                 return
 
     def _take_shared(self, words: list[list[int]]) -> None:
-        """The other ranks' finished rollouts (``ControlPlane.exchange``) into this rank's drafts."""
+        """The other ranks' finished rollouts (``TickState.payloads``) into this rank's drafts."""
         for r, theirs in enumerate(words):
             if r != self.cp.rank and theirs:
                 self.work.drafts.incoming(theirs, sender=r)

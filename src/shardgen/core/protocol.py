@@ -7,9 +7,10 @@ Every rank's driver runs the same sequence of ticks. A tick is:
 1. ``agree()``: ONE ``all_gather`` of a CPU int64 row on the private gloo control
    group. Each rank sends its own row (a ``TickRow``: live sequences, pending requests,
    open, pause wanted, fingerprint, the shape of its next forward either way admission
-   goes, the towers it runs either way) and receives every rank's: all ranks hold the same
-   ``TickState``. (An all-gather, not the all-reduce of a matrix that is zero but for each
-   rank's row: on gloo it costs a quarter of the CPU and of the latency at 2 ranks.)
+   goes, the towers it runs either way, the rollouts it shares) and receives every rank's:
+   all ranks hold the same ``TickState``. (An all-gather, not the all-reduce of a matrix
+   that is zero but for each rank's row: on gloo it costs a quarter of the CPU and of the
+   latency at 2 ranks.)
 2. ``decide(state)``: a pure function of that agreed state, hence the same
    ``Decision`` on every rank.
 3. If the decision is ``FORWARD`` and forwards gather (``backend.lockstep``), every rank
@@ -19,17 +20,16 @@ Every rank's driver runs the same sequence of ticks. A tick is:
    work runs up to ``burst_steps`` forwards and a rank without work runs none. Otherwise no
    rank touches the parameter group.
 
-Speculative decoding's shared rollouts (``generation/drafts.py``) ride on the tick: a rank's
-row says how many ints it shares (``shared``), and when the agreed total is not 0 every rank
-calls ``exchange()`` right after ``agree()``, an all-gather of those ints sized from the agreed
-row. So it too is decided by the agreed state alone, and no rank waits for another's drafts
-beyond the tick they all take.
+Speculative decoding's shared rollouts (``generation/drafts.py``) ride in the same all-gather:
+with ``speculate`` on, each rank's vector carries, after its row, a fixed region of ``payload``
+ints (its ``shared`` column says how many it used), so sharing adds no collective and no rank
+waits for another's drafts.
 
-Because (1) (and the exchange the agreed state calls for) are the only control collectives,
-(2) is deterministic and (3) depends only on (2), every rank issues the same collectives in
-the same order on each private group, whatever its local work, its user thread, or its timing. What a
-rank does *inside* its forward (real or shadow, batch size, prompt length) never
-changes the sequence of gathers, which depends only on the module structure.
+Because (1) is the only control collective, (2) is deterministic and (3) depends only on (2),
+every rank issues the same collectives in the same order on each private group, whatever its
+local work, its user thread, or its timing. What a rank does *inside* its forward (real or
+shadow, batch size, prompt length) never changes the sequence of gathers, which depends only
+on the module structure.
 User collectives on the default group never interleave with these: they live on
 other communicators.
 
@@ -50,7 +50,7 @@ import datetime
 import enum
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -70,9 +70,9 @@ class TickRow:
     and the rows the LM head's holds (``ForwardPlan.shape``, generation/plan.py). The
     weight-stationary mode's exchanges size every rank's share from them (``TickState.shapes``).
     ``towers``, ``held_towers``: the towers (a bit each) its forward runs, either way
-    (``TickState.towers``). ``shared``: the ints of finished rollouts it shares this tick
-    (``ControlPlane.exchange``). A column is added here alone (``NCOLS`` counts them, checked at
-    import), and read by its name (``TickState.col``)."""
+    (``TickState.towers``). ``shared``: the ints of finished rollouts it shares this tick, in
+    the payload after its row (``TickState.payloads``). A column is added here alone (``NCOLS``
+    counts them, checked at import), and read by its name (``TickState.col``)."""
 
     live: int = 0
     pending: int = 0
@@ -143,6 +143,9 @@ class TickState:
     """
 
     rows: list[TickRow]
+    #: Each rank's shared ints this tick (its ``shared`` column's count of its payload), in row
+    #: order; empty where the plane carries no payload.
+    payloads: list[list[int]] = field(default_factory=list)
 
     @property
     def world(self) -> int:
@@ -225,28 +228,29 @@ class ControlPlane:
     """The tick's collective on the private gloo control group.
 
     ``agree()`` is a collective: every rank's driver thread (and nobody else)
-    calls it, once per tick, in the same order.
+    calls it, once per tick, in the same order. ``payload``: the ints a rank may share per tick
+    after its row (0: none; the same on every rank).
     """
 
-    def __init__(self, group: Any, rank: int, world: int) -> None:
+    def __init__(self, group: Any, rank: int, world: int, payload: int = 0) -> None:
         self.group = group
         self.rank = rank
         self.world = world
-        self._mine = torch.zeros(NCOLS, dtype=torch.int64)
-        self._rows = [torch.zeros(NCOLS, dtype=torch.int64) for _ in range(world)]
+        self.payload = payload
+        self._mine = torch.zeros(NCOLS + payload, dtype=torch.int64)
+        self._rows = [torch.zeros(NCOLS + payload, dtype=torch.int64) for _ in range(world)]
         # A view holds a C++ reference to its base as long as the plane lives, so that a gloo
         # worker releasing a tick's work never drops a tensor's count to its Python object's
         # alone: that transition takes the GIL (``TensorImpl::decref_pyobject``), and a
         # worker asking for it while the interpreter finalizes is ended by ``pthread_exit``
         # inside gloo's ``noexcept`` destructor: ``std::terminate`` at exit (see agree()).
         self._pins = [t.view(-1) for t in (self._mine, *self._rows)]
-        # exchange()'s buffers, one set per width (a power of two: a few widths in all), whole
-        # tensors pinned alike (a view handed to gloo would be a tensor of its own, unpinned).
-        self._xbufs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self.exchanges = 0  # exchange() all-gathers entered: a place in the collective sequence (heartbeats)
 
-    def agree(self, row: TickRow, abort: Callable[[], BaseException | None] | None = None) -> TickState:
-        """All-gather this rank's row with every other rank's. Collective on the control group.
+    def agree(
+        self, row: TickRow, abort: Callable[[], BaseException | None] | None = None, shared: list[int] = ()
+    ) -> TickState:
+        """All-gather this rank's row (and its ``shared`` ints, ``row.shared`` of them, at most
+        ``payload``) with every other rank's. Collective on the control group.
 
         Waits in short slices so that ``abort()`` (the liveness verdict: a peer stalled
         or failed) can end the wait with that error instead of blocking forever.
@@ -256,40 +260,26 @@ class ControlPlane:
         """
         import torch.distributed as dist
 
+        assert len(shared) == row.shared <= self.payload, (
+            f"{len(shared)} ints to share, room for {self.payload}"
+        )
         if self.world == 1:
-            return TickState([TickRow.from_vector(row.to_vector())])
-        self._mine.copy_(torch.tensor(row.to_vector(), dtype=torch.int64))
+            return TickState([TickRow.from_vector(row.to_vector())], [list(shared)] if self.payload else [])
+        self._mine[:NCOLS] = torch.tensor(row.to_vector(), dtype=torch.int64)
+        if shared:
+            self._mine[NCOLS : NCOLS + len(shared)] = torch.tensor(shared, dtype=torch.int64)
         work = dist.all_gather(self._rows, self._mine, group=self.group, async_op=True)
         _wait(work, abort)
-        return TickState([TickRow.from_vector(r.tolist()) for r in self._rows])
-
-    def exchange(
-        self, words: list[int], sizes: list[int], abort: Callable[[], BaseException | None] | None = None
-    ) -> list[list[int]]:
-        """All-gather every rank's ``words``: rank r's are ``sizes[r]`` ints (the agreed tick's
-        ``shared`` column). Collective on the control group: every rank's driver thread calls it
-        right after an ``agree()`` whose ``shared`` total is not 0, and only then. Waits as
-        ``agree()`` does. -> every rank's words, in row order."""
-        import torch.distributed as dist
-
-        assert len(words) == sizes[self.rank], (
-            f"{len(words)} words to share, the tick said {sizes[self.rank]}"
+        rows = [TickRow.from_vector(r[:NCOLS].tolist()) for r in self._rows]
+        payloads = (
+            [
+                r[NCOLS : NCOLS + row.shared].tolist() if row.shared else []
+                for r, row in zip(self._rows, rows, strict=True)
+            ]
+            if self.payload
+            else []
         )
-        width = max(64, 1 << (max(sizes) - 1).bit_length())  # the same on every rank
-        if width not in self._xbufs:
-            bufs = (
-                torch.zeros(width, dtype=torch.int64),
-                [torch.zeros(width, dtype=torch.int64) for _ in range(self.world)],
-            )
-            self._xbufs[width] = bufs
-            self._pins += [t.view(-1) for t in (bufs[0], *bufs[1])]
-        mine, rows = self._xbufs[width]
-        if words:
-            mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
-        self.exchanges += 1
-        work = dist.all_gather(rows, mine, group=self.group, async_op=True)
-        _wait(work, abort)
-        return [r[:n].tolist() for r, n in zip(rows, sizes, strict=True)]
+        return TickState(rows, payloads)
 
 
 def _wait(work: Any, abort: Callable[[], BaseException | None] | None) -> None:

@@ -138,7 +138,7 @@ class Liveness:
         self._records: dict[int, dict[str, Any]] = {}
         self._alive_t = time.monotonic()  # the last time a round of store calls completed
         self._fired = threading.Lock()
-        self.status = status  # () -> (tick, phase, forwards, gathers entered, exchanges entered)
+        self.status = status  # () -> (tick, phase, forwards, gathers entered)
         self.on_failure = on_failure
         self.host = socket.gethostname()
         self.pidns = pid_namespace()
@@ -176,10 +176,9 @@ class Liveness:
 
     def record(self, phase: str | None = None) -> dict[str, Any]:
         """This rank's heartbeat: where its driver is, and who it is."""
-        tick, cur, forwards, gathers, shares = self.status()
+        tick, cur, forwards, gathers = self.status()
         rec = {"seq": self._seq, "tick": tick, "phase": phase or cur, "time": time.time()}
-        rec.update(forwards=forwards, gathers=gathers, shares=shares, pid=os.getpid(), host=self.host)
-        rec.update(pidns=self.pidns)
+        rec.update(forwards=forwards, gathers=gathers, pid=os.getpid(), host=self.host, pidns=self.pidns)
         return rec
 
     def beat(self, phase: str | None = None) -> None:

@@ -2,16 +2,13 @@
 
 A heartbeat proves the liveness thread runs, not the driver. Each heartbeat also
 carries the driver's position in the collective sequence every rank issues in the
-same order (``core/protocol.py``): the tick it is in, how many parameter gathers it
-has entered (``GatherCounter``) and how many exchanges of shared rollouts
-(``ControlPlane.exchanges``). When no rank has moved for ``stall_timeout`` and
+same order (``core/protocol.py``): the tick it is in and how many parameter gathers it
+has entered (``GatherCounter``). When no rank has moved for ``stall_timeout`` and
 positions differ, the rank furthest behind is the one the others wait for:
 
 - fewest gathers first: a rank that skipped the gathers of a forward and went on to
   the next tick is behind, although its tick count is ahead;
-- then the fewest ticks entered: a driver deadlocked between collectives;
-- then the fewest exchanges entered: a driver stopped between a tick's all-gather and
-  the exchange it agreed to.
+- then the fewest ticks entered: a driver deadlocked between collectives.
 
 Not a stall: a rank inside ``paused()`` (a training step may take long; its peers
 wait on the store, not in a collective), a rank still moving (a long forward counts
@@ -54,18 +51,15 @@ class GatherCounter:
 EXEMPT = ("paused", "closed", "failed")
 
 
-def position(rec: dict[str, Any]) -> tuple[int, int, int]:
-    """(gathers entered, ticks entered, exchanges entered): the driver's place in the common
-    collective sequence. ``tick`` counts completed ticks; phase ``tick`` means it is inside the
-    next one, whose shared rollouts' exchange (``ControlPlane.exchange``) it may have entered too."""
-    ticks = int(rec["tick"]) + int(rec.get("phase") == "tick")
-    return int(rec.get("gathers", 0)), ticks, int(rec.get("shares", 0))
+def position(rec: dict[str, Any]) -> tuple[int, int]:
+    """(gathers entered, ticks entered): the driver's place in the common collective sequence.
+    ``tick`` counts completed ticks; phase ``tick`` means it is inside the next one."""
+    return int(rec.get("gathers", 0)), int(rec["tick"]) + int(rec.get("phase") == "tick")
 
 
 def progress_key(rec: dict[str, Any]) -> tuple[Any, ...]:
-    """Changes whenever the driver does anything observable (a tick, an exchange, a gather, a
-    forward)."""
-    return (rec.get("tick"), rec.get("phase"), rec.get("gathers"), rec.get("shares"), rec.get("forwards"))
+    """Changes whenever the driver does anything observable (a tick, a gather, a forward)."""
+    return (rec.get("tick"), rec.get("phase"), rec.get("gathers"), rec.get("forwards"))
 
 
 def find_laggard(

@@ -6,7 +6,7 @@ that holds the prompt itself, the rows of this engine decoding it now (the row i
 group: the other samples of its prompt) and earlier rollouts of it (earlier calls, epochs,
 training steps), then, where that offers less, in one index of every prompt's live rows and
 latest rollouts (the text prompts share, as SuffixDecoding's global tree). Finished rollouts
-are shared with the other ranks (``outgoing``/``incoming``; the driver carries them in the tick,
+are shared with the other ranks (``outgoing``/``incoming``; they ride in the tick's all-gather,
 ``core/protocol.py``): a trainer's sampler deals a prompt to another rank each epoch, and its
 earlier rollouts then lie on the rank that drew them. A conversation's next turn is a new
 prompt holding the conversation so far, which the index holds as its prompt. A stale or wrong
@@ -54,20 +54,21 @@ TRUSTED = 2
 #: Samples older than this many forwards age out, so that a width priced out under load is tried
 #: again once it is no longer known (one forward per this many, at most, per width).
 STALE = 64
-#: Most words (``outgoing``'s ints) all ranks together share in one tick: a rank's part of it is
-#: this over the world size (at least ``PIECE_MIN``), and what does not fit waits for the next
-#: ticks (a long rollout goes in pieces). It bounds the exchange's bytes and the indexing each
-#: rank does per tick, whatever the world size.
+#: The ints a rank shares per tick ride in the tick's all-gather, after its row (``outgoing``):
+#: at most ``SHARE_SLOT`` a rank and ``SHARE_WORDS`` over all ranks, at least ``PIECE_MIN``; a
+#: rollout longer than that goes in pieces over several ticks. It bounds what every tick carries
+#: and what each rank indexes per tick, whatever the world size.
 SHARE_WORDS = 16_384
-PIECE_MIN = 256
+SHARE_SLOT = 512
+PIECE_MIN = 64
 #: Words before a piece's tokens: its prompt's digest, the rollout's length, the piece's offset
 #: in it and its own length.
 PIECE_HEAD = 4
 
 
 def share_limit(world: int) -> int:
-    """The words a rank may share in one tick at ``world`` ranks."""
-    return max(PIECE_MIN, SHARE_WORDS // max(1, world))
+    """The ints a rank shares per tick at ``world`` ranks (the tick's payload)."""
+    return max(PIECE_MIN, min(SHARE_SLOT, SHARE_WORDS // max(1, world)))
 
 
 def prompt_digest(prompt: tuple[int, ...] | list[int]) -> int:
@@ -436,7 +437,7 @@ class DraftStore:
                 del self.outbox[1]
         self._evict()
 
-    def outgoing(self, limit: int = SHARE_WORDS) -> list[int]:
+    def outgoing(self, limit: int = SHARE_SLOT) -> list[int]:
         """What this rank shares this tick, as ints, at most ``limit`` (``share_limit``): the
         outbox's rollouts in pieces, each ``[digest, length, offset, n, *n tokens]``, a rollout's
         pieces in order over as many ticks as it takes (``incoming`` puts them back together)."""
