@@ -275,7 +275,8 @@ class EngineConfig:
     tokens the plain engine draws (the same rows: bit for bit under ``numerics="invariant"``).
     The forward's width follows the rows' acceptance; a verify forward's tokens stay within
     ``max_prefill_tokens``. Rows of an encoder-decoder, an M-RoPE VLM or a model whose cache is
-    not plain per column (sliding windows, recurrent states) decode plainly. 0: off."""
+    not plain per column (sliding windows, recurrent states) decode plainly. 0: off. On or off
+    alike on every rank (checked at construction); the length may differ."""
     speculate_history_tokens: int = 50_000
     """With ``speculate``: tokens of finished rollouts kept per rank to draft from (its own and
     those the other ranks share), indexed by prompt (least recently used prompt out) and across
@@ -310,6 +311,8 @@ class EngineConfig:
             "bucket_mb": str(self.bucket_mb),
             "chunk_mb": str(self.chunk_mb),
             "max_prefill_tokens": str(self.max_prefill_tokens),
+            # On or off (its length may differ per rank): with it on, the tick carries shared rollouts.
+            "speculate": "on" if self.speculate else "off",
         }
 
 

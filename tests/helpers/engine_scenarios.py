@@ -182,6 +182,8 @@ def mismatched(setting: str):
         model_kw["num_hidden_layers"] = 3
     if setting == "max_prefill_tokens" and rank() == 1:
         kw["max_prefill_tokens"] = 64
+    if setting == "speculate":  # on in one rank only: the ticks would differ in size
+        kw["speculate"] = 4 if rank() == 0 else 0
     model = tiny_model("llama", seed=17, **model_kw)
     if setting == "dtype" and rank() == 1:
         model = model.to(torch.bfloat16)

@@ -108,7 +108,13 @@ def test_e_random_workloads_world4(world4, case):
 
 @pytest.mark.parametrize(
     "setting, needle",
-    [("backend", "backend"), ("model", "model_config"), ("dtype", "dtype"), ("max_prefill_tokens",) * 2],
+    [
+        ("backend", "backend"),
+        ("model", "model_config"),
+        ("dtype", "dtype"),
+        ("max_prefill_tokens",) * 2,
+        ("speculate",) * 2,
+    ],
 )
 def test_mismatched_settings_raise_on_every_rank(world2, setting, needle):
     msgs = world2.run(sc.mismatched, setting, timeout=120)
