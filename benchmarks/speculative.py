@@ -64,12 +64,11 @@ def rank_main(args: argparse.Namespace) -> None:
         counts = [args.prompts] + [args.prompts_other] * (world - 1)
         pool = [p["prompt"] for r in range(world) for p in make_prompts(counts[r], seed=r)]
         new = [p["prompt"] for p in make_prompts(count, seed=1000 + rank)]
-        epochs = []
+        epochs, start = [], sum(counts[:rank])
         for e in range(3):
             order = list(range(len(pool)))
             if args.deal == "shuffled" and e:
                 random.Random(e).shuffle(order)  # the same deal on every rank
-            start = sum(counts[:rank])
             epochs.append([pool[i] for i in order[start : start + count]])
         epochs.append(new)
 

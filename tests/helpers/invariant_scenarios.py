@@ -165,7 +165,7 @@ def shared_history(backend: str, gather: str, share: bool = True) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = toy_model_path()
     tok = AutoTokenizer.from_pretrained(path)
-    rows: dict[int, list] = {0: []}
+    rows: dict[int, list] = {}
     accepted = []
     for spec in (0, 8) if share else (8,):  # (the control compares no rows)
         model = AutoModelForCausalLM.from_pretrained(path).eval()

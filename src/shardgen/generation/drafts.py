@@ -381,14 +381,13 @@ class DraftStore:
         """Up to ``limit`` draft tokens for ``seq``'s next positions; [] when it has none.
         Local; changes no row."""
         state = self.row(seq)
-        k = limit
-        if k <= 0:
+        if limit <= 0:
             return []
         self._sync(state, seq)
         context = [*seq.prompt_ids[-MAX_NGRAM:], *seq.tokens][-MAX_NGRAM:]
-        own = state.entry.index.lookup(context, k)
-        if len(own) < k:  # other prompts' rows, where they offer more
-            other = self.recent.lookup(context, k)
+        own = state.entry.index.lookup(context, limit)
+        if len(own) < limit:  # other prompts' rows, where they offer more
+            other = self.recent.lookup(context, limit)
             if len(other) > len(own):
                 return other
         return own
