@@ -82,9 +82,8 @@ def rank_main(args: argparse.Namespace) -> None:
             model = AutoModelForCausalLM.from_pretrained(path).eval()
         eng = shardgen.Engine(
             model, tok, backend="fsdp2", gather=gather, max_batch_size=args.batch, speculate=spec,
-            numerics=args.numerics,
+            numerics=args.numerics, speculate_share=args.share == "on",
         )  # fmt: skip
-        eng._driver.work.drafts.share &= args.share == "on"  # the control: no rollouts shared
         return eng
 
     def run(eng, mode: str) -> tuple[list, list[dict], float]:

@@ -283,6 +283,12 @@ class EngineConfig:
     prompts (the latest), kept across calls and training steps (a stale draft only lowers the
     acceptance; about 200 bytes a token per index). 0: drafts from the live rows only, nothing
     shared."""
+    speculate_share: bool = True
+    """With ``speculate`` on more than one rank: each rank's finished rollouts ride in the tick's
+    all-gather to the other ranks (at most ``16384 // world`` ints a rank per tick, 64 to 512),
+    so a prompt a trainer's sampler deals to another rank next epoch drafts from its earlier
+    rollouts there. False: each rank drafts from its own rollouts and the tick carries its rows
+    alone (the same on every rank: it sets the tick's size)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming every field its rule refuses (``ENGINE_RULES``, the same
@@ -313,6 +319,8 @@ class EngineConfig:
             "max_prefill_tokens": str(self.max_prefill_tokens),
             # On or off (its length may differ per rank): with it on, the tick carries shared rollouts.
             "speculate": "on" if self.speculate else "off",
+            # Whether the tick carries a payload of shared rollouts (with speculate on).
+            "speculate_share": str(self.speculate_share),
         }
 
 
@@ -341,6 +349,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "numerics": one_of(NUMERICS),
     "speculate": integer(0, MAX_SPECULATE),
     "speculate_history_tokens": integer(0),
+    "speculate_share": boolean(),
 }
 """One rule per ``EngineConfig`` field, the same at every door (None: unset, where allowed)."""
 

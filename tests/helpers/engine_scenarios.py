@@ -184,6 +184,8 @@ def mismatched(setting: str):
         kw["max_prefill_tokens"] = 64
     if setting == "speculate":  # on in one rank only: the ticks would differ in size
         kw["speculate"] = 4 if rank() == 0 else 0
+    if setting == "speculate_share":  # rollouts shared by one rank only: as above
+        kw.update(speculate=4, speculate_share=rank() == 0)
     model = tiny_model("llama", seed=17, **model_kw)
     if setting == "dtype" and rank() == 1:
         model = model.to(torch.bfloat16)

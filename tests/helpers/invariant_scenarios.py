@@ -155,8 +155,9 @@ def shared_history(backend: str, gather: str, share: bool = True) -> dict:
     """Each rank decodes one prompt per call, dealt round the ranks (rank r takes prompt r + call),
     as a trainer's sampler deals prompts anew each epoch: from the second call on, a rank's prompt
     is one another rank answered, and the drafts come from that rank's rollout (shared through the
-    tick). -> the rows equal to the plain engine's (greedy), the draft tokens accepted per call and
-    the rollouts received. ``share=False``: the sharing switched off (the control)."""
+    tick). -> the rows equal to the plain engine's (greedy), the draft tokens accepted per call,
+    the rollouts received and the ints a rank may share per tick. ``share``:
+    ``EngineConfig.speculate_share`` (False: the control; the tick then carries no payload)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import shardgen
@@ -169,8 +170,10 @@ def shared_history(backend: str, gather: str, share: bool = True) -> dict:
     accepted = []
     for spec in (0, 8) if share else (8,):  # (the control compares no rows)
         model = AutoModelForCausalLM.from_pretrained(path).eval()
-        with shardgen.Engine(model, tok, backend=backend, gather=gather, speculate=spec) as eng:
-            eng._driver.work.drafts.share &= share  # the control's switch
+        with shardgen.Engine(
+            model, tok, backend=backend, gather=gather, speculate=spec, speculate_share=share
+        ) as eng:
+            payload = eng._driver.cp.payload  # the ints a rank may share per tick
             rows[spec] = []
             for call in range(world):
                 dist.barrier()  # every rank's earlier rollouts are finished (and shared by the next tick)
@@ -181,4 +184,7 @@ def shared_history(backend: str, gather: str, share: bool = True) -> dict:
                 if spec:
                     accepted.append(eng.stats()["accepted"] - before)
             received = eng.stats()["drafts_received"]
-    return {"equal": rows[0] == rows[8] if share else None, "accepted": accepted, "received": received}
+    return {
+        "equal": rows[0] == rows[8] if share else None, "accepted": accepted, "received": received,
+        "payload": payload,
+    }  # fmt: skip

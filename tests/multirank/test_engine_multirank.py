@@ -114,6 +114,7 @@ def test_e_random_workloads_world4(world4, case):
         ("dtype", "dtype"),
         ("max_prefill_tokens",) * 2,
         ("speculate",) * 2,
+        ("speculate_share",) * 2,
     ],
 )
 def test_mismatched_settings_raise_on_every_rank(world2, setting, needle):

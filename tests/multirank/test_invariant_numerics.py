@@ -178,11 +178,14 @@ def test_drafts_come_from_the_rollouts_of_other_ranks(ds_world3, backend, gather
         assert all(a >= 10 for a in res["accepted"][1:]), f"rank {r}: accepted per call {res['accepted']}"
         # Two peers' rollouts of every call but the last (whose may not be carried yet).
         assert res["received"] >= 2 * 2, f"rank {r}: received {res['received']}"
+        assert res["payload"] > 0, res
 
 
 @pytest.mark.long
 def test_without_sharing_no_draft_comes_from_another_ranks_prompt(ds_world3):
-    """The control: each rank's rollouts kept on it, the same calls accept next to nothing (the
-    prompts' answers share no numbers), so the test above measures the sharing."""
+    """The control, ``speculate_share=False``: each rank's rollouts kept on it (the tick carries no
+    payload), the same calls accept next to nothing (the prompts' answers share no numbers), so
+    the test above measures the sharing."""
     for r, res in enumerate(ds_world3.run(shared_history, "fsdp2", "per-layer", False, timeout=300)):
         assert res["received"] == 0 and max(res["accepted"][1:]) < 3, f"rank {r}: {res}"
+        assert res["payload"] == 0, res

@@ -345,7 +345,8 @@ def test_every_flag_comes_from_a_field_with_its_default_and_docstring():
     actions = {a.dest: a for a in run._actions if a.dest != "help"}
     expected = {f.name for f in dataclasses.fields(JobConfig)}
     expected |= {"backend", "gather", "max_batch_size", "refill", "stall_timeout"}
-    expected |= {"share_prefill", "max_prefill_tokens", "numerics", "speculate", "speculate_history_tokens"}
+    expected |= {"share_prefill", "max_prefill_tokens", "numerics"}
+    expected |= {"speculate", "speculate_history_tokens", "speculate_share"}
     expected |= {"max_new_tokens", "top_k", "top_p"}
     assert set(actions) == expected
     docs = flags.field_docs(EngineConfig)

@@ -420,6 +420,24 @@ def test_bad_settings_are_refused_with_the_numbers(field, value, said):
     assert said is not None and f"{flag} must be" in said and str(value) in said, said
 
 
+def test_speculate_share_is_a_switch_at_every_door():
+    """On by default; a bool at the API (the rule of every door), ``--no-speculate-share`` on
+    ``shardgen run``."""
+    from shardgen.cli.command import make_parser
+    from shardgen.cli.run import RUN_FIELDS
+    from shardgen.flags import build
+
+    said = "speculate_share must be true or false, got 1"
+    with pytest.raises(ValueError, match=said):
+        EngineConfig(speculate_share=1).validate()
+    with pytest.raises(ValueError, match=said):
+        shardgen.Engine(object(), backend="local", speculate_share=1)
+    names = dict(RUN_FIELDS)[EngineConfig]
+    for extra, want in (([], True), (["--no-speculate-share"], False), (["--speculate-share"], True)):
+        ns = make_parser().parse_args(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *extra])
+        assert build(EngineConfig, ns, names).speculate_share is want, extra
+
+
 def test_verify_step_refuses_no_draft():
     with pytest.raises(AssertionError, match="no draft"):
         verify.verify_step(type("B", (), {"seqs": [None], "device": torch.device("cpu")})(), None, ((),))

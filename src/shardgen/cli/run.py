@@ -26,7 +26,8 @@ RUN_FIELDS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
     (
         EngineConfig,
         ("backend", "gather", "max_batch_size", "refill", "stall_timeout")
-        + ("share_prefill", "max_prefill_tokens", "numerics", "speculate", "speculate_history_tokens"),
+        + ("share_prefill", "max_prefill_tokens", "numerics")
+        + ("speculate", "speculate_history_tokens", "speculate_share"),
     ),
     (SamplingParams, ("max_new_tokens", "top_k", "top_p")),
 )
