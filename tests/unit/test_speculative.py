@@ -268,6 +268,27 @@ def test_pacer_prices_an_untried_width_from_the_decode_steps_line():
     assert gathers.width(drafts, [0.4] * 64, 64) == 2  # a column costs 1/13 of a step
 
 
+def test_pacer_never_prices_a_verify_forward_cheap_past_the_decode_steps_seen():
+    """A decode step of one row (the end of a call) is mostly its fixed part: scaled up as seconds
+    per row, 16 rows would cost 16 of it and a 9-wide forward of 16 rows look cheap; below the
+    counts seen, a step shrinks with its rows. And the decode step stays the measure while verify
+    forwards run (where they pay, it is seldom run): not the guess made before any was timed."""
+    pacer = Pacer()
+    for _ in range(TRUSTED):
+        pacer.timed(1, rows=1, seconds=2.4)
+        pacer.timed(9, rows=16, seconds=11.0)
+    assert pacer.cost(9, 16) == pytest.approx(11.0 / 2.4)
+    assert pacer.width([list(range(8))] * 16, [0.4] * 16, 16) == 0
+    for _ in range(2 * STALE):  # no decode step for longer than a width's samples last
+        pacer.timed(9, rows=16, seconds=11.0)
+    assert pacer.cost(9, 16) == pytest.approx(11.0 / 2.4)
+    many = Pacer()
+    for _ in range(TRUSTED):
+        many.timed(1, rows=64, seconds=4.0)
+        many.timed(9, rows=8, seconds=2.0)
+    assert many.cost(9, 8) == pytest.approx(2.0 / (4.0 * 8 / 64))  # 4, not 0.5
+
+
 def test_pacer_one_slow_forward_under_load_does_not_price_a_width_out():
     """A width's cost is the least of its latest forwards, trusted once timed a few times; a width
     priced out is tried again once its samples age out."""

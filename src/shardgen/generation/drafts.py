@@ -52,8 +52,12 @@ SAMPLES = 16
 #: does not pay costs what it costs: two, not more).
 TRUSTED = 2
 #: Samples older than this many forwards age out, so that a width priced out under load is tried
-#: again once it is no longer known (one forward per this many, at most, per width).
+#: again once it is no longer known (one forward per this many, at most, per width). Not the
+#: decode step's: it is the price every width is measured against, and where verify forwards
+#: pay it is seldom run (its row counts are then those of a call's last rows).
 STALE = 64
+#: Decode steps timed, the latest (their row counts draw the decode line).
+DECODE_SAMPLES = 4 * SAMPLES
 #: The ints a rank shares per tick ride in the tick's all-gather, after its row (``outgoing``):
 #: at most ``SHARE_SLOT`` a rank and ``SHARE_WORDS`` over all ranks, at least ``PIECE_MIN``; a
 #: rollout longer than that goes in pieces over several ticks. It bounds what every tick carries
@@ -101,25 +105,33 @@ class Pacer:
     def timed(self, width: int, rows: int, seconds: float) -> None:
         """A decode (width 1) or verify forward of ``rows`` rows took ``seconds``."""
         self.forwards += 1
-        kept = self.samples.setdefault(width, deque(maxlen=SAMPLES))
+        kept = self.samples.setdefault(width, deque(maxlen=DECODE_SAMPLES if width <= 1 else SAMPLES))
         kept.append((self.forwards, max(1, rows), seconds))
 
     def _fresh(self, width: int) -> list[tuple[int, float]]:
-        """``width``'s (rows, seconds) of the forwards timed within the last ``STALE``."""
+        """``width``'s (rows, seconds) of the forwards timed within the last ``STALE`` (a decode
+        step's: all it keeps)."""
+        if width <= 1:
+            return [(r, s) for _, r, s in self.samples.get(1, ())]
         return [(r, s) for n, r, s in self.samples.get(width, ()) if self.forwards - n < STALE]
 
     def _decode_line(self) -> Callable[[int], float] | None:
         """A decode step's seconds at ``rows`` rows: a line through the least seconds seen at each
-        row count (least squares, no negative part); through the origin when one count was seen
-        (seconds per row). None: no decode step timed lately."""
+        row count (least squares) where it has a fixed part and no negative slope; else the
+        least seconds joined from count to count, never falling, through the origin below the
+        counts seen and flat above them. Past what was seen it errs low, which prices a verify
+        forward dear, never cheap: a step of one row is mostly its fixed part, and scaled up as
+        seconds per row it would price a wide forward of many rows far below its cost; a step of
+        many rows, kept flat for fewer, would price their wide forwards cheap. None: no decode
+        step timed yet."""
         self._fitted = False
         least: dict[int, float] = {}
         for r, sec in self._fresh(1):
             least[r] = min(sec, least.get(r, sec))
         if not least:
             return None
-        xs, ys = list(least), list(least.values())
-        b = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)  # through the origin
+        xs = sorted(least)
+        ys = [least[x] for x in xs]
         if len(xs) > 1:
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             var = sum((x - mx) ** 2 for x in xs)
@@ -127,7 +139,18 @@ class Pacer:
             if slope >= 0.0 and my - slope * mx > 0.0:
                 self._fitted = True
                 return lambda rows: my + slope * (rows - mx)
-        return lambda rows: b * rows
+        for i in range(1, len(ys)):  # more rows never cost less
+            ys[i] = max(ys[i], ys[i - 1])
+
+        def joined(rows: int) -> float:
+            if rows <= xs[0]:
+                return ys[0] * rows / xs[0]
+            for i in range(1, len(xs)):
+                if rows <= xs[i]:
+                    return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[-1]
+
+        return joined
 
     def cost(self, width: int, rows: int | None = None) -> float:
         """A forward ``width`` wide of ``rows`` rows (None: any) over a decode step of as many rows
