@@ -117,13 +117,13 @@ class Pacer:
 
     def _decode_line(self) -> Callable[[int], float] | None:
         """A decode step's seconds at ``rows`` rows: a line through the least seconds seen at each
-        row count (least squares) where it has a fixed part and no negative slope; else the
-        least seconds joined from count to count, never falling, through the origin below the
-        counts seen and flat above them. Past what was seen it errs low, which prices a verify
-        forward dear, never cheap: a step of one row is mostly its fixed part, and scaled up as
-        seconds per row it would price a wide forward of many rows far below its cost; a step of
-        many rows, kept flat for fewer, would price their wide forwards cheap. None: no decode
-        step timed yet."""
+        row count (least squares) where it has a fixed part and no negative slope. Where none
+        fits (one count seen, or seconds all per row), the least seconds joined from count to
+        count, never falling, through the origin below the counts seen and flat above them:
+        past what was seen it errs low, which prices a verify forward dear, never cheap (a step
+        of one row is mostly its fixed part: scaled up as seconds per row, it priced a wide
+        forward of many rows far below its cost; a step of many rows kept flat for fewer would
+        price their wide forwards cheap). None: no decode step timed yet."""
         self._fitted = False
         least: dict[int, float] = {}
         for r, sec in self._fresh(1):
