@@ -80,11 +80,10 @@ def rank_main(args: argparse.Namespace) -> None:
             model = LlamaForCausalLM(LlamaConfig(**MEDIUM)).eval()
         else:
             model = AutoModelForCausalLM.from_pretrained(path).eval()
-        eng = shardgen.Engine(
+        return shardgen.Engine(
             model, tok, backend="fsdp2", gather=gather, max_batch_size=args.batch, speculate=spec,
             numerics=args.numerics, speculate_share=args.share == "on",
         )  # fmt: skip
-        return eng
 
     def run(eng, mode: str) -> tuple[list, list[dict], float]:
         outs, deltas, wall = [], [], 0.0
