@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import shardgen
 from shardgen import toy
-from shardgen.config import EngineConfig
+from shardgen.config import EngineConfig, SamplingParams
 from shardgen.generation import scheduler as sch
 from shardgen.generation import verify
 from shardgen.generation.drafts import (
@@ -29,6 +29,7 @@ from shardgen.generation.drafts import (
     DraftStore,
     NgramIndex,
     Pacer,
+    last_row_weights,
     share_limit,
 )
 
@@ -208,6 +209,24 @@ def test_no_draft_no_verify_forward(toy_pair):
     assert stats["verify_forwards"] == 0 and stats["tokens_per_forward"] == 1.0, stats
 
 
+def test_drafts_know_whether_requests_wait_for_a_slot(toy_pair, monkeypatch):
+    """The scheduler tells ``DraftStore.drafts`` whether requests wait (throughput) or the batch's
+    rows are all its call has (the last row's objective): more prompts than ``max_batch_size``
+    wait at first, none once the last are admitted."""
+    model, tok = toy_pair
+    seen, real = [], DraftStore.drafts
+
+    def spy(self, seqs, limits, waiting=True):
+        seen.append(waiting)
+        return real(self, seqs, limits, waiting)
+
+    monkeypatch.setattr(DraftStore, "drafts", spy)
+    prompts = ["count from 3 to 24 :", "count from 5 to 26 :", "count from 7 to 28 :", "count from 9 to 30 :"]
+    calls = [dict(ids=_ids(tok, prompts, 1), max_new_tokens=8)]
+    _epochs(model, tok, 4, calls, max_batch_size=2, refill=True)
+    assert seen[0] is True and seen[-1] is False, seen
+
+
 def test_pacer_verifies_only_what_pays():
     pacer = Pacer()
     good, bad = [[5, 6, 7, 8]] * 4, [[5, 6, 7, 8]] * 4
@@ -318,13 +337,7 @@ def test_ngram_index_and_history_budget():
     assert index.lookup([9, 2, 3], 2) == [4, 5]
     assert index.lookup([4, 5], 3) == []  # nothing follows
     store = DraftStore(budget=6)
-
-    @dataclasses.dataclass
-    class Row:
-        prompt_ids: list[int]
-        tokens: list[int]
-        draft: object = None
-
+    Row = _Row
     a = Row([1, 2], [3, 4, 5, 6])
     store.row(a)
     store.finish(a)
@@ -343,6 +356,10 @@ class _Row:
     tokens: list[int]
     draft: object = None
     finished: bool = False
+    finish_reason: str | None = "eos"
+    params: object = dataclasses.field(default_factory=lambda: SamplingParams(max_new_tokens=16))
+    holding: object = None
+    admitted_at: int = 0
 
 
 def test_a_new_row_starts_from_its_prompts_acceptance():
@@ -360,11 +377,53 @@ def test_a_new_row_starts_from_its_prompts_acceptance():
     assert Pacer().width(drafts, [0.5] * 4, 4) < 8
 
 
-def _finished(store: DraftStore, prompt: list[int], tokens: list[int]) -> None:
-    row = _Row(prompt, [])
+def _finished(store: DraftStore, prompt: list[int], tokens: list[int], reason: str = "eos") -> None:
+    row = _Row(prompt, [], finish_reason=reason)
     store.row(row)
     row.tokens.extend(tokens)
     store.finish(row)
+
+
+def test_a_calls_last_row_weighs_alone_where_rows_run_to_their_limit():
+    """Rows that all run to their limit: the one with the most forwards left (tokens left, fewer
+    where its drafts are taken) ends the call and weighs alone; rows that end at EOS weigh alike;
+    finished rows nothing; between, the chance spreads from the slowest row down."""
+    left, rates = [10, 10, 4, 0], [0.9, 0.2, 0.2, 0.9]
+    assert last_row_weights(left, rates, [1.0] * 4) == [0.0, 1.0, 0.0, 0.0]
+    # forwards left alike: a row with no draft now (it gains nothing this forward) goes first
+    assert last_row_weights([5, 5], [0.5, 0.5], [1.0] * 2, drafted=[True, False]) == [0.0, 1.0]
+    assert last_row_weights(left, rates, [0.0] * 4) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    half = last_row_weights(left, rates, [0.5] * 4)
+    assert sum(half) == pytest.approx(1.0) and half[1] > half[2] > half[0] > 0.0 == half[3]
+
+
+def test_pacer_widens_a_call_of_fixed_rows_only_where_its_last_row_gains():
+    """Three rows draft well, the fourth has no draft and runs to its limit: the tokens the three
+    gain pay a wider forward where requests wait for their slots (throughput), not where the rows
+    are all the call has (it ends with the fourth, which the wider forward only slows)."""
+    pacer = Pacer()
+    for _ in range(TRUSTED):
+        pacer.timed(1, rows=4, seconds=1.0)
+        pacer.timed(5, rows=4, seconds=1.5)
+    drafts, rates = [[5, 6, 7, 8]] * 3 + [[]], [0.9, 0.9, 0.9, 0.1]
+    assert pacer.width(drafts, rates, 4) == 4
+    assert pacer.width(drafts, rates, 4, last_row_weights([8] * 4, rates, [1.0] * 4)) == 0
+    assert pacer.width(drafts, rates, 4, last_row_weights([8] * 4, rates, [0.0] * 4)) == 4
+    assert pacer.width([[5, 6, 7, 8]] * 4, [0.9] * 4, 4, last_row_weights([8] * 4, [0.9] * 4, [1.0] * 4)) == 4
+
+
+def test_drafts_weigh_the_last_row_once_rows_run_to_their_limit():
+    """``DraftStore`` learns from finished rows how often they run to their limit (each prompt's
+    and every prompt's), and weighs a call's last row by it when no request waits."""
+    store = DraftStore(budget=1000)
+    for i in range(4):
+        _finished(store, [1, 2, 3], [10 + i, 11, 12, 13, 14], reason="length")
+    assert store.limited == 1.0 and store.entries[(1, 2, 3)].limited == 1.0
+    rows = [_Row([1, 2, 3], [10, 11]) for _ in range(3)] + [_Row([7, 7, 7], [40, 41])]
+    assert store.drafts(rows, [3] * 4, waiting=True) is not None  # three rows draft: it pays
+    assert store.drafts(rows, [3] * 4, waiting=False) is None  # the fourth, slowest, has none
+    _finished(store, [4, 5, 6], [20, 21], reason="eos")
+    assert 0.0 < store.limited < 1.0 and store.entries[(4, 5, 6)].limited == 0.0
 
 
 def test_a_rollout_shared_by_another_rank_drafts_its_prompt_here():

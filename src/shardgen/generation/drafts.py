@@ -38,6 +38,8 @@ OCCURRENCES = 4
 ROLLOUTS_PER_PROMPT = 16
 #: Weight of the newest value in a prompt's moving acceptance rate.
 AVERAGING = 0.3
+#: Weight of the newest finished row in how often rows run to their limit (over every prompt).
+AVERAGING_ROWS = 1 / 64
 #: How much of a row's acceptance counts each verify forward keep (the rest is the latest's).
 DECAY = 0.7
 #: A verify forward's cost per extra column, relative to a decode step's, until measured: low,
@@ -201,24 +203,65 @@ class Pacer:
             guess = 1.0 + UNMEASURED_COLUMN_COST * (width - 1)
         return min(guess, priced(width)) if width in costs else guess
 
-    def width(self, drafts: list[list[int]], rates: list[float], live: int) -> int:
+    def width(
+        self, drafts: list[list[int]], rates: list[float], live: int, weights: list[float] | None = None
+    ) -> int:
         """The draft length K (0: a decode step) whose expected tokens gained, over the live
-        rows, most exceed what the forward costs beyond a decode step's (in a row's tokens)."""
+        rows, most exceed what the forward costs beyond a decode step's (in a row's tokens).
+        ``weights``: what a token gained by each row is worth (``last_row_weights``); None: every
+        row's alike (throughput)."""
         best, best_k, gain = 0.0, 0, 0.0
-        rows = [(len(d), r) for d, r in zip(drafts, rates, strict=True) if d]
+        rows = [(len(d), r, 1.0 if weights is None else weights[i] * live)
+                for i, (d, r) in enumerate(zip(drafts, rates, strict=True)) if d]  # fmt: skip
         if not rows:
             return 0
         odds = [1.0] * len(rows)  # per row: the chance its draft is kept up to column k
-        for k in range(1, max(n for n, _ in rows) + 1):
+        for k in range(1, max(n for n, _, _ in rows) + 1):
             # Column k adds the rows whose draft reaches it (one pass per column, not per width).
-            for i, (n, r) in enumerate(rows):
+            for i, (n, r, w) in enumerate(rows):
                 if n >= k:
                     odds[i] *= r
-                    gain += odds[i]
+                    gain += odds[i] * w
             net = gain - (self.cost(k + 1, len(drafts)) - 1.0) * live
             if net > best:
                 best, best_k = net, k
         return best_k
+
+
+def _left(seq: Any) -> int:
+    """Tokens ``seq`` may still draw in this call: to its ``max_new_tokens``, and a partial
+    rollout's row to its budget (it parks there)."""
+    left = seq.params.max_new_tokens - len(seq.tokens)
+    holding = seq.holding
+    if holding is not None and holding.budget is not None:
+        left = min(left, holding.budget - (len(seq.tokens) - seq.admitted_at))
+    return left
+
+
+def last_row_weights(
+    left: list[int], rates: list[float], limited: list[float], drafted: list[bool] | None = None
+) -> list[float]:
+    """What a token gained by each row is worth to a call of fixed rows (no request waits for a
+    slot), which ends with its last row: the chance that the row is the last, summing to 1 over
+    the rows with ``left`` > 0 (tokens they may still draw; 0: finished). A row that runs to its
+    limit (chance ``limited``, from earlier rows: ``DraftStore``) and has the most forwards left
+    (``left`` times ``1 - rate``: a row whose drafts are taken needs fewer) is the last; where no
+    row runs to its limit, their ends at EOS are alike to guess, and each row weighs the same.
+    So rows that all run to their limit (a model that never says EOS) weigh their slowest row
+    alone: a verify forward that widens every row pays only if that row's draft is taken too;
+    rows that end at EOS weigh alike, as throughput does. ``drafted``: which rows have a draft
+    now; of rows with as many forwards left, one without goes first (this forward gains it
+    nothing)."""
+    live = [i for i, n in enumerate(left) if n > 0]
+    weights = [0.0] * len(left)
+    carry = 1.0  # the chance that no row before this one (in forwards left) runs to its limit
+    has = drafted or [True] * len(left)
+    for i in sorted(live, key=lambda i: (-left[i] * (1.0 - rates[i]), has[i])):
+        weights[i] = carry * limited[i]
+        carry *= 1.0 - limited[i]
+    for i in live:
+        weights[i] += carry / len(live)
+    return weights
 
 
 class NgramIndex:
@@ -293,6 +336,7 @@ class PromptIndex:
     finished: list[list[int]] = field(default_factory=list)
     live: int = 0  # rows decoding it now (never evicted while > 0)
     rate: float | None = None  # its rows' draft acceptance (a moving average); None: none drafted yet
+    limited: float | None = None  # how often its rows ran to max_new_tokens (moving); None: none ended
 
     def __post_init__(self) -> None:
         self.index.add(list(self.prompt))
@@ -370,6 +414,11 @@ class DraftStore:
         self.foreign: OrderedDict[int, list[list[int]]] = OrderedDict()
         self._foreign_tokens = 0
         self.received = 0  # rollouts taken from other ranks
+        # How often finished rows ran to their max_new_tokens (not EOS, a stop string), over every
+        # prompt (each prompt's own: PromptIndex.limited); None: no row finished yet. A call of
+        # fixed rows ends with its last row, which is one of those (``last_row_weights``).
+        self.limited: float | None = None
+        self._finished_rows = 0
 
     def row(self, seq: Any) -> RowDraft:
         """``seq``'s (a ``SeqState``) draft state, made and indexed on first use."""
@@ -415,17 +464,34 @@ class DraftStore:
                 return other
         return own
 
-    def drafts(self, seqs: list[Any], limits: list[int]) -> tuple[tuple[int, ...], ...] | None:
+    def drafts(
+        self, seqs: list[Any], limits: list[int], waiting: bool = True
+    ) -> tuple[tuple[int, ...], ...] | None:
         """Every row's draft (finished rows and ``limits[i] <= 0``: none), cut to the length that
-        pays (``Pacer.width``); None: a decode step pays more. Local; changes no row."""
+        pays (``Pacer.width``); None: a decode step pays more. ``waiting``: requests wait for a
+        row's slot, so every row's tokens count alike (throughput); else the rows are all the
+        call has, and the one that ends it counts (``last_row_weights``). Local; changes no row."""
         drafts = [
             self.draft(s, n) if n > 0 and not s.finished else [] for s, n in zip(seqs, limits, strict=True)
         ]
         if not any(drafts):
             return None
         rates = [s.draft.rate if s.draft is not None else 0.0 for s in seqs]
-        k = self.pacer.width(drafts, rates, sum(1 for s in seqs if not s.finished))
+        weights = None
+        if not waiting and self.limited:
+            left = [0 if s.finished else max(1, _left(s)) for s in seqs]
+            limited = [self._limited(s) for s in seqs]
+            weights = last_row_weights(left, rates, limited, [bool(d) for d in drafts])
+        k = self.pacer.width(drafts, rates, sum(1 for s in seqs if not s.finished), weights)
         return tuple(tuple(d[:k]) for d in drafts) if k else None
+
+    def _limited(self, seq: Any) -> float:
+        """The chance that ``seq`` runs to its ``max_new_tokens``: its prompt's rows' rate where
+        some finished, else every prompt's."""
+        entry = seq.draft.entry if seq.draft is not None else None
+        if entry is not None and entry.limited is not None:
+            return entry.limited
+        return self.limited or 0.0
 
     def observe(self, seq: Any, drafted: int, accepted: int) -> None:
         """After a verify forward that fed ``drafted`` of the row's draft tokens (0: none): its
@@ -439,13 +505,18 @@ class DraftStore:
 
     def finish(self, seq: Any) -> None:
         """``seq`` finished: its rollout stays in its prompt's index (within the budget) and goes
-        to the other ranks (``outgoing``)."""
+        to the other ranks (``outgoing``); whether it ran to its limit counts (``limited``)."""
         state: RowDraft | None = seq.draft
+        ran = 1.0 if seq.finish_reason == "length" else 0.0
+        self._finished_rows += 1
+        step = max(AVERAGING_ROWS, 1.0 / self._finished_rows)  # the mean of the first rows, then moving
+        self.limited = ran if self.limited is None else self.limited + step * (ran - self.limited)
         if state is None:
             return
+        entry = state.entry
+        entry.limited = ran if entry.limited is None else entry.limited + AVERAGING * (ran - entry.limited)
         seq.draft = None
         self._sync(state, seq)
-        entry = state.entry
         if entry.index.seqs[state.sid] is state.seq:
             entry.index.catch_up(state.sid, whole=True)
         entry.live -= 1

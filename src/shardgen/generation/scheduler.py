@@ -160,11 +160,14 @@ class LocalWork:
         if width <= 0:
             return None
         # The driver plans each tick twice (admitted or held) over the same batch: drafted once.
-        key = (id(batch), batch.steps, width, tuple(map(id, batch.seqs)))
+        # Requests waiting for a slot: a finished row makes room for one, and every row's tokens
+        # count alike; none: the call ends with its last row (``DraftStore.drafts``).
+        waiting = bool(self.pending)
+        key = (id(batch), batch.steps, width, tuple(map(id, batch.seqs)), waiting)
         if self._drafted[0] != key:
             # No draft reaches past max_new_tokens: what lay beyond could only be cut.
             limits = [min(width, s.params.max_new_tokens - len(s.tokens)) for s in batch.seqs]
-            self._drafted = (key, self.drafts.drafts(batch.seqs, limits))
+            self._drafted = (key, self.drafts.drafts(batch.seqs, limits, waiting))
         return self._drafted[1]
 
     def _towers(self, inputs: dict[str, Any]) -> int:
