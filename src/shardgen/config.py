@@ -288,7 +288,7 @@ class EngineConfig:
     all-gather to the other ranks (at most ``16384 // world`` ints a rank per tick, 64 to 512),
     so a prompt a trainer's sampler deals to another rank next epoch drafts from its earlier
     rollouts there. False: each rank drafts from its own rollouts and the tick carries its rows
-    alone (the same on every rank: it sets the tick's size)."""
+    alone (the same on every rank where ``speculate`` is on: it sets the tick's size)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming every field its rule refuses (``ENGINE_RULES``, the same
@@ -319,8 +319,9 @@ class EngineConfig:
             "max_prefill_tokens": str(self.max_prefill_tokens),
             # On or off (its length may differ per rank): with it on, the tick carries shared rollouts.
             "speculate": "on" if self.speculate else "off",
-            # Whether the tick carries a payload of shared rollouts (with speculate on).
-            "speculate_share": str(self.speculate_share),
+            # Whether the tick carries a payload of shared rollouts: with speculate on only (the
+            # driver's rule), so ranks that do not speculate may differ in it.
+            "speculate_share": str(bool(self.speculate) and self.speculate_share),
         }
 
 

@@ -518,6 +518,16 @@ def test_speculate_share_is_a_switch_at_every_door():
         assert build(EngineConfig, ns, names).speculate_share is want, extra
 
 
+def test_speculate_share_is_agreed_only_where_the_tick_carries_the_payload():
+    """Ranks must agree on whether the tick carries shared rollouts, which is speculation on and
+    sharing on: ranks that do not speculate may differ in ``speculate_share`` (the tick's size
+    does not), ranks that do may not."""
+    off = [EngineConfig(speculate=0, speculate_share=s).agreed() for s in (True, False)]
+    on = [EngineConfig(speculate=4, speculate_share=s).agreed() for s in (True, False)]
+    assert off[0] == off[1] and on[0] != on[1]
+    assert {k for k in on[0] if on[0][k] != on[1][k]} == {"speculate_share"}
+
+
 def test_verify_step_refuses_no_draft():
     with pytest.raises(AssertionError, match="no draft"):
         verify.verify_step(type("B", (), {"seqs": [None], "device": torch.device("cpu")})(), None, ((),))
