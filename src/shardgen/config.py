@@ -308,6 +308,12 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **changes) if changes else self
 
+    @property
+    def shares_rollouts(self) -> bool:
+        """Finished rollouts go to the other ranks in the tick (where there are some):
+        ``speculate`` and ``speculate_share`` both on."""
+        return bool(self.speculate) and self.speculate_share
+
     def agreed(self) -> dict[str, str]:
         """The settings every rank must share (checked collectively at construction)."""
         return {
@@ -319,9 +325,9 @@ class EngineConfig:
             "max_prefill_tokens": str(self.max_prefill_tokens),
             # On or off (its length may differ per rank): with it on, the tick carries shared rollouts.
             "speculate": "on" if self.speculate else "off",
-            # Whether the tick carries a payload of shared rollouts: with speculate on only (the
-            # driver's rule), so ranks that do not speculate may differ in it.
-            "speculate_share": str(bool(self.speculate) and self.speculate_share),
+            # Whether the tick carries a payload of shared rollouts: ranks that do not speculate
+            # may differ in speculate_share.
+            "speculate_share": str(self.shares_rollouts),
         }
 
 

@@ -116,9 +116,8 @@ class Driver:
         self.last_tick_t = time.monotonic()  # when the last tick was agreed
         self.gathered = False
         self.fp = Fingerprint()
-        # With speculate and speculate_share on, finished rollouts ride in the tick (a payload
-        # after each rank's row).
-        payload = share_limit(world) if world > 1 and config.speculate and config.speculate_share else 0
+        # Finished rollouts ride in the tick (a payload after each rank's row).
+        payload = share_limit(world) if world > 1 and config.shares_rollouts else 0
         self.cp = ControlPlane(setup.control, self.ranks.index(rank), world, payload)
         self.gather_policy = resolve(config, backend, setup.hf_config, self.device, setup.control, world)
         # max_batch_size and the prefix cache's bound, where unset: from the memory budget (local)
