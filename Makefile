@@ -50,11 +50,17 @@ LONGEST := tests/multirank/test_slurm_example.py tests/multirank/test_cli.py \
 	tests/multirank/test_rollout_multirank.py
 # The slowest tests listed at the end (`make test DURATIONS=0` lists every one).
 DURATIONS ?= 25
+# `make test CPU=1`: the CPU seconds of each test's process tree (its ranks and launched jobs
+# included), the costliest files and tests at the end, every test in cpu-report.jsonl
+# (tests/helpers/cpu_report.py). Wall durations mostly measure waiting for the cores here.
+CPU ?=
+CPU_REPORT := $(if $(CPU),-p cpu_report)
+CPU_PATH := $(if $(CPU),PYTHONPATH=$(CURDIR)/tests/helpers$(if $(PYTHONPATH),:$(PYTHONPATH)))
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
 # some machines): the suite starts about a hundred Python processes, each of which would compile
 # shardgen and the test helpers again, and pytest would rewrite the test files in every worker.
 test: $(STAMP) lint
-	PYTHONDONTWRITEBYTECODE= SHARDGEN_TEST_SMALL_ROWS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) \
+	$(CPU_PATH) PYTHONDONTWRITEBYTECODE= SHARDGEN_TEST_SMALL_ROWS=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(CPU_REPORT) -n 3 --dist loadfile --no-loadscope-reorder --durations=$(DURATIONS) \
 		-m "not bigworld and not long" $(LONGEST) tests
 
 demo: $(STAMP)
