@@ -169,6 +169,10 @@ def replica_groups(shard_size: int):
         return str(e)
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     if group is not None:
+        # Every member through its group once before any closes it (as ``not_a_member``): under
+        # load a member returned from new_group and closed the group while its peer was still
+        # connecting its gloo pair ("Connection closed by peer" there).
+        dist.barrier(group=group)
         dist.destroy_process_group(group)
     return ranks, replica
 
