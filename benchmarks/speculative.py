@@ -13,8 +13,9 @@ gather mode and each of greedy and sampled (temperature 1, a seed per epoch), a 
 with ``speculate`` off and one with it on run the four epochs; rounds alternate them. Every
 row of the speculative engine is asserted equal to the plain engine's (tokens; and logprobs
 bit for bit under ``--numerics invariant``). Reports useful tokens/s (every generated token,
-EOS included) of each, the speedup, the acceptance (draft tokens kept / fed), tokens per
-forward (a live row's tokens per decode forward) and decode forwards, per epoch kind.
+EOS included) of each, the speedup (and each round's: its two runs back to back), the
+acceptance (draft tokens kept / fed), tokens per forward (a live row's tokens per decode
+forward) and decode forwards, per epoch kind.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -112,6 +114,7 @@ def rank_main(args: argparse.Namespace) -> None:
     for gather in args.gathers.split(","):
         for mode in args.modes.split(","):
             wall = {0: 0.0, args.speculate: 0.0}
+            per_round: dict[int, list[float]] = {0: [], args.speculate: []}
             first: dict = {}
             stats: dict = {}
             for rnd in range(args.rounds):
@@ -120,6 +123,7 @@ def rank_main(args: argparse.Namespace) -> None:
                     outs, deltas, w = run(eng, mode)
                     eng.close()
                     wall[spec] += w
+                    per_round[spec].append(w)
                     first.setdefault(spec, outs)
                     stats.setdefault(spec, deltas)
             useful = sum(len(t) for ep in first[0] for t, _ in ep)
@@ -132,11 +136,16 @@ def rank_main(args: argparse.Namespace) -> None:
             dist.all_reduce(total)
             walls = torch.tensor([wall[0], wall[args.speculate]], dtype=torch.float64)
             dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+            # Each round's two runs back to back (the same rows): its ratio of walls is the speedup
+            # that round, under the machine's load of that moment.
+            rounds = torch.tensor([per_round[0], per_round[args.speculate]], dtype=torch.float64)
+            dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
             counters = torch.tensor(
                 [[d[k] for k in COUNTERS] for d in stats[args.speculate]], dtype=torch.float64
             )  # [epoch, counter]: summed over ranks
             dist.all_reduce(counters)
             results[f"{gather}/{mode}"] = _summary(args, total.item(), walls.tolist(), counters)
+            results[f"{gather}/{mode}"]["round_speedups"] = (rounds[0] / rounds[1]).tolist()
     if rank == 0:
         print(f"\n{args.model} model, FSDP2, {world} ranks, prompts {args.prompts}/{args.prompts_other}, "
               f"n={args.n}, "
@@ -151,6 +160,9 @@ def rank_main(args: argparse.Namespace) -> None:
                 f"{r['new']['acceptance']:.2f} tok/fwd {r['new']['tokens_per_forward']:.2f}",
                 flush=True,
             )
+            ups = sorted(r["round_speedups"])
+            print(f"{'':20s} per round: {', '.join(f'{x:.2f}x' for x in r['round_speedups'])} "
+                  f"(median {statistics.median(ups):.2f}x)", flush=True)  # fmt: skip
         write_json(args.json, {"results": results, "world": world, "config": vars(args)})
     dist.destroy_process_group()
 
