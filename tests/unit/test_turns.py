@@ -258,3 +258,34 @@ def test_the_pool_stays_within_its_bound_over_1000_conversations(monkeypatch):
     assert len(held) >= 1000 and max(held) <= 2000, max(held)
     assert stats["cached_prompt_tokens"] >= 1000 * 20, stats  # every second turn reused its first
     assert len(pool) == 0 and pool.tokens == 0 and pool.bytes == 0  # close dropped everything
+
+
+def test_a_finished_row_held_already_is_not_copied_again(monkeypatch):
+    """A greedy group's samples end alike, and so does the same rollout again: the cache keeps one
+    entry per answer, and only the first of equal rows has its KV copied out (the copy is what a
+    finished row costs the cache); the next turn still hits it."""
+    from shardgen.generation.rows import BatchRows
+
+    copies: list[int] = []
+    row_kv = BatchRows.row_kv
+
+    def counted(self, i, length):
+        copies.append(length)
+        return row_kv(self, i, length)
+
+    monkeypatch.setattr(BatchRows, "row_kv", counted)
+    model = tiny_model("llama", seed=11)
+    prompts = ts.prompts_of(3, 2, length=20)
+    with shardgen.Engine(model, backend="local") as eng:
+        first = eng.rollout(prompts, n=4, do_sample=False, max_new_tokens=6, eos_token_id=[])
+        assert len(copies) == 2, copies  # one per prompt: its 4 samples are the same tokens
+        again = eng.rollout(prompts, n=4, do_sample=False, max_new_tokens=6, eos_token_id=[])
+        assert len(copies) == 2, copies  # the same answers: held already
+        pool = eng._driver.work.prefixes
+        held = len(pool)
+        before = eng.stats()["cached_prompt_tokens"]
+        nxt = [p + first.response_ids[4 * k].tolist() + [5, 6] for k, p in enumerate(prompts)]
+        eng.rollout(nxt, max_new_tokens=2, eos_token_id=[])
+        hit = eng.stats()["cached_prompt_tokens"] - before
+    assert held == 2 and torch.equal(first.response_ids, again.response_ids)
+    assert hit == sum(len(p) + 6 - 1 for p in prompts), hit  # each next turn continues its kept first

@@ -128,6 +128,16 @@ class PrefixCache:
         KV is copied out). Short ones too: a short first turn's next turn extends it."""
         return 0 < length <= self.capacity
 
+    def refresh(self, tokens: Sequence[Hashable]) -> bool:
+        """Whether ``tokens`` are held already, and if so now the most recently used: ``add`` would
+        keep no second copy, so the caller need not copy their KV out (a greedy group's samples,
+        the same answer an epoch later)."""
+        key = tuple(tokens)
+        if key not in self._lru:
+            return False
+        self._lru.move_to_end(key)
+        return True
+
     def add(self, tokens: Sequence[Hashable], kv: KV) -> None:
         """Keep ``tokens``' KV (``kv[l]``: ``[kv_heads, len(tokens), head_dim]`` each), evicting the
         least recently used entries to stay within ``capacity``. An entry of a block or more that is

@@ -343,9 +343,12 @@ class LocalWork:
         keys = s.cache_keys  # an image row's: its ids salted by its images
         if keys is None or not cache.keeps(length) or not batch.cacheable():
             return
+        tokens = [*keys, *fresh[:-1]]
+        if cache.refresh(tokens):  # held already: no copy of the row's KV (copying is most of the cost)
+            return
         assert batch.cache.layers[0].keys.shape[-2] == batch.input_ids.shape[1] - 1, "cache and ids apart"
         evicted = cache.evictions
-        cache.add([*keys, *fresh[:-1]], batch.row_kv(i, length))
+        cache.add(tokens, batch.row_kv(i, length))
         self.stats.prefix_cache_evictions += cache.evictions - evicted
 
     def _take(self, n: int) -> list[Request]:
