@@ -145,10 +145,7 @@ class PrefixCache:
         stays (a sibling turn, the same turn with another reply, shares under a block with the
         new one), until the bound pushes it out."""
         key = tuple(tokens)
-        if not self.keeps(len(key)):
-            return
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        if not self.keeps(len(key)) or self.refresh(key):
             return
         entry = Entry(key, kv, _chain(key, len(key) // BLOCK))
         for h in entry.hashes:  # entries this one extends (the previous turn of its conversation)

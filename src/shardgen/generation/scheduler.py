@@ -343,7 +343,7 @@ class LocalWork:
         keys = s.cache_keys  # an image row's: its ids salted by its images
         if keys is None or not cache.keeps(length) or not batch.cacheable():
             return
-        tokens = [*keys, *fresh[:-1]]
+        tokens = (*keys, *fresh[:-1])  # the cache's key as it is (tuple() of a tuple makes no copy)
         if cache.refresh(tokens):  # held already: no copy of the row's KV (copying is most of the cost)
             return
         assert batch.cache.layers[0].keys.shape[-2] == batch.input_ids.shape[1] - 1, "cache and ids apart"
