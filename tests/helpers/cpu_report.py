@@ -42,25 +42,15 @@ def _stat_fields(pid: str) -> tuple[int, float] | None:
     return int(rest[1]), sum(int(x) for x in rest[11:15]) / _TICK
 
 
-def tree_cpu(root: int | None = None) -> float:
-    """CPU seconds of process ``root`` (this one: None) and its reaped children, and of every
-    live descendant and its reaped children."""
-    root = os.getpid() if root is None else root
+def tree_cpu() -> float:
+    """CPU seconds of this process and its reaped children, and of every live descendant and its
+    reaped children."""
     kids: dict[int, list[tuple[int, float]]] = {}
-    own = 0.0
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        got = _stat_fields(name)
-        if got is None:
-            continue
-        if int(name) == root:
-            own = got[1]
-        kids.setdefault(got[0], []).append((int(name), got[1]))
-    if root == os.getpid():  # to the microsecond, not the clock tick
-        t = os.times()
-        own = t.user + t.system + t.children_user + t.children_system
-    total, stack = own, [root]
+        if name.isdigit() and (got := _stat_fields(name)) is not None:
+            kids.setdefault(got[0], []).append((int(name), got[1]))
+    t = os.times()  # its own to the microsecond, not the clock tick
+    total, stack = t.user + t.system + t.children_user + t.children_system, [os.getpid()]
     while stack:
         for pid, cpu in kids.get(stack.pop(), ()):
             total += cpu
