@@ -113,6 +113,41 @@ def test_eos_stop_string_and_length_cut_inside_an_accepted_draft(toy_pair, monke
     assert stats["accepted"] >= 3 * 2 * 4, stats  # every later call took drafts
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_partial_rollouts_budget_falls_inside_an_accepted_draft(toy_pair, sampled):
+    """``tokens_per_call=5`` with drafts of up to 4 from an earlier epoch: no call gives a row
+    more than its budget (a verify forward stops committing there, and no draft reaches past it,
+    as a plain step parks the row there, its generator's draws with it), and the resumed rows
+    are the plain engine's."""
+    model, tok = toy_pair
+    ids = _ids(tok, ["count from 3 to 24 :", "count down from 40 to 22 :"], 2)
+    kw = dict(max_new_tokens=40, logprobs=True)
+    if sampled:
+        kw.update(do_sample=True, temperature=0.7, seed=3)
+    with shardgen.Engine(model, tok, backend="local", speculate=0, numerics="invariant") as eng:
+        plain = eng.generate(ids, **kw)
+    with shardgen.Engine(model, tok, backend="local", speculate=4, numerics="invariant") as eng:
+        eng.generate(ids, **kw)  # the history
+        before = eng.stats()["accepted"]
+        rows, calls = eng.generate(ids, tokens_per_call=5, **kw), 1
+        while True:
+            for i, c in enumerate(rows):  # a held row drew its whole budget in every call
+                want = 5 * calls if c.finish_reason == "held" else len(plain[i].token_ids)
+                assert len(c.token_ids) == want, (calls, i, c.finish_reason, len(c.token_ids))
+            held = [i for i, c in enumerate(rows) if c.finish_reason == "held"]
+            if not held:
+                break
+            calls += 1
+            assert calls <= 9, f"rows still held after {calls} calls"
+            for i, c in zip(held, eng.resume([rows[i] for i in held]), strict=True):
+                rows[i] = c
+        assert eng.stats()["accepted"] - before >= 2 * 4 * 4, eng.stats()  # drafts crossed budgets
+    assert calls >= 4, "no row was cut more than twice: the test proves little"
+    got = rows
+    for i, (a, b) in enumerate(zip(plain, got, strict=True)):
+        assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason), i
+
+
 def _corrupted(monkeypatch) -> None:
     """Every other draft's last token wrong: the verify forward must reject it."""
     real = DraftStore.draft

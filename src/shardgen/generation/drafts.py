@@ -228,9 +228,10 @@ class Pacer:
         return best_k
 
 
-def _left(seq: Any) -> int:
+def tokens_left(seq: Any) -> int:
     """Tokens ``seq`` may still draw in this call: to its ``max_new_tokens``, and a partial
-    rollout's row to its budget (it parks there)."""
+    rollout's row to its budget (it parks there, after the forward that reached it). A draft
+    reaches no further, and a verify forward commits no more (``verify.py``)."""
     left = seq.params.max_new_tokens - len(seq.tokens)
     holding = seq.holding
     if holding is not None and holding.budget is not None:
@@ -479,7 +480,7 @@ class DraftStore:
         rates = [s.draft.rate if s.draft is not None else 0.0 for s in seqs]
         weights = None
         if not waiting and self.limited:
-            left = [0 if s.finished else max(1, _left(s)) for s in seqs]
+            left = [0 if s.finished else max(1, tokens_left(s)) for s in seqs]
             limited = [self._limited(s) for s in seqs]
             weights = last_row_weights(left, rates, limited, [bool(d) for d in drafts])
         k = self.pacer.width(drafts, rates, sum(1 for s in seqs if not s.finished), weights)

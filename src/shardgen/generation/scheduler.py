@@ -25,7 +25,7 @@ import torch
 from shardgen.config import EngineConfig
 from shardgen.generation import parking
 from shardgen.generation.batch import Batch
-from shardgen.generation.drafts import DraftStore
+from shardgen.generation.drafts import DraftStore, tokens_left
 from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, Work
 from shardgen.generation.prefix_cache import PrefixCache
 from shardgen.generation.requests import Request
@@ -149,8 +149,8 @@ class LocalWork:
     def _drafts(self, batch: Batch) -> tuple[tuple[int, ...], ...] | None:
         """Each row's draft for the next decode step (``DraftStore.draft``), or None: no row has
         one, speculation is off, or the batch's rows cannot be verified (``Batch.can_verify``).
-        A draft reaches no further than the row's ``max_new_tokens`` allows, and the forward's
-        tokens stay within ``max_prefill_tokens``. Local; changes no row."""
+        A draft reaches no further than the row may draw in this call (``tokens_left``), and the
+        forward's tokens stay within ``max_prefill_tokens``. Local; changes no row."""
         cfg = self.config
         if not cfg.speculate or not self.kind.speculates or not batch.can_verify():
             return None
@@ -165,8 +165,9 @@ class LocalWork:
         waiting = bool(self.pending)
         key = (id(batch), batch.steps, width, tuple(map(id, batch.seqs)), waiting)
         if self._drafted[0] != key:
-            # No draft reaches past max_new_tokens: what lay beyond could only be cut.
-            limits = [min(width, s.params.max_new_tokens - len(s.tokens)) for s in batch.seqs]
+            # No draft reaches past max_new_tokens or a partial rollout's budget: what lay beyond
+            # could only be cut.
+            limits = [min(width, tokens_left(s)) for s in batch.seqs]
             self._drafted = (key, self.drafts.drafts(batch.seqs, limits, waiting))
         return self._drafted[1]
 

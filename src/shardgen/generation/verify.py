@@ -6,7 +6,8 @@ Acceptance walks a row's positions in order and draws each position's token exac
 plain engine's step would draw it there (``select_tokens`` with the row's own generator: one
 draw per committed token, as in plain decoding; greedy rows take the argmax), commits it through
 ``SeqState.append`` (so EOS, a stop string and ``max_new_tokens`` end the row exactly where one
-token at a time would), and goes on while the token equals the draft's. The first token that
+token at a time would, and a partial rollout's row stops at its budget, where it parks after the
+forward as after a plain step), and goes on while the token equals the draft's. The first token that
 differs (or the one after a wholly accepted draft) is the last committed. A row's tokens are
 then the plain engine's whenever its logits at each position are the one-token step's: always
 the same bits under ``numerics="invariant"`` (its attention takes each row's visible keys in
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardgen.generation.drafts import tokens_left
 from shardgen.generation.sampling import chosen_logprobs, select_tokens
 
 
@@ -127,9 +129,9 @@ def _accept_greedy(
             lps[r].append(lp)
     for r, i in enumerate(rows):
         s, t = seqs[i], tokens[r]
-        for j in range(runs[r]):  # EOS, a stop string or the length end the row where they fall
+        for j in range(runs[r]):  # EOS, a stop string, the length or the budget end it where they fall
             s.append(t[j], lps[r][j] if lps is not None and s.params.logprobs else None)
-            if s.finished:
+            if s.finished or tokens_left(s) <= 0:
                 break
         committed[i] = j + 1
         accepted[i] = min(j + 1, runs[r] - 1)  # the run's last token is a miss or past the draft
@@ -168,7 +170,7 @@ def _accept_drawn(
             committed[i] += 1
             hit = j < len(d) and t == d[j]
             accepted[i] += hit
-            if hit and not s.finished:
+            if hit and not s.finished and tokens_left(s) > 0:
                 still.append(i)
         going = still
 
