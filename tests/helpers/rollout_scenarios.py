@@ -368,8 +368,22 @@ def check_versions(b, ref, temperature: float, greedy: bool) -> int:
     return spans
 
 
+@contextlib.contextmanager
+def cheap_columns() -> Iterator[None]:
+    """A verify forward's columns priced as before any is measured (nearly free), in this rank's
+    process until the block ends: whether drafts run does not hang on the machine's timings."""
+    from shardgen.generation.drafts import UNMEASURED_COLUMN_COST, Pacer
+
+    real = Pacer.cost
+    Pacer.cost = lambda self, w, rows=None: 1.0 + UNMEASURED_COLUMN_COST * (w - 1)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Pacer.cost = real  # type: ignore[method-assign]
+
+
 def partial_steps(
-    backend: str, gather: str = "per-layer", greedy: bool = False, stale: str = "finish"
+    backend: str, gather: str = "per-layer", greedy: bool = False, stale: str = "finish", speculate: int = 0
 ) -> dict:
     """Partial rollouts over 3 steps, then a drain: each step asks for a quota of groups (rank r:
     ``4 - r`` new prompts, a quota of 2, so held groups pile up unevenly; the last rank holds rows
@@ -378,7 +392,9 @@ def partial_steps(
     submitted, step served, finish reasons), the rows spanning two versions, a check of every
     token's version and logprob (``check_versions``), the held groups after the drain. Rank 0
     also holds a ``generate(tokens_per_call=5)`` row, resumed once a step (``per_call.py``): its
-    tokens checked alike, its calls returned."""
+    tokens checked alike, its calls returned. ``speculate``: the engine's, its columns priced
+    cheap (``cheap_columns``); the verify forwards run and the draft tokens accepted are returned
+    too."""
     import shardgen
     from shardgen.generation.partial import held_groups
 
@@ -386,7 +402,10 @@ def partial_steps(
     model, ref = _pair()
     n, steps, temperature = 2, 3, 0.8
     served, spans = [], 0
-    with shardgen.Engine(model, backend=backend, gather=gather, max_batch_size=6) as eng:
+    with (
+        cheap_columns() if speculate else contextlib.nullcontext(),
+        shardgen.Engine(model, backend=backend, gather=gather, max_batch_size=6, speculate=speculate) as eng,
+    ):
         slow_forwards(eng)
         born = {}
         kw = dict(
@@ -419,12 +438,14 @@ def partial_steps(
                 served.append((tuple(p), born[tuple(p)], step, b.finish_reasons[k * n : k * n + n]))
                 assert int(b.versions[k * n : k * n + n].max()) <= born[tuple(p)] + 1, "past max_staleness"
         left = held_groups(eng)
+        verified = (eng.stats()["verify_forwards"], eng.stats()["accepted"])
     if gen:
         from shardgen.generation.rollout import pack
 
         spans += check_versions(pack(gen, pad_id=0, n=1, seeds=[None]), ref, temperature, greedy)
         assert gen[0].finish_reason != "held" and len(set(gen[0].versions)) > 1, (gen_calls, gen[0].versions)
-    return {"served": served, "born": [list(p) for p in born], "spans": spans, "left": left}
+    born_ = [list(p) for p in born]
+    return {"served": served, "born": born_, "spans": spans, "left": left, "verified": verified}
 
 
 def close_with_held_rows(backend: str) -> dict:

@@ -123,9 +123,14 @@ def test_close_with_held_rows_resolves_them(ds_world2):
     assert len(out[1]["ends"]) == 4 and all(r == "held" and t < 48 for r, t in out[1]["ends"]), out[1]
 
 
-@pytest.mark.parametrize("backend, greedy", [("fsdp2", False), ("deepspeed", True)])
-def test_partial_rollouts_at_3_ranks(ds_world3, backend, greedy):
+@pytest.mark.parametrize("backend, greedy, speculate", [("fsdp2", False, 4), ("deepspeed", True, 0)])
+def test_partial_rollouts_at_3_ranks(ds_world3, backend, greedy, speculate):
     """The same at 3 ranks: 4, 3 and 2 new prompts a step for a quota of 2, so held groups pile
-    up unevenly (the last rank's quota takes every group it can: it holds fewer)."""
-    out = ds_world3.run(sc.partial_steps, backend, "per-layer", greedy, "finish", timeout=240)
+    up unevenly (the last rank's quota takes every group it can: it holds fewer). On FSDP2 with
+    speculative decoding: verify forwards commit tokens of held rows and of rank 0's
+    ``tokens_per_call`` row, each token still its version's."""
+    out = ds_world3.run(sc.partial_steps, backend, "per-layer", greedy, "finish", speculate, timeout=240)
     assert _served_once(out, "finish") > 0, "no row was parked mid-answer and resumed"
+    if speculate:
+        got = [r["verified"] for r in out]  # (verify forwards, draft tokens accepted) per rank
+        assert all(v > 0 for v, _ in got) and sum(a for _, a in got) > 0, got
