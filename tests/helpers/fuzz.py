@@ -149,9 +149,11 @@ def fuzz(n: int, seed0: int = 0, log: Any = print) -> dict[str, Any]:
             if kind != "ok":
                 failures.append({"seed": s["seed"], "result": result[:4000]})
             counts[f"gather={s['gather']}"] += 1
+            counts[f"speculate={s['speculate']}"] += 1
             desc = f"fault={s['fault']['kind']}@rank{s['fault']['victim']}" if s["fault"] else "no fault"
             took_s = f" ({took:.1f}s)" if took else ""
-            log(f"seed {s['seed']}: world {s['world']}, gather {s['gather']}, {desc}: {kind}{took_s}")
+            spec = f", speculate {s['speculate']}" if s["speculate"] else ""
+            log(f"seed {s['seed']}: world {s['world']}, gather {s['gather']}{spec}, {desc}: {kind}{took_s}")
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (see main): report the schedules run so far
         interrupted = True
     finally:
@@ -167,11 +169,17 @@ def fuzz(n: int, seed0: int = 0, log: Any = print) -> dict[str, Any]:
         "wrong_tokens": counts["wrong"],
         "misattributed": counts["misattributed"],
         "other_errors": counts["error"],
-        "by_gather": {k.split("=", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("gather=")},
+        "by_gather": _by(counts, "gather"),
+        "by_speculate": _by(counts, "speculate"),
         "max_fault_to_exit_s": round(max(detect), 2) if detect else None,
         "wall_s": round(time.monotonic() - t_start, 1),
         "failures": failures,
     }
+
+
+def _by(counts: Counter[str], knob: str) -> dict[str, int]:
+    """The schedules run per value of ``knob`` (counted as ``knob=value``)."""
+    return {k.split("=", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith(f"{knob}=")}
 
 
 def main() -> int:

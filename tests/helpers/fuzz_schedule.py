@@ -1,14 +1,14 @@
 """Random schedules for the fuzzer (``make fuzz``, tests/multirank/test_fuzz.py), reproducible from a seed.
 
-A schedule is what every rank's user thread does with one engine (its gather mode drawn per
-schedule): generate calls (batch shapes, lengths, EOS steps), sleeps, the user's own collectives
-on the default group (barrier, all_reduce) and ``paused()`` blocks with a training step, then
-``close()`` after a random delay (so ranks close in a random order). Collectives are
-made by every rank the same number of times in the same order, as real programs do;
-the calls between them differ per rank. In a share of schedules one rank suffers a
-fault (SIGKILL, SIGSTOP, an exception in its forward); user collectives then happen
-only before the first call, since after a peer's death a default-group collective is
-the user's own hang, not shardgen's.
+A schedule is what every rank's user thread does with one engine (its gather mode, and whether
+it decodes speculatively, drawn per schedule): generate calls (batch shapes, lengths, EOS
+steps), sleeps, the user's own collectives on the default group (barrier, all_reduce) and
+``paused()`` blocks with a training step, then ``close()`` after a random delay (so ranks
+close in a random order). Collectives are made by every rank the same number of times in the
+same order, as real programs do; the calls between them differ per rank. In a share of
+schedules one rank suffers a fault (SIGKILL, SIGSTOP, an exception in its forward); user
+collectives then happen only before the first call, since after a peer's death a
+default-group collective is the user's own hang, not shardgen's.
 
 ``run_schedule`` executes one rank's part; it is used in a reused World (fault-free
 schedules) and by tests/helpers/fuzz_rank.py (fault schedules, one process per rank).
@@ -27,6 +27,7 @@ from typing import Any
 
 FAULTS = ("sigkill", "sigstop", "raise")
 GATHERS = ("per-layer", "stationary", "once", "auto")  # EngineConfig.gather, one per schedule
+SPECULATE = (0, 0, 4)  # EngineConfig.speculate, one per schedule: a third decode speculatively
 
 
 def make_schedule(seed: int, fault_share: float = 0.25, world: int | None = None) -> dict[str, Any]:
@@ -71,8 +72,9 @@ def make_schedule(seed: int, fault_share: float = 0.25, world: int | None = None
         ranks.append({"ops": ops, "close_delay": round(rng.random() * 0.6, 2)})
     # From an RNG of its own, so that adding the draw left every older seed's schedule as it was.
     gather = random.Random(f"gather:{seed}").choice(GATHERS)
+    speculate = random.Random(f"speculate:{seed}").choice(SPECULATE)
     return {"seed": seed, "world": world, "fault": fault, "ranks": ranks, "stall_timeout": 4.0,
-            "gather": gather}  # fmt: skip
+            "gather": gather, "speculate": speculate}  # fmt: skip
 
 
 def _ordered(ops: list[dict[str, Any]], syncs: list[str]) -> list[dict[str, Any]]:
@@ -105,6 +107,7 @@ def run_schedule(sched: dict[str, Any], rank: int, event: Any = None) -> dict[st
         stall_timeout=sched["stall_timeout"],
         init_timeout=30.0,
         max_batch_size=1 + sched["seed"] % 4,
+        speculate=sched.get("speculate", 0),
     )
     event("constructed")
     if fault and fault["kind"] == "raise":
@@ -153,6 +156,7 @@ def run_schedule(sched: dict[str, Any], rank: int, event: Any = None) -> dict[st
                 dist.all_reduce(g)
                 time.sleep(0.05 * rank)
             done["syncs"] += 1
+    done["verified"] = eng.stats()["verify_forwards"]  # speculative decoding's verify forwards
     time.sleep(part["close_delay"])
     event("closing")
     eng.close()
