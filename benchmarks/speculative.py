@@ -160,8 +160,8 @@ def rank_main(args: argparse.Namespace) -> None:
                 f"{r['new']['acceptance']:.2f} tok/fwd {r['new']['tokens_per_forward']:.2f}",
                 flush=True,
             )
-            ups = sorted(r["round_speedups"])
-            print(f"{'':20s} per round: {', '.join(f'{x:.2f}x' for x in r['round_speedups'])} "
+            ups = r["round_speedups"]
+            print(f"{'':20s} per round: {', '.join(f'{x:.2f}x' for x in ups)} "
                   f"(median {statistics.median(ups):.2f}x)", flush=True)  # fmt: skip
         write_json(args.json, {"results": results, "world": world, "config": vars(args)})
     dist.destroy_process_group()

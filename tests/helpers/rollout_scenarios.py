@@ -371,7 +371,8 @@ def check_versions(b, ref, temperature: float, greedy: bool) -> int:
 @contextlib.contextmanager
 def cheap_columns() -> Iterator[None]:
     """A verify forward's columns priced as before any is measured (nearly free), in this rank's
-    process until the block ends: whether drafts run does not hang on the machine's timings."""
+    process until the block ends: whether drafts run does not hang on the machine's timings
+    (tests/unit/test_speculative.py's too)."""
     from shardgen.generation.drafts import UNMEASURED_COLUMN_COST, Pacer
 
     real = Pacer.cost
@@ -438,14 +439,16 @@ def partial_steps(
                 served.append((tuple(p), born[tuple(p)], step, b.finish_reasons[k * n : k * n + n]))
                 assert int(b.versions[k * n : k * n + n].max()) <= born[tuple(p)] + 1, "past max_staleness"
         left = held_groups(eng)
-        verified = (eng.stats()["verify_forwards"], eng.stats()["accepted"])
+        stats = eng.stats()
     if gen:
         from shardgen.generation.rollout import pack
 
         spans += check_versions(pack(gen, pad_id=0, n=1, seeds=[None]), ref, temperature, greedy)
         assert gen[0].finish_reason != "held" and len(set(gen[0].versions)) > 1, (gen_calls, gen[0].versions)
-    born_ = [list(p) for p in born]
-    return {"served": served, "born": born_, "spans": spans, "left": left, "verified": verified}
+    return {
+        "served": served, "born": [list(p) for p in born], "spans": spans, "left": left,
+        "verified": (stats["verify_forwards"], stats["accepted"]),
+    }  # fmt: skip
 
 
 def close_with_held_rows(backend: str) -> dict:

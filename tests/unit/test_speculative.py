@@ -6,11 +6,13 @@ accepted draft, and the doors refuse bad settings. Multi-rank: tests/multirank/t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 from models import batch, tiny_model
+from rollout_scenarios import cheap_columns
 from test_doors import cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,7 +27,6 @@ from shardgen.generation.drafts import (
     SHARE_WORDS,
     STALE,
     TRUSTED,
-    UNMEASURED_COLUMN_COST,
     DraftStore,
     NgramIndex,
     Pacer,
@@ -41,11 +42,12 @@ def toy_pair():
 
 
 @pytest.fixture(autouse=True)
-def cheap_columns(request, monkeypatch):
+def cheap(request):
     """A verify forward's columns priced as before any is measured (nearly free), so that which
-    drafts run does not hang on this machine's timings (the rows never do)."""
-    if "pacer" not in request.node.name:
-        monkeypatch.setattr(Pacer, "cost", lambda self, w, rows=None: 1.0 + UNMEASURED_COLUMN_COST * (w - 1))
+    drafts run does not hang on this machine's timings (the rows never do); not in the Pacer's
+    own tests."""
+    with contextlib.nullcontext() if "pacer" in request.node.name else cheap_columns():
+        yield
 
 
 def _ids(tok, prompts: list[str], n: int) -> list[list[int]]:
@@ -143,8 +145,7 @@ def test_a_partial_rollouts_budget_falls_inside_an_accepted_draft(toy_pair, samp
                 rows[i] = c
         assert eng.stats()["accepted"] - before >= 2 * 4 * 4, eng.stats()  # drafts crossed budgets
     assert calls >= 4, "no row was cut more than twice: the test proves little"
-    got = rows
-    for i, (a, b) in enumerate(zip(plain, got, strict=True)):
+    for i, (a, b) in enumerate(zip(plain, rows, strict=True)):
         assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason), i
 
 
