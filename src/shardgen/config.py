@@ -200,8 +200,9 @@ class EngineConfig:
     """(agreed) ``per-layer`` (gather each unit on every forward), ``stationary`` (no big weight
     moves: each rank computes its rows' outputs for every rank's tokens; activations are
     exchanged), ``once`` (gather the whole model when work starts, decode without parameter
-    traffic) or ``auto`` (``once`` if it fits ``memory_budget_gb``, else per forward the cheaper
-    of ``stationary`` and ``per-layer`` for its token count)."""
+    traffic; freed when every rank is idle, kept between a multi-turn call's turns) or ``auto``
+    (``once`` if it fits ``memory_budget_gb``, else per forward the cheaper of ``stationary``
+    and ``per-layer`` for its token count)."""
     max_batch_size: int | None = None
     """Requests decoded together on one rank. None: sized from ``memory_budget_gb``, as many rows as
     their KV cache (2048 tokens a row, capped by the model's context) fits next to the weights a

@@ -185,3 +185,52 @@ def assert_conversations(res: dict, cached: bool = True) -> None:
     # the pause changed the weights (the same conversations score differently), and the cache-on
     # engine's rows after it equal the cache-off engine's (above): no KV of the old weights served
     assert [r["logprobs"][:3] for r in on["after"]] != [r["logprobs"][:3] for r in on["greedy"]]
+
+
+def turn_gaps(backend: str) -> dict[str, Any]:
+    """``gather="once"``: the whole weights stay gathered across a multi-turn call's turns and go
+    back once it returns, or once it is left open (a ``rollout_iter`` not read on) for
+    ``TURN_HOLD_TICKS`` idle ticks; a partial rollout's call (``groups=``) keeps them too. Every
+    rank alike: 2 prompts (n = 1) whose conversations take
+    1 and 3 model turns, an environment that sleeps 50 ms a step (every turn's gap is idle on
+    every rank). -> the whole-model gathers of the call, whether the weights went back after
+    it and after the iterator was left open, and the multi-turn calls open then."""
+    import time
+
+    import shardgen
+
+    seen: dict[int, int] = {}
+
+    def env(row: int, c: Any) -> list[int] | None:
+        time.sleep(0.05)
+        seen[row] = seen.get(row, 0) + 1  # model turns so far: row 0 ends after 1, row 1 after 3
+        return None if seen[row] >= 1 + 2 * row else [3 + row] * REPLY
+
+    def released(eng: Any, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while eng._driver.gathered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not eng._driver.gathered
+
+    prompts = prompts_of(rank(), 2)
+    kw = dict(n=1, env=env, max_turns=4, max_new_tokens=3, eos_token_id=[], do_sample=False)
+    model = tiny_model("llama", seed=5)
+    with shardgen.Engine(model, backend=backend, gather="once", max_batch_size=4) as eng:
+        b = eng.rollout(prompts, **kw)
+        gathers = eng.stats()["whole_gathers"]
+        after_call = released(eng, 5.0)
+        seen.clear()
+        it = eng.rollout_iter(prompts, **kw)
+        first = next(it)  # the 1-turn conversation; the other's next turn waits on this iterator
+        t0 = time.monotonic()
+        after_open = released(eng, 10.0)
+        held_s = time.monotonic() - t0
+        open_calls = eng._shared.turns_open()
+        it.close()
+        seen.clear()
+        before = eng.stats()["whole_gathers"]
+        quota = eng.rollout(prompts, groups=2, **kw)  # a partial rollout's conversations alike
+        quota_gathers = eng.stats()["whole_gathers"] - before
+    return {"turns": b.turns, "gathers": gathers, "after_call": after_call, "first": first[0],
+            "after_open": after_open, "held_s": held_s, "open_calls": open_calls,
+            "quota_turns": quota.turns, "quota_gathers": quota_gathers}  # fmt: skip

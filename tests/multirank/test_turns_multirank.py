@@ -63,3 +63,22 @@ def test_held_conversations_across_a_step_3_ranks(ds_world3):
     """The same at 3 ranks, both backends: rank 2 holds none."""
     for backend in ("fsdp2", "deepspeed"):
         ts.assert_held_conversations(ds_world3.run(ts.held_conversations, backend, timeout=120))
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_once_keeps_the_whole_weights_between_turns(ds_world2, backend):
+    """``gather="once"``: a multi-turn call gathers the whole model once, not once per turn (each
+    turn's environment step leaves every rank idle), a partial rollout's call too; the weights go
+    back when the call returns, and after ``TURN_HOLD_TICKS`` idle ticks when its iterator is
+    left open."""
+    from shardgen.core.driver import TURN_HOLD_TICKS
+
+    for r, res in enumerate(ds_world2.run(ts.turn_gaps, backend, timeout=120)):
+        assert res["turns"] == [1, 3], (r, res)
+        assert res["gathers"] == 1, f"rank {r}: the whole model gathered {res['gathers']} times in one call"
+        assert res["after_call"], f"rank {r}: the weights stayed gathered after the call"
+        assert res["first"] == 0 and res["open_calls"] == 1, (r, res)
+        assert res["after_open"], f"rank {r}: an open multi-turn iterator held the weights for good"
+        # not at the first idle tick: held (about a second's ticks) for a turn that could come
+        assert res["held_s"] > TURN_HOLD_TICKS * 0.5e-3, (r, res)
+        assert sorted(res["quota_turns"]) == [1, 3] and res["quota_gathers"] == 1, (r, res)

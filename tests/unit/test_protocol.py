@@ -63,8 +63,8 @@ def test_fingerprint_mismatch_names_the_ranks():
 def test_a_tick_row_is_one_vector_of_its_fields_and_back() -> None:
     """A column is a ``TickRow`` field: the vector the all-reduce carries has one per field, in
     field order, and the agreed state reads the same row back through it."""
-    row = TickRow(live=1, pending=2, open=3, pause=4, fingerprint=5, tokens=6, head_rows=7,
-                  held_tokens=8, held_head_rows=9, towers=10, held_towers=11, shared=12)  # fmt: skip
+    row = TickRow(live=1, pending=2, open=3, pause=4, fingerprint=5, tokens=6, head_rows=7, held_tokens=8,
+                  held_head_rows=9, towers=10, held_towers=11, shared=12, turning=13)  # fmt: skip
     assert row.to_vector() == list(range(1, NCOLS + 1))
     assert TickRow.from_vector(row.to_vector()) == row
     shared = list(range(100, 112))  # ``shared`` ints after the row, within the plane's payload
@@ -74,7 +74,7 @@ def test_a_tick_row_is_one_vector_of_its_fields_and_back() -> None:
     with pytest.raises(AssertionError, match="13 ints to share, room for 12"):
         ControlPlane(None, 0, 1, payload=12).agree(TickRow(shared=13), shared=[0] * 13)
     summed = [a + b for a, b in zip(row.to_vector(), TickRow(live=2, towers=4).to_vector(), strict=True)]
-    assert TickRow.from_vector(summed) == TickRow(3, 2, 3, 4, 5, 6, 7, 8, 9, 14, 11, 12)
+    assert TickRow.from_vector(summed) == TickRow(3, 2, 3, 4, 5, 6, 7, 8, 9, 14, 11, 12, 13)
 
 
 def test_sample_row_is_deterministic_and_respects_masking():

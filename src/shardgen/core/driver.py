@@ -60,6 +60,12 @@ from shardgen.timeouts import Timeouts
 #: to ``EngineConfig.idle_sleep_max`` (a burst of calls keeps its latency; a long idle its CPU).
 SHALLOW_IDLE_SLEEP_S = 0.005
 DEEP_IDLE_AFTER_S = 1.0
+#: Idle ticks in a row for which the whole weights of ``once`` stay gathered while a multi-turn
+#: call is in progress on some rank (``TickRow.turning``): at least about a second (the first
+#: second's ticks sleep under SHALLOW_IDLE_SLEEP_S), so a turn's environment step does not cost
+#: the next turn a gather of the whole model, and a call whose iterator was left open holds them
+#: no longer than that. A count of agreed ticks, not a time: every rank releases on the same tick.
+TURN_HOLD_TICKS = 200
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,7 @@ class Driver:
     def _loop(self) -> None:
         sh, cfg, stats = self.shared, self.config, self.stats
         idle, idle_since = 0, time.monotonic()
+        quiet = 0  # idle ticks in a row (agreed: the same on every rank)
         while True:
             new, closed, pause = sh.take_inbox()
             # A failed engine says nothing more in the tick; above all not "closed": a rank whose
@@ -272,6 +279,7 @@ class Driver:
                 tokens=admitted.tokens, head_rows=admitted.head_rows,
                 held_tokens=held.tokens, held_head_rows=held.head_rows,
                 towers=admitted.towers, held_towers=held.towers, shared=len(shared),
+                turning=sh.turns_open(),
             )  # fmt: skip
             self.phase = Phase.TICK
             t0 = time.perf_counter()
@@ -287,7 +295,7 @@ class Driver:
                 check_fingerprints(state, self.ranks)
             decision = decide(state)
             if decision is Decision.FORWARD:
-                idle = 0
+                idle = quiet = 0
                 stats.forward_ticks += 1
                 if self.gather_policy == "once" and not self.gathered:
                     self.phase = Phase.GATHER
@@ -295,12 +303,17 @@ class Driver:
                     self.backend.gather_all()  # collective: every rank, this same tick
                     self.timeline.since(t0, "gather")
                     self.gathered = True
+                    stats.whole_gathers += 1
                     if cfg.debug_collectives:
                         self.fp.fold("gather_all")
                 self._forward_tick(state, admitted if state.admit else held)
                 self.last_forward_t = time.monotonic()
             elif decision is Decision.IDLE:
-                self._release_if_gathered()  # nobody has work: give the memory back
+                quiet += 1
+                # Nobody has work: give the memory back, unless a multi-turn call waits on its
+                # environment (the next turn would gather the whole model again), for a while.
+                if not state.total("turning") or quiet > TURN_HOLD_TICKS:
+                    self._release_if_gathered()
                 stats.idle_ticks += 1
                 self.phase = Phase.IDLE
                 t0 = time.perf_counter()
@@ -324,7 +337,7 @@ class Driver:
                 version = self._pause_here()
                 self.timeline.since(t0, "paused")
                 parking.requeue(self.work, version)  # the held rows resume, re-prefilled
-                idle = 0
+                idle = quiet = 0
             else:
                 assert decision is Decision.EXIT
                 self._release_if_gathered()  # hand the model back sharded, as it came

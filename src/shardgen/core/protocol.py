@@ -71,7 +71,9 @@ class TickRow:
     weight-stationary mode's exchanges size every rank's share from them (``TickState.shapes``).
     ``towers``, ``held_towers``: the towers (a bit each) its forward runs, either way
     (``TickState.towers``). ``shared``: the ints of finished rollouts it shares this tick, in
-    the payload after its row (``TickState.payloads``). A column is added here alone (``NCOLS``
+    the payload after its row (``TickState.payloads``). ``turning``: its multi-turn calls in
+    progress (``env=``): while a rank has one, an idle tick keeps the whole weights of ``once``
+    for the next turn (``core/driver.py``). A column is added here alone (``NCOLS``
     counts them, checked at import), and read by its name (``TickState.col``)."""
 
     live: int = 0
@@ -86,6 +88,7 @@ class TickRow:
     towers: int = 0
     held_towers: int = 0
     shared: int = 0
+    turning: int = 0
 
     def to_vector(self) -> list[int]:
         """The row as the tick's all-gather carries it: one int64 per column, in field order."""
@@ -99,7 +102,7 @@ class TickRow:
 
 
 #: Columns of a row (``TickRow``'s fields): the size of the tick's vector, which the docs quote.
-NCOLS = 12
+NCOLS = 13
 assert len(fields(TickRow)) == NCOLS, "TickRow's columns changed: NCOLS (and the docs) say their count"
 
 #: Off only in the test that shows the agreement is needed: each rank then runs the towers its

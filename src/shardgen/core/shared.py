@@ -4,8 +4,10 @@ and the driver's counters (``EngineStats``)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,6 +44,7 @@ class EngineStats:
     idle_ticks: int = 0
     requests: int = 0
     generated_tokens: int = 0
+    whole_gathers: int = 0  # gathers of the whole model (``once``): when work starts after an idle release
     forward_s: float = 0.0  # time in real and shadow forwards
     control_s: float = 0.0  # time in the tick's all-gather
     busy_s: float = 0.0  # time in real forwards only
@@ -85,6 +88,7 @@ class Shared:
         self.pauses_entered = 0  # driver: agreed pauses entered
         self.pauses_left = 0  # user thread: paused() blocks exited
         self.quota = 0  # user threads: quota calls begun (rows parked at their budget go back)
+        self.conversing = 0  # user threads: multi-turn calls in progress (``turns()``)
 
     def enqueue(self, reqs: list[Request]) -> bool:
         """User thread: hand requests to the driver; False (nothing queued) once closed. Raises
@@ -135,6 +139,24 @@ class Shared:
             number = self.quota
         self.wake.set()
         return number
+
+    @contextlib.contextmanager
+    def turns(self) -> Iterator[None]:
+        """User thread: around a multi-turn call's stepping of its conversations (``env=``). While
+        one is in progress on any rank, an idle tick keeps the whole weights gathered under
+        ``once`` for the next turn (``core/driver.py``)."""
+        with self.lock:
+            self.conversing += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.conversing -= 1
+
+    def turns_open(self) -> int:
+        """Driver thread, once per tick: the multi-turn calls in progress on this rank."""
+        with self.lock:
+            return self.conversing
 
     def quota_calls(self) -> int:
         """Driver thread: the quota calls begun so far."""

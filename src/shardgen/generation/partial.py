@@ -51,6 +51,7 @@ re-prefills its ids only) and encoder-decoder models.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -247,36 +248,39 @@ def quota_groups(
         held.give_back(kept)
         raise
     new = [Group(rows, i, version, quota, talk) for i in range(len(prompts))]
-    return _serve(held, kept + new, len(kept), quota, call)
+    return _serve(engine, held, kept + new, len(kept), quota, call)
 
 
 def _serve(
-    held: Held, groups: list[Group], carried: int, quota: Quota, call: int
+    engine: Any, held: Held, groups: list[Group], carried: int, quota: Quota, call: int
 ) -> Iterator[tuple[int | None, Any]]:
     done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
     puts = [lambda item, k=k: done.put((k, item)) for k in range(len(groups))]
     for k, g in enumerate(groups):  # a held group already whole is first in the queue
         g.watch(puts[k])
     left, served = set(range(len(groups))), 0
+    # Between a conversation's turns the engine keeps gathered weights for the next turn.
+    turns = engine._shared.turns() if any(g.talk is not None for g in groups) else contextlib.nullcontext()
     try:
-        while served < quota.groups and left:
-            try:
-                k, item = done.get(timeout=0.02)
-            except queue.Empty:  # rows with a budget (held ones: their own call's) may all be cut
-                if all(groups[j].cut(call) for j in left):
-                    return
-                continue
-            g = groups[k]
-            if k not in left or not g.advance(item, call, puts[k]):
-                continue
-            left.discard(k)
-            batch = g.batch()
-            if HELD in batch.finish_reasons:
-                continue  # the engine closed meanwhile: its rows ended where they stood
-            if g.quota.stale == "drop" and "stale" in batch.finish_reasons:
-                continue  # cut by a pause while this call ran
-            served += 1
-            yield (None if k < carried else g.index), batch
+        with turns:
+            while served < quota.groups and left:
+                try:
+                    k, item = done.get(timeout=0.02)
+                except queue.Empty:  # rows with a budget (held ones: their own call's) may all be cut
+                    if all(groups[j].cut(call) for j in left):
+                        return
+                    continue
+                g = groups[k]
+                if k not in left or not g.advance(item, call, puts[k]):
+                    continue
+                left.discard(k)
+                batch = g.batch()
+                if HELD in batch.finish_reasons:
+                    continue  # the engine closed meanwhile: its rows ended where they stood
+                if g.quota.stale == "drop" and "stale" in batch.finish_reasons:
+                    continue  # cut by a pause while this call ran
+                served += 1
+                yield (None if k < carried else g.index), batch
     finally:  # the groups not served stay held, in their order
         held.give_back([groups[k] for k in sorted(left)])
 

@@ -103,15 +103,16 @@ def conversations(engine: Any, call: Any, env: StepFn, most: int) -> Iterator[tu
     for r in range(len(talk.rows)):
         talk.watch(r, done.put)
     live, left = len(talk.rows), [call.n] * call.prompts
-    while live:
-        r, f = done.get()
-        if not talk.advance(r, f, 0, done.put):
-            continue
-        live -= 1
-        i = r // call.n
-        left[i] -= 1
-        if not left[i]:
-            yield i, talk.pack(range(i * call.n, (i + 1) * call.n))
+    with engine._shared.turns():  # between turns, the engine keeps gathered weights for the next
+        while live:
+            r, f = done.get()
+            if not talk.advance(r, f, 0, done.put):
+                continue
+            live -= 1
+            i = r // call.n
+            left[i] -= 1
+            if not left[i]:
+                yield i, talk.pack(range(i * call.n, (i + 1) * call.n))
 
 
 Put = Callable[[tuple[int, "Future | None"]], None]
