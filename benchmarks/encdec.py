@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "helpers"))
 from common import reset_peak, run_as_ranks, script_args, vm_hwm_mb, write_json  # noqa: E402
 
 

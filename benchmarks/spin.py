@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "tests")]
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "tests", "helpers")]
 from common import run_as_ranks, script_args  # noqa: E402
 
 

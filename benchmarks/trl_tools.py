@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 
-sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "tests")]
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "tests", "helpers")]
 from common import run_as_ranks, script_args, write_json  # noqa: E402
 
 QUESTIONS = ["What is 3 plus 4 plus 5?", "What is 1 plus 2 plus 6?", "What is 3 plus 4?", "Say hi."]
