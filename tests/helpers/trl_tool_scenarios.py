@@ -38,6 +38,8 @@ def recording(cls: type) -> type:
             self.rec_out = {"prompt_ids": out[0], "completion_ids": out[1], "tool_mask": out[2]}
             engine = getattr(self, "shardgen_engine", None)
             self.rec_stats = engine.stats() if engine is not None else None
+            if engine is not None:
+                self.rec_stats["gather"] = engine.gather_policy
             return out
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):

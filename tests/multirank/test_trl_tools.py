@@ -100,6 +100,11 @@ def test_tool_loop_uneven_turns_no_reprefill(worlds, model_path, backend, n):
         assert cs["prefill_tokens"] + cs["cached_prompt_tokens"] == ps["prefill_tokens"], (r, cs, ps)
         if turns[r] > 1:
             assert cs["cached_prompt_tokens"] > 0 and cs["prefill_tokens"] < ps["prefill_tokens"], (r, cs, ps)
+        # the phase's tool turns are one multi-turn call: under `once` (what `auto` takes for this
+        # model) the whole model is gathered once in it, not again after each tool call (each an
+        # idle gap of TOOL_S on the rank that made it)
+        for st in (cs, ps):
+            assert st["gather"] == "once" and st["whole_gathers"] == 1, (r, st)
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])

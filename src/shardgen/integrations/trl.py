@@ -123,6 +123,11 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
         self._shardgen_pause = contextlib.ExitStack()
         self._shardgen_calls = 0
         self._shardgen_phase = False  # inside _generate: the model stays in eval mode until its end
+        # Inside _generate too: the phase's tool turns are one multi-turn call to the engine (under
+        # ``once``, the whole weights stay gathered between them: ``Shared.turns``), entered at
+        # the phase's first generation call (the engine may not exist before it).
+        self._shardgen_turns = contextlib.ExitStack()
+        self._shardgen_in_turns = False
         # TRL runs its importance-sampling correction only on its vLLM path (module docstring).
         self.use_vllm = True
         self.vllm_mode = "shardgen"
@@ -179,7 +184,8 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
             self._shardgen_log(mode, before, time.perf_counter() - t0)
             return out
         finally:
-            self._shardgen_phase = False
+            self._shardgen_turns.close()
+            self._shardgen_phase = self._shardgen_in_turns = False
             self.model.train(training)
             if self.shardgen_engine is not None:
                 # Collective: every rank enters once its own generation is done; peers still
@@ -250,6 +256,9 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
         model.eval()  # no dropout while sampling
         try:
             engine = self._shardgen_open()
+            if self._shardgen_phase and not self._shardgen_in_turns:
+                self._shardgen_turns.enter_context(engine._shared.turns())  # the phase's tool turns
+                self._shardgen_in_turns = True
             done = self._shardgen_generate(engine, [list(map(int, p)) for p in prompt_ids])
         finally:
             if not self._shardgen_phase:  # inside _generate, the phase restores the mode at its end
