@@ -62,7 +62,7 @@ class Shared:
     """State that user threads and the driver thread exchange.
 
     ``lock`` guards every field: take it to read or write any of them together. A lone
-    read of ``closed`` or ``failed`` (one reference) may skip it. ``wake`` (work or a request
+    read of ``closed``, ``failed`` or ``conversing`` (one reference) may skip it. ``wake`` (work or a request
     arrived) is an event; ``changed`` (a condition on ``lock``) is notified when the driver
     enters a pause, a ``paused()`` block exits, or the engine fails.
 
@@ -154,9 +154,9 @@ class Shared:
                 self.conversing -= 1
 
     def turns_open(self) -> int:
-        """Driver thread, once per tick: the multi-turn calls in progress on this rank."""
-        with self.lock:
-            return self.conversing
+        """Driver thread, once per tick: the multi-turn calls in progress on this rank (a lone
+        read: no lock taken on every tick)."""
+        return self.conversing
 
     def quota_calls(self) -> int:
         """Driver thread: the quota calls begun so far."""
