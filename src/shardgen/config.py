@@ -283,13 +283,14 @@ class EngineConfig:
     those the other ranks share), indexed by prompt (least recently used prompt out) and across
     prompts (the latest), kept across calls and training steps (a stale draft only lowers the
     acceptance; about 200 bytes a token per index). 0: drafts from the live rows only, nothing
-    shared."""
+    shared (the tick carries no payload, as with ``speculate_share=False``)."""
     speculate_share: bool = True
     """With ``speculate`` on more than one rank: each rank's finished rollouts ride in the tick's
     all-gather to the other ranks (at most ``16384 // world`` ints a rank per tick, 64 to 512),
     so a prompt a trainer's sampler deals to another rank next epoch drafts from its earlier
     rollouts there. False: each rank drafts from its own rollouts and the tick carries its rows
-    alone (the same on every rank where ``speculate`` is on: it sets the tick's size)."""
+    alone (the same on every rank where ``speculate`` is on: it sets the tick's size). Off too
+    where ``speculate_history_tokens`` is 0 (nothing is kept to share)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming every field its rule refuses (``ENGINE_RULES``, the same
@@ -312,8 +313,8 @@ class EngineConfig:
     @property
     def shares_rollouts(self) -> bool:
         """Finished rollouts go to the other ranks in the tick (where there are some):
-        ``speculate`` and ``speculate_share`` both on."""
-        return bool(self.speculate) and self.speculate_share
+        ``speculate`` and ``speculate_share`` on, and a history to keep them in."""
+        return bool(self.speculate) and self.speculate_share and self.speculate_history_tokens > 0
 
     def agreed(self) -> dict[str, str]:
         """The settings every rank must share (checked collectively at construction)."""
@@ -327,8 +328,8 @@ class EngineConfig:
             # On or off (its length may differ per rank): with it on, the tick carries shared rollouts.
             "speculate": "on" if self.speculate else "off",
             # Whether the tick carries a payload of shared rollouts: ranks that do not speculate
-            # may differ in speculate_share.
-            "speculate_share": str(self.shares_rollouts),
+            # may differ in speculate_share, and ranks that keep no history share nothing.
+            "speculate_share and speculate_history_tokens > 0": str(self.shares_rollouts),
         }
 
 

@@ -186,6 +186,8 @@ def mismatched(setting: str):
         kw["speculate"] = 4 if rank() == 0 else 0
     if setting == "speculate_share":  # rollouts shared by one rank only: as above
         kw.update(speculate=4, speculate_share=rank() == 0)
+    if setting == "speculate_history_tokens":  # no history on one rank: it shares nothing, as above
+        kw.update(speculate=4, speculate_history_tokens=0 if rank() == 1 else 1000)
     model = tiny_model("llama", seed=17, **model_kw)
     if setting == "dtype" and rank() == 1:
         model = model.to(torch.bfloat16)

@@ -115,6 +115,7 @@ def test_e_random_workloads_world4(world4, case):
         ("max_prefill_tokens",) * 2,
         ("speculate",) * 2,
         ("speculate_share",) * 2,
+        ("speculate_history_tokens",) * 2,
     ],
 )
 def test_mismatched_settings_raise_on_every_rank(world2, setting, needle):

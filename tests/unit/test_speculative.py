@@ -555,13 +555,17 @@ def test_speculate_share_is_a_switch_at_every_door():
 
 
 def test_speculate_share_is_agreed_only_where_the_tick_carries_the_payload():
-    """Ranks must agree on whether the tick carries shared rollouts, which is speculation on and
-    sharing on: ranks that do not speculate may differ in ``speculate_share`` (the tick's size
-    does not), ranks that do may not."""
+    """Ranks must agree on whether the tick carries shared rollouts, which is speculation on,
+    sharing on and a history to keep them in: ranks that do not speculate may differ in
+    ``speculate_share`` (the tick's size does not), ranks that do may not; a history of 0 tokens
+    shares nothing, so its tick carries no payload (it did, empty, every tick)."""
+    key = "speculate_share and speculate_history_tokens > 0"
     off = [EngineConfig(speculate=0, speculate_share=s).agreed() for s in (True, False)]
     on = [EngineConfig(speculate=4, speculate_share=s).agreed() for s in (True, False)]
     assert off[0] == off[1] and on[0] != on[1]
-    assert {k for k in on[0] if on[0][k] != on[1][k]} == {"speculate_share"}
+    assert {k for k in on[0] if on[0][k] != on[1][k]} == {key}
+    none = EngineConfig(speculate=4, speculate_history_tokens=0)
+    assert not none.shares_rollouts and none.agreed()[key] == on[1][key] != on[0][key]
 
 
 def test_verify_step_refuses_no_draft():
