@@ -207,10 +207,12 @@ def turn_gaps(backend: str) -> dict[str, Any]:
         return None if seen[row] >= 1 + 2 * row else [3 + row] * REPLY
 
     def released(eng: Any, within: float) -> bool:
+        """Within ``within`` s, the replica released: the flag down and its storage freed (as
+        ``engine_scenarios.gather_policy`` checks a release)."""
         deadline = time.monotonic() + within
         while eng._driver.gathered and time.monotonic() < deadline:
             time.sleep(0.01)
-        return not eng._driver.gathered
+        return not eng._driver.gathered and eng.backend.gathered_bytes() == 0
 
     prompts = prompts_of(rank(), 2)
     kw = dict(n=1, env=env, max_turns=4, max_new_tokens=3, eos_token_id=[], do_sample=False)
