@@ -294,6 +294,36 @@ def gather_policy(gather: str, budget_gb: float | None = None, backend: str = "f
     return eng.gather_policy, st["shadow_forwards"], st["forward_ticks"], st["forwards"], on_replica, said
 
 
+def late_arrival(backend: str):
+    """gather='once': rank 0's request reaches its driver after that rank's tick row was built
+    (its ``take_inbox`` hides it until a forward tick has begun; rank 1's request started that
+    tick). Its forwards are local, so it starts in that tick, after the gather, not after rank
+    1's burst of forwards and another tick. -> rank 0's timeline kinds from the gather to its
+    first prefill, and whether its tokens equal HF's."""
+    ref = tiny_model("llama", seed=25)
+    eng = shardgen.Engine(tiny_model("llama", seed=25), backend=backend, gather="once", timeline=True)
+    ids, mask = batch([4], seed=90 + rank())
+    if rank() == 0:
+        sh, driver = eng._shared, eng._driver
+        plain, t0 = sh.take_inbox, time.monotonic()
+
+        def hidden():  # driver thread: the requests wait in the inbox until a forward tick
+            if driver.stats.forward_ticks == 0 and time.monotonic() - t0 < 10:
+                with sh.lock:
+                    return [], sh.closed, sh.pause_wanted
+            return plain()
+
+        sh.take_inbox = hidden
+    dist.barrier()
+    kw = dict(max_new_tokens=24, eos_token_id=[])
+    got = eng.generate_ids(ids, attention_mask=mask, **kw)
+    same = torch.equal(got, hf_generate(ref, ids, mask, **kw))
+    eng.close()
+    kinds = [k for _, _, k in eng.timeline()]
+    start = kinds.index("gather")
+    return kinds[start : kinds.index("prefill", start) + 1], same, eng.stats()["forward_ticks"]
+
+
 def user_wrapped_fsdp2_seed_script():
     """The seed script with a model the USER wrapped with fully_shard on the default group."""
     from torch.distributed.fsdp import fully_shard

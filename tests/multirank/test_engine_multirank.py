@@ -152,6 +152,17 @@ def test_gather_once_decodes_without_shadow_forwards(world2, backend):
     assert r0[2] < r0[3]  # bursts: several forwards per tick
 
 
+def test_gather_once_a_late_request_starts_in_the_tick_it_arrives_in(world2):
+    """Forwards that issue no collectives are planned when they run: a rank whose request
+    reached its driver just after its tick row was built prefills in that tick, not after the
+    peers' bursts (up to ``burst_steps`` forwards each) and a tick of its own."""
+    for r, (kinds, same, forward_ticks) in enumerate(world2.run(sc.late_arrival, "fsdp2", timeout=120)):
+        assert same, f"rank {r}: tokens differ from HF's"
+        assert forward_ticks > 0, r
+        if r == 0:
+            assert kinds == ["gather", "prefill"], f"rank 0 waited a tick: {kinds}"
+
+
 def test_fsdp2_gather_once_in_chunks_equals_unit_by_unit(world3):
     """The replica filled from chunks of many shards holds exactly what FSDP2's unit-by-unit
     unsharding gives, and the unsharded model's values (in the compute dtype)."""

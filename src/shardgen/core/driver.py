@@ -50,7 +50,7 @@ from shardgen.faults.resume import ResumeBarrier
 from shardgen.faults.stalls import GatherCounter
 from shardgen.generation import parking
 from shardgen.generation.drafts import share_limit
-from shardgen.generation.plan import ForwardPlan
+from shardgen.generation.plan import ForwardPlan, Work
 from shardgen.generation.requests import completion_of, resolve_future
 from shardgen.generation.scheduler import LocalWork
 from shardgen.numerics import invariant_numerics
@@ -395,8 +395,13 @@ class Driver:
         did_work = False
         t = t0
         for i in range(1 if lockstep else self.config.burst_steps):
-            if i:
-                plan = self.work.plan(state.admit).agreed(access)  # local forwards: nothing to agree
+            if not lockstep and (i or plan.kind is Work.IDLE):
+                # Local forwards: nothing to agree, so each is planned when it runs, with the
+                # requests submitted since the tick. A rank whose user thread submitted just after
+                # its tick row was built starts now, not after the peers' bursts (up to
+                # burst_steps forwards each) and another tick.
+                self.work.add(self.shared.take_requests())
+                plan = self.work.plan(state.admit).agreed(access)
             if not self.work.step(plan):
                 break
             self.phase = Phase(self.work.phase.value)

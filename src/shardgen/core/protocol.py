@@ -17,8 +17,9 @@ Every rank's driver runs the same sequence of ticks. A tick is:
    runs EXACTLY ONE forward (its own planned prefill, chunk or decode step, or a shadow
    forward that issues the same parameter collectives); when no forward issues a parameter
    collective (the whole model gathered under ``once``, or the local backend), a rank with
-   work runs up to ``burst_steps`` forwards and a rank without work runs none. Otherwise no
-   rank touches the parameter group.
+   work runs up to ``burst_steps`` forwards, each planned when it runs with the requests
+   submitted since the tick (so a rank with none at the tick may start), and a rank without
+   work runs none. Otherwise no rank touches the parameter group.
 
 Speculative decoding's shared rollouts (``generation/drafts.py``) ride in the same all-gather:
 with ``speculate`` on, each rank's vector carries, after its row, a fixed region of ``payload``

@@ -115,6 +115,14 @@ class Shared:
             self.inbox.clear()
             return reqs, self.closed, self.pause_wanted
 
+    def take_requests(self) -> list[Request]:
+        """Driver thread, between the forwards of a burst: the requests submitted since the tick
+        (``take_inbox`` without the flags, which the next tick reads)."""
+        with self.lock:
+            reqs = list(self.inbox)
+            self.inbox.clear()
+            return reqs
+
     def close(self) -> None:
         with self.lock:
             self.closed = True
