@@ -27,6 +27,7 @@ from shardgen.generation.drafts import (
     SHARE_WORDS,
     STALE,
     TRUSTED,
+    UNMEASURED_COLUMN_COST,
     DraftStore,
     NgramIndex,
     Pacer,
@@ -321,6 +322,24 @@ def test_pacer_prices_an_untried_width_from_the_decode_steps_line():
         gathers.timed(1, rows=64, seconds=13.0)  # 12 s fixed, 1/64 s per row
         gathers.timed(1, rows=16, seconds=12.25)
     assert gathers.width(drafts, [0.4] * 64, 64) == 2  # a column costs 1/13 of a step
+
+
+def test_pacer_prices_untried_widths_from_every_verify_forward_timed():
+    """A fresh engine's first call widens its forwards a column at a time (its rows' drafts grow
+    as its groups decode): once two verify forwards are timed, whatever their widths, an untried
+    width is priced at their least cost per extra column, not at the guess made before any."""
+    pacer = Pacer()
+    for _ in range(TRUSTED):
+        pacer.timed(1, rows=64, seconds=1.0)  # one row count: no decode line to price from
+    pacer.timed(2, rows=64, seconds=1.5)
+    assert pacer.cost(9, 64) == pytest.approx(1.0 + UNMEASURED_COLUMN_COST * 8)  # one forward: a guess
+    pacer.timed(3, rows=64, seconds=1.8)  # 0.4 a column (width 2's: 0.5)
+    assert pacer.cost(9, 64) == pytest.approx(1.0 + 0.4 * 8)
+    assert pacer.cost(5, 64) == pytest.approx(1.0 + 0.4 * 4)
+    drafts = [list(range(8))] * 16 + [[]] * 48  # a quarter of the rows draft
+    assert pacer.width(drafts, [0.7] * 64, 64) == 0  # at 0.4 a column, no width pays
+    pacer.timed(2, rows=64, seconds=1.5)
+    assert pacer.cost(2, 64) == pytest.approx(1.5)  # a width timed TRUSTED times: its own price
 
 
 def test_pacer_never_prices_a_verify_forward_cheap_past_the_decode_steps_seen():

@@ -91,7 +91,8 @@ class Pacer:
     in its rows (a fixed part: per-layer gathers, ticks; a part per row: compute), fitted to the
     least seconds seen at each row count (load only ever slows a forward); a verify forward's
     cost is the least of its latest forwards' seconds over that line at their rows; until some
-    width is timed often enough, that of a decode step of rows * width rows. Per-layer gathers make
+    width is timed often enough, the least cost per column of the verify forwards timed at any
+    width, else that of a decode step of rows * width rows. Per-layer gathers make
     a wider forward nearly free; with the weights at hand (``once``, local) it costs its
     compute, and only good drafts pay."""
 
@@ -195,6 +196,8 @@ class Pacer:
         if known:  # its cost per extra column, at the nearest width timed often enough
             near_w = min(known, key=lambda w: abs(w - width))
             guess = 1.0 + (known[near_w] - 1.0) * (width - 1) / (near_w - 1)
+        elif (column := self._pooled_column(costs, rows)) is not None:
+            guess = 1.0 + column * (width - 1)
         elif self._fitted and rows is not None and self._line is not None:
             # No width timed often enough yet: a decode step of rows * width rows, as its compute
             # would be (the line's fixed part paid once).
@@ -202,6 +205,22 @@ class Pacer:
         else:
             guess = 1.0 + UNMEASURED_COLUMN_COST * (width - 1)
         return min(guess, priced(width)) if width in costs else guess
+
+    @staticmethod
+    def _pooled_column(costs: dict[int, list[tuple[int, float]]], rows: int | None) -> float | None:
+        """Before any width is timed ``TRUSTED`` times: a column's cost from every verify forward
+        timed, whatever its width (the least per extra column, of forwards of about ``rows`` rows
+        where there are some), once ``TRUSTED`` of them are; None before. Each width's first try
+        is otherwise priced at ``UNMEASURED_COLUMN_COST`` a column, and a call that widens its
+        forwards one column at a time pays that guess at every width (a fresh engine's first
+        call: most of its verify forwards). The least per column errs low for wide forwards
+        priced from narrow ones (a verify forward's own fixed costs spread over fewer columns),
+        so a wider width is still tried once its drafts may pay, then priced on its own."""
+        seen = [(r, max(0.0, c - 1.0) / (w - 1)) for w, rc in costs.items() for r, c in rc]
+        if len(seen) < TRUSTED:
+            return None
+        near = [c for r, c in seen if rows is not None and rows <= 2 * r and r <= 2 * rows]
+        return min(near or [c for _, c in seen])
 
     def width(
         self, drafts: list[list[int]], rates: list[float], live: int, weights: list[float] | None = None
