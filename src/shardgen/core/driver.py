@@ -399,8 +399,10 @@ class Driver:
                 # Local forwards: nothing to agree, so each is planned when it runs, with the
                 # requests submitted since the tick. A rank whose user thread submitted just after
                 # its tick row was built starts now, not after the peers' bursts (up to
-                # burst_steps forwards each) and another tick.
-                self.work.add(self.shared.take_requests())
+                # burst_steps forwards each) and another tick. Not while rows are parked: a quota
+                # call's held rows go back first, at the tick (``parking.requeue``).
+                if not self.work.parked:
+                    self.work.add(self.shared.take_requests())
                 plan = self.work.plan(state.admit).agreed(access)
             if not self.work.step(plan):
                 break
