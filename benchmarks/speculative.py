@@ -21,6 +21,7 @@ forward) and decode forwards, per epoch kind.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -120,6 +121,10 @@ def rank_main(args: argparse.Namespace) -> None:
             for rnd in range(args.rounds):
                 for spec in (0, args.speculate) if rnd % 2 == 0 else (args.speculate, 0):
                     eng = build(gather, spec)
+                    # The model just loaded leaves a full collection due (about 0.1-0.4 s with
+                    # torch and transformers imported): collected here, not inside a timed call
+                    # of whichever engine it would otherwise stall, on whichever rank.
+                    gc.collect()
                     outs, deltas, w = run(eng, mode)
                     eng.close()
                     wall[spec] += w
