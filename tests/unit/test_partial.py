@@ -155,6 +155,45 @@ def test_generate_cuts_rows_at_their_budget_and_resume_goes_on(engine):
     assert_rows_agree([_row(c) for c in got], [_row(c) for c in plain], model=model, params=params)
 
 
+def test_a_quota_call_begun_during_a_burst_cuts_its_rows_in_that_call(engine):
+    """Local forwards run in bursts, each planned with the requests submitted since the tick: a
+    ``tokens_per_call`` call that begins while the driver is inside a burst (a long row decoding)
+    has its rows taken in that burst, cut at 4 tokens and held, not parked under the call before
+    it and sent back, past their budget, at the next tick."""
+    import threading
+
+    from shardgen.generation.plan import Work
+
+    eng, _, _ = engine
+    work, sh = eng._driver.work, eng._shared
+    busy = eng.submit(id_prompts([5], seed=13)[0], max_new_tokens=40, eos_token_id=[], do_sample=False)
+    in_step, submitted = threading.Event(), threading.Event()
+    step, enqueue = work.step, sh.enqueue
+
+    def held_step(plan):  # driver thread: a forward of the burst, after the tick read the quota calls
+        if plan.kind is Work.DECODE and not in_step.is_set():
+            in_step.set()
+            submitted.wait(10)  # the quota call begins and submits while this forward runs
+        return step(plan)
+
+    def noting_enqueue(reqs):
+        ok = enqueue(reqs)
+        submitted.set()
+        return ok
+
+    work.step, sh.enqueue = held_step, noting_enqueue
+    try:
+        assert in_step.wait(10), "the long row never decoded"
+        done = eng.generate(id_prompts([4, 6], seed=14), seed=[1, 2], tokens_per_call=4, **GEN)
+    finally:
+        del work.step, sh.enqueue
+    assert len(busy.result(timeout=60).token_ids) == 40
+    assert [c.finish_reason for c in done] == ["held", "held"], [c.finish_reason for c in done]
+    assert [len(c.token_ids) for c in done] == [4, 4], [c.token_ids for c in done]
+    while held := [c for c in done if c.finish_reason == "held"]:
+        done = eng.resume(held)
+
+
 def test_a_held_generate_row_resumes_under_the_new_weights(engine):
     """Greedy rows cut at 4 tokens, the weights shrunk inside ``paused()`` (which does not wait
     for them), then resumed: their first 4 tokens keep version 0 and its logprobs, the rest are

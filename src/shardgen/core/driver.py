@@ -396,13 +396,8 @@ class Driver:
         t = t0
         for i in range(1 if lockstep else self.config.burst_steps):
             if not lockstep and (i or plan.kind is Work.IDLE):
-                # Local forwards: nothing to agree, so each is planned when it runs, with the
-                # requests submitted since the tick. A rank whose user thread submitted just after
-                # its tick row was built starts now, not after the peers' bursts (up to
-                # burst_steps forwards each) and another tick. Not while rows are parked: a quota
-                # call's held rows go back first, at the tick (``parking.requeue``).
-                if not self.work.parked:
-                    self.work.add(self.shared.take_requests())
+                # Local forwards: nothing to agree, so each is planned when it runs.
+                self._take_new()
                 plan = self.work.plan(state.admit).agreed(access)
             if not self.work.step(plan):
                 break
@@ -418,6 +413,23 @@ class Driver:
             signature = self.backend.collective_signature()  # always drained
             self.fp.fold("forward", signature if lockstep else (), str(access))
         self.stats.forward_s += time.perf_counter() - t0
+
+    def _take_new(self) -> None:
+        """Between the local forwards of a burst: the requests submitted since the tick, so that a
+        rank whose user thread submitted just after its tick row was built starts now, not after
+        the peers' bursts (up to ``burst_steps`` forwards each) and another tick. Not while rows
+        are parked: a quota call's held rows go back first, at the tick (``parking.requeue``).
+        What the tick's top reads for new requests is read again: a quota call begins before it
+        submits, and its rows must park under its number (a row parked under an earlier one would
+        go back at the next tick, in the same call, past its budget); a ``train()``/``eval()``
+        switch before the call drops the prefix cache. Local."""
+        if self.work.parked:
+            return
+        new = self.shared.take_requests()
+        if new:
+            self.work.releases = self.shared.quota_calls()
+            self.work.check_mode()
+            self.work.add(new)
 
     def _finished(self, seq: Any) -> None:
         """A request finished: resolve its future (raising, it stays open for the failure path)."""
