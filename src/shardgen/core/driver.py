@@ -257,12 +257,10 @@ class Driver:
             # so a close taken here is always seen with it).
             if sh.failed is not None:
                 raise sh.failed
-            self.work.check_mode()  # a train()/eval() switch drops the prefix cache
-            self.work.add(new)
-            # Partial rollouts' held rows (generation/parking.py): the quota calls begun (rows cut at
-            # their budget go back at the next one), parked for a pause everyone asked for (it then
-            # waits for the other rows only), requeued once it is not wanted; closing, they end.
-            self.work.releases = sh.quota_calls()
+            self._receive(new)
+            # Partial rollouts' held rows (generation/parking.py): parked for a pause everyone asked
+            # for (it then waits for the other rows only), requeued once it is not wanted or a
+            # later quota call began; closing, they end.
             st = self.last_state
             if closed:
                 parking.close_held(self.work)
@@ -414,22 +412,24 @@ class Driver:
             self.fp.fold("forward", signature if lockstep else (), str(access))
         self.stats.forward_s += time.perf_counter() - t0
 
+    def _receive(self, new: list[Any]) -> None:
+        """New requests into the work, with what they are admitted under read now: a
+        ``train()``/``eval()`` switch drops the prefix cache, and the quota calls begun (rows cut
+        at their budget park under the latest and go back at the next one; a quota call begins
+        before it submits, so its rows park under its own number). Local: at each tick, and
+        between a burst's forwards (``_take_new``)."""
+        self.work.check_mode()
+        self.work.add(new)
+        self.work.releases = self.shared.quota_calls()
+
     def _take_new(self) -> None:
         """Between the local forwards of a burst: the requests submitted since the tick, so that a
         rank whose user thread submitted just after its tick row was built starts now, not after
         the peers' bursts (up to ``burst_steps`` forwards each) and another tick. Not while rows
         are parked: a quota call's held rows go back first, at the tick (``parking.requeue``).
-        What the tick's top reads for new requests is read again: a quota call begins before it
-        submits, and its rows must park under its number (a row parked under an earlier one would
-        go back at the next tick, in the same call, past its budget); a ``train()``/``eval()``
-        switch before the call drops the prefix cache. Local."""
-        if self.work.parked:
-            return
-        new = self.shared.take_requests()
-        if new:
-            self.work.releases = self.shared.quota_calls()
-            self.work.check_mode()
-            self.work.add(new)
+        Local."""
+        if not self.work.parked and (new := self.shared.take_requests()):
+            self._receive(new)
 
     def _finished(self, seq: Any) -> None:
         """A request finished: resolve its future (raising, it stays open for the failure path)."""

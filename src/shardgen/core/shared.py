@@ -111,17 +111,19 @@ class Shared:
     def take_inbox(self) -> tuple[list[Request], bool, bool]:
         """Driver thread, once per tick: (new requests, closed, pause wanted)."""
         with self.lock:
-            reqs = list(self.inbox)
-            self.inbox.clear()
-            return reqs, self.closed, self.pause_wanted
+            return self._drain(), self.closed, self.pause_wanted
 
     def take_requests(self) -> list[Request]:
         """Driver thread, between the forwards of a burst: the requests submitted since the tick
         (``take_inbox`` without the flags, which the next tick reads)."""
         with self.lock:
-            reqs = list(self.inbox)
-            self.inbox.clear()
-            return reqs
+            return self._drain()
+
+    def _drain(self) -> list[Request]:
+        """The inbox's requests, taken (``lock`` held)."""
+        reqs = list(self.inbox)
+        self.inbox.clear()
+        return reqs
 
     def close(self) -> None:
         with self.lock:

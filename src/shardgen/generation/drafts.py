@@ -180,7 +180,7 @@ class Pacer:
             seen = costs[w]
             if rows is None:
                 return min(c for _, c in seen)
-            near = [c for r, c in seen if rows <= 2 * r and r <= 2 * rows]
+            near = [c for r, c in seen if _about(rows, r)]
             if near:
                 return min(near)
             return min(seen, key=lambda rc: abs(rc[0] - rows))[1]
@@ -219,7 +219,7 @@ class Pacer:
         seen = [(r, max(0.0, c - 1.0) / (w - 1)) for w, rc in costs.items() for r, c in rc]
         if len(seen) < TRUSTED:
             return None
-        near = [c for r, c in seen if rows is not None and rows <= 2 * r and r <= 2 * rows]
+        near = [c for r, c in seen if rows is not None and _about(rows, r)]
         return min(near or [c for _, c in seen])
 
     def width(
@@ -245,6 +245,11 @@ class Pacer:
             if net > best:
                 best, best_k = net, k
         return best_k
+
+
+def _about(rows: int, seen: int) -> bool:
+    """A forward timed at ``seen`` rows prices one of ``rows`` rows: half to twice as many."""
+    return rows <= 2 * seen and seen <= 2 * rows
 
 
 def tokens_left(seq: Any) -> int:
