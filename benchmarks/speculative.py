@@ -47,6 +47,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import shardgen
+    from shardgen.core.timeline import totals
     from shardgen.toy import make_prompts, toy_model_path
 
     torch.set_num_threads(1)
@@ -85,11 +86,11 @@ def rank_main(args: argparse.Namespace) -> None:
             model = AutoModelForCausalLM.from_pretrained(path).eval()
         return shardgen.Engine(
             model, tok, backend="fsdp2", gather=gather, max_batch_size=args.batch, speculate=spec,
-            numerics=args.numerics, speculate_share=args.share == "on",
+            numerics=args.numerics, speculate_share=args.share == "on", timeline=args.timeline,
         )  # fmt: skip
 
-    def run(eng, mode: str) -> tuple[list, list[dict], float]:
-        outs, deltas, wall = [], [], 0.0
+    def run(eng, mode: str) -> tuple[list, list[dict], list[float]]:
+        outs, deltas, walls = [], [], []
         for e, prompts in enumerate(epochs):
             kw = dict(max_new_tokens=args.max_new_tokens, n=args.n)
             if mode == "sampled":
@@ -101,21 +102,33 @@ def rank_main(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             got = eng.rollout(prompts, **kw)
             dist.barrier()
-            wall += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            walls.append(t1 - t0)
             after = eng.stats()
+            if args.timeline:  # where this call's time went, per rank
+                spans = [(max(a, t0), min(b, t1), k) for a, b, k in eng.timeline() if b > t0 and a < t1]
+                kinds = {k: round(1e3 * v) for k, v in sorted(totals(spans).items())}
+                per_rank = [None] * world
+                counts = {k: after[k] - before[k] for k in COUNTERS if after[k] - before[k]}
+                dist.all_gather_object(per_rank, (round(1e3 * (t1 - t0)), kinds | counts))
+                if rank == 0:
+                    name = "speculative" if eng.config.speculate else "plain"
+                    print(f"  {name:11s} epoch {e}: " + "   ".join(
+                        f"rank {r} {w} ms {k}" for r, (w, k) in enumerate(per_rank)), flush=True)
             deltas.append({k: after[k] - before[k] for k in COUNTERS})
             rows = []
             for r in range(len(got)):
                 m = got.response_mask[r].bool()
                 rows.append((got.response_ids[r][m].tolist(), got.logprobs[r][m]))
             outs.append(rows)
-        return outs, deltas, wall
+        return outs, deltas, walls
 
     results: dict = {}
     for gather in args.gathers.split(","):
         for mode in args.modes.split(","):
             wall = {0: 0.0, args.speculate: 0.0}
             per_round: dict[int, list[float]] = {0: [], args.speculate: []}
+            per_epoch = {0: [0.0] * len(epochs), args.speculate: [0.0] * len(epochs)}
             first: dict = {}
             stats: dict = {}
             for rnd in range(args.rounds):
@@ -125,10 +138,11 @@ def rank_main(args: argparse.Namespace) -> None:
                     # torch and transformers imported): collected here, not inside a timed call
                     # of whichever engine it would otherwise stall, on whichever rank.
                     gc.collect()
-                    outs, deltas, w = run(eng, mode)
+                    outs, deltas, ws = run(eng, mode)
                     eng.close()
-                    wall[spec] += w
-                    per_round[spec].append(w)
+                    wall[spec] += sum(ws)
+                    per_round[spec].append(sum(ws))
+                    per_epoch[spec] = [a + b for a, b in zip(per_epoch[spec], ws, strict=True)]
                     first.setdefault(spec, outs)
                     stats.setdefault(spec, deltas)
             useful = sum(len(t) for ep in first[0] for t, _ in ep)
@@ -151,6 +165,14 @@ def rank_main(args: argparse.Namespace) -> None:
             dist.all_reduce(counters)
             results[f"{gather}/{mode}"] = _summary(args, total.item(), walls.tolist(), counters)
             results[f"{gather}/{mode}"]["round_speedups"] = (rounds[0] / rounds[1]).tolist()
+            # Each epoch's speedup over the rounds (this rank's walls: the slower rank's differ
+            # little, and every epoch ends at a barrier).
+            results[f"{gather}/{mode}"]["epoch_speedups"] = [
+                a / b for a, b in zip(per_epoch[0], per_epoch[args.speculate], strict=True)
+            ]
+            results[f"{gather}/{mode}"]["epoch_ms"] = [
+                [1e3 * w / args.rounds for w in per_epoch[s]] for s in (0, args.speculate)
+            ]  # [plain, speculative][epoch]: mean wall per round
     if rank == 0:
         print(f"\n{args.model} model, FSDP2, {world} ranks, prompts {args.prompts}/{args.prompts_other}, "
               f"n={args.n}, "
@@ -167,7 +189,10 @@ def rank_main(args: argparse.Namespace) -> None:
             )
             ups = r["round_speedups"]
             print(f"{'':20s} per round: {', '.join(f'{x:.2f}x' for x in ups)} "
-                  f"(median {statistics.median(ups):.2f}x)", flush=True)  # fmt: skip
+                  f"(median {statistics.median(ups):.2f}x); per epoch: "
+                  f"{', '.join(f'{x:.2f}x' for x in r['epoch_speedups'])} (ms "
+                  f"{' '.join(f'{a:.0f}/{b:.0f}' for a, b in zip(*r['epoch_ms'], strict=True))})",
+                  flush=True)  # fmt: skip
         write_json(args.json, {"results": results, "world": world, "config": vars(args)})
     dist.destroy_process_group()
 
@@ -212,6 +237,8 @@ def main() -> None:
     p.add_argument("--share", choices=["on", "off"], default="on",
                    help="off: the speculative engine keeps its rollouts on its rank (a control)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="runs of each engine (alternating)")
+    p.add_argument("--timeline", action="store_true",
+                   help="print where each call's time went on each rank (ms per kind, counters)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
     if not 1 <= args.speculate <= 16:
