@@ -22,7 +22,12 @@ from shardgen.config import EngineConfig, SamplingParams
 from shardgen.generation import scheduler as sch
 from shardgen.generation import verify
 from shardgen.generation.drafts import (
+    ACROSS,
+    HISTORY,
+    LIVE,
     PIECE_MIN,
+    PRIOR,
+    PRIORS,
     SHARE_SLOT,
     SHARE_WORDS,
     STALE,
@@ -417,19 +422,40 @@ class _Row:
     admitted_at: int = 0
 
 
-def test_a_new_row_starts_from_its_prompts_acceptance():
-    """A row of a prompt whose drafts were taken starts at that rate (the Pacer then widens its
-    first verify forward); a row of a new prompt at the default guess."""
+def test_a_new_row_starts_from_the_acceptance_of_its_drafts_source():
+    """Acceptance is kept per source of drafts: a new row of a prompt whose earlier rollouts'
+    drafts were taken starts at that rate for its draft from them (the Pacer then widens its first
+    verify forward), however its prompt's text drafted; a new prompt's row starts from every
+    prompt's rate per source; a fresh store's at the prior."""
     store = DraftStore(budget=1000)
-    first = _Row([1, 2, 3], [10, 11])
-    store.row(first)
+    answer = list(range(10, 19))
+    _finished(store, [1, 2, 3], answer)  # an earlier rollout of the prompt
+    first = _Row([1, 2, 3], [])
+    assert store.draft(first, 8) == answer[:8] and store.row(first).source == HISTORY
     for _ in range(4):
         store.observe(first, 8, 8)
-    again, other = _Row([1, 2, 3], [10]), _Row([4, 5, 6], [20])
-    assert store.row(again).rate > 0.9 and store.row(other).rate == 0.5
+    text = _Row([1, 2, 3], [])
+    store.row(text).source = LIVE  # a draft from the prompt's text or its live rows, never taken
+    for _ in range(4):
+        store.observe(text, 8, 0)
+    again = _Row([1, 2, 3], [])
+    assert store.draft(again, 8) == answer[:8] and store.row(again).rate > 0.9
+    store.row(again).source = LIVE
+    assert store.row(again).rate < 0.2
+    other = store.row(_Row([4, 5, 6], [20]))  # a new prompt: every prompt's rates
+    for source, low, high in ((HISTORY, 0.9, 1.0), (LIVE, 0.0, 0.2), (ACROSS, PRIOR, PRIOR)):
+        other.source = source
+        assert low <= other.rate <= high, (source, other.rate)
+    fresh = DraftStore(budget=1000)
+    assert fresh.row(_Row([1, 2, 3], [])).rate == PRIOR
+    _finished(fresh, [1, 2, 3], answer)
+    late = _Row([1, 2, 3], [])
+    assert fresh.draft(late, 8) == answer[:8] and fresh.row(late).rate == PRIORS[HISTORY] > PRIOR
     drafts = [list(range(8))] * 4
+    assert Pacer().width(drafts, [store.row(again).rate] * 4, 4) < 8  # its LIVE rate
+    store.row(again).source = HISTORY
     assert Pacer().width(drafts, [store.row(again).rate] * 4, 4) == 8  # a fresh row would take less
-    assert Pacer().width(drafts, [0.5] * 4, 4) < 8
+    assert Pacer().width(drafts, [PRIOR] * 4, 4) < 8
 
 
 def _finished(store: DraftStore, prompt: list[int], tokens: list[int], reason: str = "eos") -> None:

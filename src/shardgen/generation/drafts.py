@@ -36,7 +36,24 @@ MIN_NGRAM = 2
 OCCURRENCES = 4
 #: Finished rollouts kept per prompt (the latest): an older policy's text drafts worse.
 ROLLOUTS_PER_PROMPT = 16
-#: Weight of the newest value in a prompt's moving acceptance rate.
+#: Where a draft comes from. Each source's acceptance is kept apart (per row, per prompt and over
+#: every prompt): an earlier rollout of the row's own prompt drafts far better than the prompt's
+#: text, and another prompt's rows differently again, so one rate for all would price a row's
+#: next draft from drafts unlike it (a new epoch's rows, drafting from the last epoch's
+#: rollouts, started at the rate of the n-grams their prompt drafted before, and were kept narrow).
+LIVE = 0  # the row's prompt and its live rows (the row itself, its group)
+HISTORY = 1  # a finished rollout of the row's prompt (an earlier call or epoch, any rank, a sibling done)
+ACROSS = 2  # other prompts' rows (the index across prompts)
+SOURCES = 3
+#: A source's acceptance before any of its drafts was fed (the row's, its prompt's and every
+#: prompt's): an earlier answer to the same prompt is expected to be taken mostly (the policy
+#: changes little between epochs: SPEC-RL measures 50-70% of a rollout shared with the last
+#: epoch's), so the first verify forward of a new epoch's rows feeds drafts from it wide, and the
+#: tokens taken then price the next; other text at even odds. A wrong guess costs one forward:
+#: the rate follows the first verify forward's outcome (``DECAY``).
+PRIOR = 0.5
+PRIORS = (PRIOR, 0.8, PRIOR)  # LIVE, HISTORY, ACROSS
+#: Weight of the newest value in a prompt's (and every prompt's) moving acceptance rate per source.
 AVERAGING = 0.3
 #: Weight of the newest finished row in how often rows run to their limit (over every prompt).
 AVERAGING_ROWS = 1 / 64
@@ -298,6 +315,7 @@ class NgramIndex:
 
     def __init__(self) -> None:
         self.seqs: list[list[int]] = []
+        self.whole: list[bool] = []  # per sequence: finished (indexed to its end)
         self._indexed: list[int] = []  # per sequence: n-grams ending before this are in the table
         self.table: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
@@ -305,6 +323,7 @@ class NgramIndex:
         """Index ``seq`` (kept by reference: a live row's tokens grow in place; ``whole``: a
         finished one, indexed to its end); its id."""
         self.seqs.append(seq)
+        self.whole.append(False)
         self._indexed.append(0)
         self.catch_up(len(self.seqs) - 1, whole)
         return len(self.seqs) - 1
@@ -316,12 +335,14 @@ class NgramIndex:
         seq = self.seqs[sid]
         stop = len(seq) if whole else len(seq) - 1
         start = self._indexed[sid]
+        self.whole[sid] = self.whole[sid] or whole
         tables = [(self.table, sid)]
         if twin is not None:
             other, oid = twin
             if other._indexed[oid] == start:
                 tables.append((other.table, oid))
                 other._indexed[oid] = max(start, stop + 1)
+                other.whole[oid] = other.whole[oid] or whole
             else:
                 other.catch_up(oid, whole)
         for end in range(max(start, MIN_NGRAM), stop + 1):
@@ -340,15 +361,20 @@ class NgramIndex:
     def lookup(self, context: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens after an occurrence of ``context``'s longest indexed suffix: of its
         kept occurrences, the one with the most tokens after it (the latest among equals)."""
+        return self.find(context, k)[0]
+
+    def find(self, context: list[int], k: int) -> tuple[list[int], bool]:
+        """``lookup``'s tokens, and whether the sequence they come from is finished (``whole``)."""
         for n in range(min(MAX_NGRAM, len(context)), MIN_NGRAM - 1, -1):
             best: list[int] = []
+            whole = False
             for sid, end in reversed(self.table.get(tuple(context[-n:]), ())):
                 out = self.seqs[sid][end : end + k]
                 if len(out) > len(best):
-                    best = out
+                    best, whole = out, self.whole[sid]
             if best:
-                return best
-        return []
+                return best, whole
+        return [], False
 
 
 @dataclass(eq=False)
@@ -360,7 +386,8 @@ class PromptIndex:
     index: NgramIndex = field(default_factory=NgramIndex)
     finished: list[list[int]] = field(default_factory=list)
     live: int = 0  # rows decoding it now (never evicted while > 0)
-    rate: float | None = None  # its rows' draft acceptance (a moving average); None: none drafted yet
+    # its rows' draft acceptance per source (moving averages); None: none of that source fed yet
+    rates: list[float | None] = field(default_factory=lambda: [None] * SOURCES)
     limited: float | None = None  # how often its rows ran to max_new_tokens (moving); None: none ended
 
     def __post_init__(self) -> None:
@@ -382,30 +409,36 @@ class RowDraft:
     """A row's place in its prompt's index and how often its draft tokens are taken.
 
     A draft's tokens are taken up to its first miss, so each verify forward is a run of
-    Bernoulli trials (the accepted tokens, then the miss if there was one): ``rate``, the chance
-    that a draft token is taken given that those before it were, is hits over trials, both
-    decayed per forward (``DECAY``). It is what the ``Pacer`` expects of the row's next draft
-    (a geometric run). A row's draft is never cut on its own: a forward's cost is that of its
+    Bernoulli trials (the accepted tokens, then the miss if there was one): the chance that a
+    draft token is taken given that those before it were is hits over trials, both decayed per
+    forward (``DECAY``), kept per source (``LIVE``, ``HISTORY``, ``ACROSS``). ``rate``, that of
+    the source of its latest draft, is what the ``Pacer`` expects of that draft (a geometric
+    run). A row's draft is never cut on its own: a forward's cost is that of its
     widest row, so the Pacer cuts every draft to the one width that pays, each row weighed by its
     rate (a row whose drafts miss adds little to the gain, and nothing to the cost)."""
 
     entry: PromptIndex
     seq: list[int]  # the tail of the prompt, then the row's tokens (grows with them)
     sid: int
-    hits: float = 0.5  # a prior of one trial at 0.5 (a prompt drafted before: its rate)
-    trials: float = 1.0
+    # per source: a prior of one trial (at PRIORS, or at the rate its prompt's or every prompt's
+    # drafts from that source were taken: DraftStore.row)
+    hits: list[float] = field(default_factory=lambda: list(PRIORS))
+    trials: list[float] = field(default_factory=lambda: [1.0] * SOURCES)
+    source: int = LIVE  # that of its latest draft
     across: NgramIndex | None = None  # the index across prompts that holds its sequence
     aid: int = -1  # its id there
 
     @property
     def rate(self) -> float:
-        return self.hits / self.trials
+        return self.hits[self.source] / self.trials[self.source]
 
     def observe(self, drafted: int, accepted: int) -> float:
-        """After a verify forward that fed ``drafted`` of its tokens: -> this forward's rate."""
+        """After a verify forward that fed ``drafted`` of its latest draft's tokens: -> this
+        forward's rate."""
         trials = accepted + (accepted < drafted)
-        self.hits = DECAY * self.hits + accepted
-        self.trials = DECAY * self.trials + trials
+        src = self.source
+        self.hits[src] = DECAY * self.hits[src] + accepted
+        self.trials[src] = DECAY * self.trials[src] + trials
         return accepted / trials
 
 
@@ -444,6 +477,9 @@ class DraftStore:
         # fixed rows ends with its last row, which is one of those (``last_row_weights``).
         self.limited: float | None = None
         self._finished_rows = 0
+        # Every prompt's rows' acceptance per source (moving): where a row's prompt has none of a
+        # source yet (a new prompt), its row starts from it.
+        self.rates: list[float | None] = [None] * SOURCES
 
     def row(self, seq: Any) -> RowDraft:
         """``seq``'s (a ``SeqState``) draft state, made and indexed on first use."""
@@ -457,12 +493,13 @@ class DraftStore:
             entry.live += 1
             own = list(seq.prompt_ids[-(MAX_NGRAM - 1) :]) + list(seq.tokens)
             state = seq.draft = RowDraft(entry, own, entry.index.add(own))
-            if entry.rate is not None:
-                # A new row of a prompt drafted before (an earlier epoch, a sibling) starts from
-                # how well its drafts were taken, not from a guess: when they were, the Pacer
-                # widens its first forwards. A new prompt's row starts from the guess: drafts
-                # from other prompts' text are taken less.
-                state.hits = entry.rate
+            # A new row starts, per source, from how well its prompt's drafts from it were taken
+            # (an earlier epoch, a sibling), else every prompt's, not from a guess: where they
+            # were, the Pacer widens its first forwards.
+            for src in range(SOURCES):
+                known = entry.rates[src] if entry.rates[src] is not None else self.rates[src]
+                if known is not None:
+                    state.hits[src] = known
         return state
 
     def _entry(self, key: tuple[int, ...]) -> PromptIndex:
@@ -482,10 +519,12 @@ class DraftStore:
             return []
         self._sync(state, seq)
         context = [*seq.prompt_ids[-MAX_NGRAM:], *seq.tokens][-MAX_NGRAM:]
-        own = state.entry.index.lookup(context, limit)
+        own, whole = state.entry.index.find(context, limit)
+        state.source = HISTORY if whole else LIVE
         if len(own) < limit:  # other prompts' rows, where they offer more
             other = self.recent.lookup(context, limit)
             if len(other) > len(own):
+                state.source = ACROSS
                 return other
         return own
 
@@ -525,8 +564,9 @@ class DraftStore:
         if state is None or not drafted:
             return
         taken = state.observe(drafted, accepted)
-        entry = state.entry
-        entry.rate = taken if entry.rate is None else entry.rate + AVERAGING * (taken - entry.rate)
+        for rates in (state.entry.rates, self.rates):
+            was = rates[state.source]
+            rates[state.source] = taken if was is None else was + AVERAGING * (taken - was)
 
     def finish(self, seq: Any) -> None:
         """``seq`` finished: its rollout stays in its prompt's index (within the budget) and goes
