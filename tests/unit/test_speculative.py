@@ -347,6 +347,23 @@ def test_pacer_prices_untried_widths_from_every_verify_forward_timed():
     assert pacer.cost(2, 64) == pytest.approx(1.5)  # a width timed TRUSTED times: its own price
 
 
+def test_pacer_prices_no_width_above_a_wider_one_nor_below_a_decode_step():
+    """A narrower forward does less than a wider one: a width whose forwards all ran under load
+    is priced at the wider width's cost, not its own, so it is tried again; a width timed below a
+    decode step (a decode line read high) costs one."""
+    pacer = Pacer()
+    for _ in range(TRUSTED):
+        pacer.timed(1, rows=8, seconds=1.0)
+        pacer.timed(5, rows=8, seconds=4.0)  # slowed by load
+        pacer.timed(9, rows=8, seconds=1.5)
+        pacer.timed(3, rows=8, seconds=0.5)
+    assert pacer.cost(9, 8) == pytest.approx(1.5)
+    assert pacer.cost(5, 8) == pytest.approx(1.5)  # its own samples: 4.0
+    assert pacer.cost(7, 8) <= 1.5  # untried, below a width timed
+    assert pacer.cost(3, 8) == pytest.approx(1.0)
+    assert pacer.width([list(range(4))] * 8, [0.9] * 8, 8) == 4  # width 5 pays at 1.5; at 4.0, width 3
+
+
 def test_pacer_never_prices_a_verify_forward_cheap_past_the_decode_steps_seen():
     """A decode step of one row (the end of a call) is mostly its fixed part: scaled up as seconds
     per row, 16 rows would cost 16 of it and a 9-wide forward of 16 rows look cheap; below the

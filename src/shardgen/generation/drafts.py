@@ -107,7 +107,8 @@ class Pacer:
     decode step of as many rows, both measured on this rank. A decode step's seconds are a line
     in its rows (a fixed part: per-layer gathers, ticks; a part per row: compute), fitted to the
     least seconds seen at each row count (load only ever slows a forward); a verify forward's
-    cost is the least of its latest forwards' seconds over that line at their rows; until some
+    cost is the least of its latest forwards' seconds over that line at their rows, never above a
+    wider width's nor below a decode step (a wider forward does all a narrower one does); until some
     width is timed often enough, the least cost per column of the verify forwards timed at any
     width, else that of a decode step of rows * width rows. Per-layer gathers make
     a wider forward nearly free; with the weights at hand (``once``, local) it costs its
@@ -203,10 +204,15 @@ class Pacer:
             return min(seen, key=lambda rc: abs(rc[0] - rows))[1]
 
         if self._priced[0] != (self.forwards, rows):  # (once per forward and row count, not per width)
-            self._priced = (
-                (self.forwards, rows),
-                {w: priced(w) for w, seen in costs.items() if len(seen) >= TRUSTED},
-            )
+            trusted = {w: priced(w) for w, seen in costs.items() if len(seen) >= TRUSTED}
+            # A wider forward does all that a narrower one does and more: no width is priced above
+            # a wider one (a narrow width whose forwards all ran under load was otherwise priced
+            # at 2-4 decode steps while wider ones cost 1.3, and not tried again until its samples
+            # aged out), nor below a decode step (a decode line read high).
+            least = float("inf")
+            for w in sorted(trusted, reverse=True):
+                least = trusted[w] = max(1.0, min(least, trusted[w]))
+            self._priced = ((self.forwards, rows), trusted)
         known = self._priced[1]
         if width in known:
             return known[width]
@@ -221,7 +227,10 @@ class Pacer:
             guess = self._line(rows * width) / self._line(rows)
         else:
             guess = 1.0 + UNMEASURED_COLUMN_COST * (width - 1)
-        return min(guess, priced(width)) if width in costs else guess
+        if width in costs:
+            guess = min(guess, priced(width))
+        wider = [c for w, c in known.items() if w > width]
+        return max(1.0, min(guess, *wider)) if wider else guess
 
     @staticmethod
     def _pooled_column(costs: dict[int, list[tuple[int, float]]], rows: int | None) -> float | None:
