@@ -13,9 +13,11 @@ gather mode and each of greedy and sampled (temperature 1, a seed per epoch), a 
 with ``speculate`` off and one with it on run the four epochs; rounds alternate them. Every
 row of the speculative engine is asserted equal to the plain engine's (tokens; and logprobs
 bit for bit under ``--numerics invariant``). Reports useful tokens/s (every generated token,
-EOS included) of each, the speedup (and each round's: its two runs back to back), the
-acceptance (draft tokens kept / fed), tokens per forward (a live row's tokens per decode
-forward) and decode forwards, per epoch kind.
+EOS included) of each, the speedup (and each round's: its two runs back to back; and each
+epoch's over the rounds, with its mean wall per round), the acceptance (draft tokens kept / fed),
+tokens per forward (a live row's tokens per decode forward) and decode forwards, per epoch kind.
+``--timeline``: each call's milliseconds per kind on each rank (``engine.timeline()``: prefill,
+decode, gather, tick, ...) and the speculative counters, printed as the calls run.
 """
 
 from __future__ import annotations
