@@ -230,7 +230,7 @@ class Pacer:
         if width in costs:
             guess = min(guess, priced(width))
         wider = [c for w, c in known.items() if w > width]
-        return max(1.0, min(guess, *wider)) if wider else guess
+        return max(1.0, min([guess, *wider]))
 
     @staticmethod
     def _pooled_column(costs: dict[int, list[tuple[int, float]]], rows: int | None) -> float | None:
