@@ -439,19 +439,6 @@ class _Row:
     admitted_at: int = 0
 
 
-def test_a_draft_from_where_an_earlier_rollout_ended_is_not_run_on_from_other_prompts():
-    """A row near the end of its prompt's earlier answer drafts that answer's last tokens (up to
-    its EOS), not a longer run of another prompt's text past it; a draft that stops short for
-    want of text (a live row's) still takes another prompt's longer one."""
-    store = DraftStore(budget=1000)
-    _finished(store, [1, 2, 3], [10, 11, 12, 13, 99])  # ended: 99 is its EOS
-    _finished(store, [4, 5, 6], [10, 11, 12, 13, 14, 15, 16, 17, 18])  # another prompt counts on
-    row = _Row([1, 2, 3], [10, 11, 12, 13])
-    assert store.draft(row, 8) == [99] and store.row(row).source == HISTORY
-    live = _Row([7, 8, 9], [11, 12, 13])  # a new prompt: its own index has nothing after "11 12 13"
-    assert store.draft(live, 8) == [14, 15, 16, 17, 18] and store.row(live).source == ACROSS
-
-
 def test_a_new_row_starts_from_the_acceptance_of_its_drafts_source():
     """Acceptance is kept per source of drafts: a new row of a prompt whose earlier rollouts'
     drafts were taken starts at that rate for its draft from them (the Pacer then widens its first

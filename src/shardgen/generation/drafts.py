@@ -372,21 +372,18 @@ class NgramIndex:
         kept occurrences, the one with the most tokens after it (the latest among equals)."""
         return self.find(context, k)[0]
 
-    def find(self, context: list[int], k: int) -> tuple[list[int], bool, bool]:
-        """``lookup``'s tokens, whether the sequence they come from is finished (``whole``), and
-        whether they reach its end (a finished rollout's last tokens: where it ended)."""
+    def find(self, context: list[int], k: int) -> tuple[list[int], bool]:
+        """``lookup``'s tokens, and whether the sequence they come from is finished (``whole``)."""
         for n in range(min(MAX_NGRAM, len(context)), MIN_NGRAM - 1, -1):
             best: list[int] = []
-            whole = ends = False
+            whole = False
             for sid, end in reversed(self.table.get(tuple(context[-n:]), ())):
-                seq = self.seqs[sid]
-                out = seq[end : end + k]
+                out = self.seqs[sid][end : end + k]
                 if len(out) > len(best):
                     best, whole = out, self.whole[sid]
-                    ends = whole and end + len(out) == len(seq)
             if best:
-                return best, whole, ends
-        return [], False, False
+                return best, whole
+        return [], False
 
 
 @dataclass(eq=False)
@@ -509,10 +506,10 @@ class DraftStore:
             # (an earlier epoch, a sibling), not from a guess: where they were, the Pacer widens
             # its first forwards. A new prompt's row starts from every prompt's rate where that is
             # above the prior, else from the prior: what other prompts' rows were fed from a
-            # source is not what this one's will be (the rate of other prompts' text fell to 0.05
-            # in epochs over the same prompts, fed only where a row's own answer had run out, and
-            # a new prompt's rows then never drafted from it), and its first verify forward
-            # decides.
+            # source is not what this one's will be (with drafts from an earlier answer kept to
+            # where it ended, other prompts' text read 0.05 over the same prompts' epochs, fed
+            # only where a row's own answer had run out, and a new prompt's rows then never
+            # drafted from it), and its first verify forward decides.
             for src in range(SOURCES):
                 known = entry.rates[src]
                 if known is None and self.rates[src] is not None:
@@ -538,11 +535,9 @@ class DraftStore:
             return []
         self._sync(state, seq)
         context = [*seq.prompt_ids[-MAX_NGRAM:], *seq.tokens][-MAX_NGRAM:]
-        own, whole, ends = state.entry.index.find(context, limit)
+        own, whole = state.entry.index.find(context, limit)
         state.source = HISTORY if whole else LIVE
-        # Other prompts' rows, where they offer more: not past where an earlier rollout of this
-        # prompt ended (its EOS is the draft's likeliest end; another prompt's text runs on).
-        if len(own) < limit and not ends:
+        if len(own) < limit:  # other prompts' rows, where they offer more
             other = self.recent.lookup(context, limit)
             if len(other) > len(own):
                 state.source = ACROSS
