@@ -107,17 +107,21 @@ def rank_main(args: argparse.Namespace) -> None:
             t1 = time.perf_counter()
             walls.append(t1 - t0)
             after = eng.stats()
+            delta = {k: after[k] - before[k] for k in COUNTERS}
             if args.timeline:  # where this call's time went, per rank
                 spans = [(max(a, t0), min(b, t1), k) for a, b, k in eng.timeline() if b > t0 and a < t1]
                 kinds = {k: round(1e3 * v) for k, v in sorted(totals(spans).items())}
                 per_rank = [None] * world
-                counts = {k: after[k] - before[k] for k in COUNTERS if after[k] - before[k]}
+                counts = {k: v for k, v in delta.items() if v}
                 dist.all_gather_object(per_rank, (round(1e3 * (t1 - t0)), kinds | counts))
                 if rank == 0:
                     name = "speculative" if eng.config.speculate else "plain"
-                    print(f"  {name:11s} epoch {e}: " + "   ".join(
-                        f"rank {r} {w} ms {k}" for r, (w, k) in enumerate(per_rank)), flush=True)
-            deltas.append({k: after[k] - before[k] for k in COUNTERS})
+                    print(
+                        f"  {name:11s} epoch {e}: "
+                        + "   ".join(f"rank {r} {w} ms {k}" for r, (w, k) in enumerate(per_rank)),
+                        flush=True,
+                    )
+            deltas.append(delta)
             rows = []
             for r in range(len(got)):
                 m = got.response_mask[r].bool()
@@ -128,7 +132,6 @@ def rank_main(args: argparse.Namespace) -> None:
     results: dict = {}
     for gather in args.gathers.split(","):
         for mode in args.modes.split(","):
-            wall = {0: 0.0, args.speculate: 0.0}
             per_round: dict[int, list[float]] = {0: [], args.speculate: []}
             per_epoch = {0: [0.0] * len(epochs), args.speculate: [0.0] * len(epochs)}
             first: dict = {}
@@ -142,7 +145,6 @@ def rank_main(args: argparse.Namespace) -> None:
                     gc.collect()
                     outs, deltas, ws = run(eng, mode)
                     eng.close()
-                    wall[spec] += sum(ws)
                     per_round[spec].append(sum(ws))
                     per_epoch[spec] = [a + b for a, b in zip(per_epoch[spec], ws, strict=True)]
                     first.setdefault(spec, outs)
@@ -155,7 +157,7 @@ def rank_main(args: argparse.Namespace) -> None:
                         assert torch.equal(la, lb), f"rank {rank} {gather} {mode} epoch {e} row {r}: logprobs"
             total = torch.tensor([float(useful)], dtype=torch.float64)
             dist.all_reduce(total)
-            walls = torch.tensor([wall[0], wall[args.speculate]], dtype=torch.float64)
+            walls = torch.tensor([sum(per_round[0]), sum(per_round[args.speculate])], dtype=torch.float64)
             dist.all_reduce(walls, op=dist.ReduceOp.MAX)
             # Each round's two runs back to back (the same rows): its ratio of walls is the speedup
             # that round, under the machine's load of that moment.

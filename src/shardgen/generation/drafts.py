@@ -506,10 +506,9 @@ class DraftStore:
             # (an earlier epoch, a sibling), not from a guess: where they were, the Pacer widens
             # its first forwards. A new prompt's row starts from every prompt's rate where that is
             # above the prior, else from the prior: what other prompts' rows were fed from a
-            # source is not what this one's will be (with drafts from an earlier answer kept to
-            # where it ended, other prompts' text read 0.05 over the same prompts' epochs, fed
-            # only where a row's own answer had run out, and a new prompt's rows then never
-            # drafted from it), and its first verify forward decides.
+            # source is not what this one's will be, and its first verify forward decides (in a
+            # trial, other prompts' text fed only where a row's own answer had run out read 0.05,
+            # and a new prompt's rows, started there, never drafted from it).
             for src in range(SOURCES):
                 known = entry.rates[src]
                 if known is None and self.rates[src] is not None:
