@@ -525,6 +525,26 @@ def test_drafts_weigh_the_last_row_once_rows_run_to_their_limit():
     assert 0.0 < store.limited < 1.0 and store.entries[(4, 5, 6)].limited == 0.0
 
 
+def test_a_draft_that_reaches_where_its_prompts_answer_ended_is_not_run_on():
+    """A draft from an earlier answer of the row's prompt that reaches its end stops there (its
+    EOS is the likeliest end), not run on from another prompt's longer text; and another prompt's
+    text drafted for a row whose prompt has answers counts in that prompt's rate only, not in
+    every prompt's, where a new prompt's rows start."""
+    store = DraftStore(budget=1000)
+    _finished(store, [1, 2, 3], [10, 11, 12, 13, 2])  # 2: its EOS
+    _finished(store, [4, 5, 6], [9, 10, 11, 12, 13, 14, 15, 16])
+    row = _Row([1, 2, 3], [10, 11, 12, 13])
+    assert store.draft(row, 8) == [2] and store.row(row).source == HISTORY
+    row.tokens.append(2)
+    store.row(row).source = ACROSS  # as if it had drafted another prompt's text
+    store.observe(row, 4, 0)
+    assert store.entries[(1, 2, 3)].rates[ACROSS] == 0.0 and store.rates[ACROSS] is None
+    fresh = _Row([7, 8, 9], [10, 11])  # no answer of its own: other prompts' text, counted for all
+    assert store.draft(fresh, 8) == [12, 13, 14, 15, 16] and store.row(fresh).source == ACROSS
+    store.observe(fresh, 5, 5)
+    assert store.rates[ACROSS] == 1.0
+
+
 def test_a_rollout_shared_by_another_rank_drafts_its_prompt_here():
     """Rank A's finished rollout, carried as ``outgoing`` ints, drafts the same prompt's rows on
     rank B: one kept by its digest until a row of it starts on B, one straight into the index of

@@ -372,18 +372,21 @@ class NgramIndex:
         kept occurrences, the one with the most tokens after it (the latest among equals)."""
         return self.find(context, k)[0]
 
-    def find(self, context: list[int], k: int) -> tuple[list[int], bool]:
-        """``lookup``'s tokens, and whether the sequence they come from is finished (``whole``)."""
+    def find(self, context: list[int], k: int) -> tuple[list[int], bool, bool]:
+        """``lookup``'s tokens, whether the sequence they come from is finished (``whole``), and
+        whether they reach its end (a finished rollout's last tokens: where it ended)."""
         for n in range(min(MAX_NGRAM, len(context)), MIN_NGRAM - 1, -1):
             best: list[int] = []
-            whole = False
+            whole = ends = False
             for sid, end in reversed(self.table.get(tuple(context[-n:]), ())):
-                out = self.seqs[sid][end : end + k]
+                seq = self.seqs[sid]
+                out = seq[end : end + k]
                 if len(out) > len(best):
                     best, whole = out, self.whole[sid]
+                    ends = whole and end + len(out) == len(seq)
             if best:
-                return best, whole
-        return [], False
+                return best, whole, ends
+        return [], False, False
 
 
 @dataclass(eq=False)
@@ -534,9 +537,13 @@ class DraftStore:
             return []
         self._sync(state, seq)
         context = [*seq.prompt_ids[-MAX_NGRAM:], *seq.tokens][-MAX_NGRAM:]
-        own, whole = state.entry.index.find(context, limit)
+        own, whole, ends = state.entry.index.find(context, limit)
         state.source = HISTORY if whole else LIVE
-        if len(own) < limit:  # other prompts' rows, where they offer more
+        # Other prompts' rows, where they offer more: not past where an earlier rollout of this
+        # prompt ended (its EOS is the draft's likeliest end; another prompt's text runs on, and
+        # a row near its end, drafting it, read 0.15-0.22 and decoded its last tokens one a
+        # forward).
+        if len(own) < limit and not ends:
             other = self.recent.lookup(context, limit)
             if len(other) > len(own):
                 state.source = ACROSS
@@ -579,9 +586,16 @@ class DraftStore:
         if state is None or not drafted:
             return
         taken = state.observe(drafted, accepted)
-        for rates in (state.entry.rates, self.rates):
-            was = rates[state.source]
-            rates[state.source] = taken if was is None else was + AVERAGING * (taken - was)
+        src = state.source
+        # Every prompt's rate is where a new prompt's rows start: other prompts' text counts
+        # there as a prompt with no answer of its own drafts it (a prompt with earlier answers
+        # drafts from them, and from other prompts' text only where they run out, which a
+        # new prompt's rows do not: there it fell to 0.05, and a new prompt's rows stopped
+        # drafting from it).
+        both = src != ACROSS or not state.entry.finished
+        for rates in (state.entry.rates, self.rates) if both else (state.entry.rates,):
+            was = rates[src]
+            rates[src] = taken if was is None else was + AVERAGING * (taken - was)
 
     def finish(self, seq: Any) -> None:
         """``seq`` finished: its rollout stays in its prompt's index (within the budget) and goes
