@@ -587,13 +587,14 @@ class DraftStore:
             return
         taken = state.observe(drafted, accepted)
         src = state.source
-        # Every prompt's rate is where a new prompt's rows start: other prompts' text counts
-        # there as a prompt with no answer of its own drafts it (a prompt with earlier answers
-        # drafts from them, and from other prompts' text only where they run out, which a
-        # new prompt's rows do not: there it fell to 0.05, and a new prompt's rows stopped
-        # drafting from it).
-        both = src != ACROSS or not state.entry.finished
-        for rates in (state.entry.rates, self.rates) if both else (state.entry.rates,):
+        kept = [state.entry.rates]
+        # Every prompt's rate is where a new prompt's rows start, so other prompts' text counts
+        # there only for rows whose prompt has no answer yet, as a new prompt's. A prompt with
+        # answers drafts from other prompts' text only where its own run out, where it is
+        # seldom taken (it fell to 0.05, and a new prompt's rows stopped drafting from it).
+        if src != ACROSS or not state.entry.finished:
+            kept.append(self.rates)
+        for rates in kept:
             was = rates[src]
             rates[src] = taken if was is None else was + AVERAGING * (taken - was)
 
