@@ -121,3 +121,27 @@ def test_empty_and_bad_calls(toy_engine):
         toy_engine.rollout(PROMPTS, stop="5")
     with pytest.raises(ValueError, match="not one prompt"):
         toy_engine.rollout(PROMPTS[0])
+
+
+def test_pack_lays_out_rows_of_any_length():
+    """``pack``'s tensors, value by value: prompts left-padded, responses right-padded, a row
+    with no response, a multi-turn row's mask, versions where a row carries them (else -1), and
+    zero rows as ``[0, 0]`` tensors."""
+    from shardgen.generation.requests import Completion
+    from shardgen.generation.rollout import pack
+
+    done = [
+        Completion([7, 8, 2], "eos", [5], logprobs=[-0.5, -0.25, -1.0], versions=[0, 1, 1]),
+        Completion([], "length", [4, 5, 6], logprobs=None),
+        Completion([9], "length", [3, 3], logprobs=[-2.0]),
+    ]
+    b = pack(done, pad_id=0, n=1, seeds=[None] * 3, masks=[[1, 0, 1], [], [1]], turns=[2, 1, 1])
+    assert b.input_ids.tolist() == [[0, 0, 5, 7, 8, 2], [4, 5, 6, 0, 0, 0], [0, 3, 3, 9, 0, 0]]
+    assert b.attention_mask.tolist() == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]]
+    assert b.response_mask.tolist() == [[1, 0, 1], [0, 0, 0], [1, 0, 0]]
+    assert b.logprobs.tolist() == [[-0.5, -0.25, -1.0], [0.0, 0.0, 0.0], [-2.0, 0.0, 0.0]]
+    assert b.logprobs.dtype == torch.float32 and b.input_ids.dtype == torch.long
+    assert b.versions.tolist() == [[0, 1, 1], [-1, -1, -1], [-1, -1, -1]]
+    assert b.prompt_lengths.tolist() == [1, 3, 2] and b.turns == [2, 1, 1]
+    empty = pack([], pad_id=0, n=1, seeds=[])
+    assert empty.input_ids.shape == (0, 0) and empty.logprobs.shape == (0, 0) and empty.versions.shape == (0, 0)
