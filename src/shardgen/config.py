@@ -91,11 +91,11 @@ class SamplingParams:
         """Every model-defaulted field filled: this object's value if set, else the model's
         ``generation_config`` value where the model sets it (``model_defaults``), else
         ``LIBRARY_DEFAULTS``."""
+        unset = [k for k in LIBRARY_DEFAULTS if getattr(self, k) is None]
+        if not unset:  # (resolved already: the model's config is not read again, per request)
+            return self
         model = model_defaults(generation_config)
-        fill = {
-            k: model.get(k, default) for k, default in LIBRARY_DEFAULTS.items() if getattr(self, k) is None
-        }
-        return dataclasses.replace(self, **fill) if fill else self
+        return dataclasses.replace(self, **{k: model.get(k, LIBRARY_DEFAULTS[k]) for k in unset})
 
     def validate(self) -> None:
         """Raise ``ValueError`` (with the numbers) on a setting no request can run with; the

@@ -408,8 +408,16 @@ class Engine:
         """``holding``: a partial rollout's rows (``sequence.Holding``), which may be parked."""
         self._check_usable()
         self._check_towers(inputs)
+        # A text prompt encoded once per call (a rollout's n rows of a prompt repeat it).
+        texts: dict[str, list[int]] = {}
+        ids = [
+            (texts[p] if p in texts else texts.setdefault(p, encode_prompt(p, self.tokenizer)))
+            if isinstance(p, str)
+            else encode_prompt(p, self.tokenizer)
+            for p in prompts
+        ]
         reqs = build_requests(
-            [encode_prompt(p, self.tokenizer) for p in prompts],
+            ids,
             params,
             overrides,
             model_config=self._hf_config,

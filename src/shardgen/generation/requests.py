@@ -274,7 +274,9 @@ def build_requests(
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
     else:
         seeds = [seeds] * len(prompts)
+    # Resolved once for every request (each resolves it again: then a no-op).
     base = (params if params is not None else SamplingParams()).replace(**overrides)
+    base = base.resolved(generation_config)
     out = []
     for i, (p, s, x) in enumerate(zip(prompts, seeds, each, strict=True)):
         try:
