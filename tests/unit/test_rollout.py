@@ -144,4 +144,4 @@ def test_pack_lays_out_rows_of_any_length():
     assert b.versions.tolist() == [[0, 1, 1], [-1, -1, -1], [-1, -1, -1]]
     assert b.prompt_lengths.tolist() == [1, 3, 2] and b.turns == [2, 1, 1]
     empty = pack([], pad_id=0, n=1, seeds=[])
-    assert empty.input_ids.shape == (0, 0) and empty.logprobs.shape == (0, 0) and empty.versions.shape == (0, 0)
+    assert empty.input_ids.shape == empty.logprobs.shape == empty.versions.shape == (0, 0)
