@@ -232,3 +232,10 @@ def test_a_failed_rank_says_its_one_line_before_any_traceback(capsys: pytest.Cap
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("shardgen run: error: rank 1 failed: RuntimeError: boom (results"), err
     assert err[1] == "Traceback (most recent call last):" and err[-1] == "RuntimeError: boom", err
+    # The job's store gone with its host (rank 0 failed first, say): one line, no traceback.
+    from torch.distributed import DistNetworkError
+
+    say_rank_failed(raised(DistNetworkError("Connection reset by peer")), 2)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert "rank 2 failed: DistNetworkError: Connection reset by peer: a connection" in err[0], err

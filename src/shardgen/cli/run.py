@@ -145,18 +145,24 @@ def _run_rank(job: JobConfig, engine_cfg: EngineConfig, records: list[PromptReco
 def say_rank_failed(e: BaseException, rank: int) -> None:
     """A rank's job failed while running: its one ``shardgen run: error:`` line on stderr first;
     then, for anything but a ``ShardgenError`` (whose message names the failed or stalled rank
-    already), the Python traceback, for a bug report. Local."""
+    already) or a lost connection (``DistNetworkError``: the job's store or a peer went away, a
+    consequence of another rank's failure, which that rank or the launcher names), the Python
+    traceback, for a bug report. Local."""
     import traceback
+
+    from torch.distributed import DistNetworkError
 
     from shardgen.errors import ShardgenError
 
+    lost = isinstance(e, DistNetworkError)
+    why = ": a connection to the job's store or another rank was lost (another rank failed first?)"
     print(
-        f"shardgen run: error: rank {rank} failed: {type(e).__name__}: {e} "
+        f"shardgen run: error: rank {rank} failed: {type(e).__name__}: {e}{why if lost else ''} "
         "(results so far are in the journals; rerun with --resume)",
         file=sys.stderr,
         flush=True,
     )
-    if not isinstance(e, ShardgenError):
+    if not isinstance(e, ShardgenError) and not lost:
         traceback.print_exception(e, file=sys.stderr)
         sys.stderr.flush()
 
