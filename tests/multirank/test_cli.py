@@ -133,6 +133,9 @@ def _one_line(job: Job, args: list[str], out: Path, reference: list[dict], signa
     return journaled
 
 
+# Three launched jobs in a row: 110 s in a suite on a quiet machine, 225-270 s on a loaded one; each
+# job's own waits are bounded, this bounds the whole.
+@pytest.mark.timeout(600)
 def test_ctrl_c_then_sigterm_are_one_line_each_then_resume(workdir: Path, reference: list[dict]) -> None:
     """SIGINT to the job's process group and to every rank at once (a terminal's Ctrl-C, where the
     ranks share its group): exit code 130, one line, no traceback. Its ``--resume``, stopped by

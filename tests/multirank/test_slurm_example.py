@@ -42,6 +42,9 @@ def _slurm(tmp: Path) -> list[str]:
     return [str(bin_dir)]
 
 
+# Two launched jobs and a reference run: 46 s alone, 100 s in a suite on a quiet machine, 265-300 s
+# on a loaded one; each job's own waits are bounded, this bounds the whole.
+@pytest.mark.timeout(600)
 def test_sbatch_script_runs_and_a_requeue_resumes(tmp_path):
     from ports import free_port
 
