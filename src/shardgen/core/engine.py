@@ -410,12 +410,14 @@ class Engine:
         self._check_towers(inputs)
         # A text prompt encoded once per call (a rollout's n rows of a prompt repeat it).
         texts: dict[str, list[int]] = {}
-        ids = [
-            (texts[p] if p in texts else texts.setdefault(p, encode_prompt(p, self.tokenizer)))
-            if isinstance(p, str)
-            else encode_prompt(p, self.tokenizer)
-            for p in prompts
-        ]
+        ids = []
+        for p in prompts:
+            if not isinstance(p, str):
+                ids.append(encode_prompt(p, self.tokenizer))
+                continue
+            if p not in texts:
+                texts[p] = encode_prompt(p, self.tokenizer)
+            ids.append(texts[p])
         reqs = build_requests(
             ids,
             params,

@@ -420,16 +420,13 @@ def pack(
         has = c.versions is not None and len(c.versions) == g
         versions.append((list(c.versions) if has else [-1] * g) + [-1] * tail)
     width = p_width + g_width
-
-    def table(values: list[list[Any]], n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype) if values else torch.zeros((0, n), dtype=dtype)
-
     texts = [c.text for c in done] if all(c.text is not None for c in done) else None
     batch = RolloutBatch(
-        input_ids=table(ids, width, torch.long),
-        attention_mask=table(attn, width, torch.long),
-        response_mask=table(resp, g_width, torch.long),
-        logprobs=table(lps, g_width, torch.float32),
+        # (viewed: zero rows make [0, width], not the [0] of an empty list)
+        input_ids=torch.tensor(ids, dtype=torch.long).view(rows, width),
+        attention_mask=torch.tensor(attn, dtype=torch.long).view(rows, width),
+        response_mask=torch.tensor(resp, dtype=torch.long).view(rows, g_width),
+        logprobs=torch.tensor(lps, dtype=torch.float32).view(rows, g_width),
         prompt_lengths=torch.tensor([len(c.prompt_token_ids) for c in done], dtype=torch.long),
         finish_reasons=[c.finish_reason for c in done],
         seeds=list(seeds),
@@ -437,7 +434,7 @@ def pack(
         texts=texts,
         pad_id=pad_id,
         turns=[1] * rows if turns is None else list(turns),
-        versions=table(versions, g_width, torch.long),
+        versions=torch.tensor(versions, dtype=torch.long).view(rows, g_width),
         prompts=[] if prompts is None else list(prompts),
     )
     return batch.to(device)
