@@ -144,6 +144,7 @@ def speculative_rollouts(backend: str, gather: str, dtype: str) -> dict:
         same = [all(_same(a, b, r, r)) for r in range(len(a))]
         out[f"epoch{epoch}"] = [sum(same), len(same)]
     out["drafts"] = [int(0 < stats["accepted"] < stats["drafted"]), 1]
+    out["folded"] = [int(stats["folded_prefills"] > 0), 1]  # a prefill fed drafts too
     return out
 
 

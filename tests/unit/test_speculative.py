@@ -21,6 +21,7 @@ from shardgen import toy
 from shardgen.config import EngineConfig, SamplingParams
 from shardgen.generation import scheduler as sch
 from shardgen.generation import verify
+from shardgen.generation.batch import Batch
 from shardgen.generation.drafts import (
     ACROSS,
     HISTORY,
@@ -229,6 +230,8 @@ def test_refill_and_prefix_cache_take_rows_with_holes(toy_pair, monkeypatch):
 
 
 def test_verify_forward_stays_within_max_prefill_tokens(toy_pair, monkeypatch):
+    """A verify forward's tokens, and a prefill's that feeds drafts (its columns, and its head's
+    positions), stay within the budget; the rows are the plain engine's."""
     model, tok = toy_pair
     real, widths = verify.verify_step, []
 
@@ -236,11 +239,68 @@ def test_verify_forward_stays_within_max_prefill_tokens(toy_pair, monkeypatch):
         widths.append(len(batch.seqs) * (1 + max(len(d) for d in drafts)))
         return real(batch, forward, drafts)
 
+    real_prefill, prefills = Batch.prefill_step, []
+
+    def prefill_spy(self, forward):
+        def counted(**inputs):
+            out = forward(**inputs)
+            prefills.append((inputs["input_ids"].numel(), out.logits.shape[0] * out.logits.shape[1]))
+            return out
+
+        return real_prefill(self, counted)
+
     monkeypatch.setattr(sch, "verify_step", spy)
+    monkeypatch.setattr(Batch, "prefill_step", prefill_spy)
     ids = _ids(tok, ["count from 3 to 24 :"], 4)
     calls = [dict(ids=ids, max_new_tokens=30) for _ in range(2)]
-    _same_as_plain(model, tok, calls, max_prefill_tokens=12)  # 4 rows: drafts of 2 at most
+    stats = _same_as_plain(model, tok, calls, max_prefill_tokens=12)  # 4 rows: drafts of 2 at most
     assert widths and max(widths) <= 12, widths
+    assert stats["folded_prefills"] > 0 and max(t for t, _ in prefills) <= 12, (stats, prefills)
+    assert max(h for _, h in prefills) <= 12, prefills
+
+
+def _without_folds(monkeypatch) -> None:
+    """Prefills feed no drafts: the first verify forward comes after the prefill."""
+    monkeypatch.setattr(sch.LocalWork, "_fold", lambda self, plan, seqs: plan)
+
+
+def test_a_prefill_feeds_its_prompts_draft_and_saves_a_verify_forward(toy_pair, monkeypatch):
+    """From the second epoch on, a prefill's last forward feeds each prompt's draft after it (the
+    rows of a shared prompt one draft): it commits each row's first tokens as a verify forward
+    would, so the rows are the plain engine's in fewer forwards than with the draft fed by the
+    first verify forward after a plain prefill."""
+    model, tok = toy_pair
+    ids = _ids(tok, PROMPTS, 4)
+    calls = [dict(ids=ids, max_new_tokens=32, logprobs=True) for _ in range(3)]
+    folded = _same_as_plain(model, tok, calls)
+    _without_folds(monkeypatch)
+    plain = _same_as_plain(model, tok, calls)
+    assert folded["folded_prefills"] == 2 and plain["folded_prefills"] == 0, (folded, plain)
+    assert folded["forwards"] < plain["forwards"], (folded, plain)
+    assert folded["accepted"] > plain["accepted"] - plain["accepted"] // 4, (folded, plain)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_eos_stop_string_and_length_cut_inside_a_prefills_draft(toy_pair, sampled):
+    """A prompt's earlier answer is shorter than the draft: the prefill's forward commits it whole,
+    EOS, a stop string or ``max_new_tokens`` ending each row where one token at a time would,
+    and the call runs no decode step."""
+    model, tok = toy_pair
+    ids = _ids(tok, ["count from 7 to 9 :"], 2)
+    kw = dict(do_sample=True, temperature=0.5, seed=1) if sampled else {}
+    calls = [dict(max_new_tokens=12), dict(max_new_tokens=12), dict(max_new_tokens=2),
+             dict(max_new_tokens=12, stop=["8"])]  # fmt: skip
+    plain, _ = _epochs(model, tok, 0, [dict(c, ids=ids, **kw) for c in calls])
+    with shardgen.Engine(model, tok, backend="local", speculate=8) as eng:
+        eng.generate(ids, **calls[0], **kw)
+        for c, want in zip(calls[1:], plain[1:], strict=True):
+            before = eng.stats()
+            got = eng.generate(ids, **c, **kw)
+            after = eng.stats()
+            assert [(g.token_ids, g.logprobs, g.finish_reason) for g in got] == want
+            assert after["decode_steps"] == before["decode_steps"], (c, after)
+            assert after["folded_prefills"] == before["folded_prefills"] + 1, (c, after)
+    assert [[r[2] for r in call] for call in plain[1:]] == [["eos"] * 2, ["length"] * 2, ["stop"] * 2]
 
 
 def test_no_draft_no_verify_forward(toy_pair):

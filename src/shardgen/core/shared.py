@@ -36,6 +36,7 @@ class EngineStats:
     decode_row_steps: int = 0  # live rows summed over decode forwards
     decode_tokens: int = 0  # tokens those forwards committed (decode_row_steps without drafts)
     verify_forwards: int = 0  # decode forwards that fed drafts (EngineConfig.speculate)
+    folded_prefills: int = 0  # prefills whose last forward fed drafts after the prompt
     drafted: int = 0  # draft tokens fed
     accepted: int = 0  # draft tokens the rows kept
     forwards_saved: int = 0  # per verify forward, the furthest row's tokens beyond one

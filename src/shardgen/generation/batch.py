@@ -37,6 +37,7 @@ from shardgen.generation.requests import joined_inputs
 from shardgen.generation.rows import BatchRows
 from shardgen.generation.sampling import chosen_logprobs, select_tokens
 from shardgen.generation.sequence import SeqState
+from shardgen.generation.verify import Verified, draft_columns, settle
 
 #: One forward of the model (the backend's, bound to this tick's plan): HF's keyword inputs in,
 #: HF's output out.
@@ -48,6 +49,15 @@ def _mrope_model(hf_model: Any) -> bool:
     return callable(getattr(getattr(hf_model, "model", None), "get_rope_index", None))
 
 
+def verifiable(hf_model: Any) -> bool:
+    """``hf_model``'s text rows can verify drafts from their prefill on (what ``can_verify`` asks
+    of a running batch): plain cache layers and plain positions. Pure."""
+    cache = DynamicCache(config=hf_model.config.get_text_config(decoder=True))
+    layers = getattr(cache, "layers", None) or []
+    plain = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return plain and not _mrope_model(hf_model)
+
+
 class Batch(BatchRows):
     """Sequences decoding together: a left-padded ``[B, T]`` batch with one KV cache.
 
@@ -57,6 +67,7 @@ class Batch(BatchRows):
     """
 
     _chunk_inputs: tuple[dict[str, Any], ...] = ()  # per prefill forward, its images (none: {})
+    folded: Verified | None = None  # what a prefill that fed drafts did (``prefill_step``)
 
     def __init__(self, hf_model: Any, seqs: list[SeqState], device: torch.device, plan: PrefillPlan) -> None:
         """``plan``: the prefill's rows and chunks (``PrefillPlan.of`` the rows' prompts), as the
@@ -188,27 +199,41 @@ class Batch(BatchRows):
 
     def prefill_step(self, forward: Forward) -> int:
         """ONE forward of the prefill: the prompt, or its next chunk under the token budget; the
-        last one chooses each row's first token. Returns the prompt tokens it computed."""
+        last one chooses each row's first token, or (the plan's ``drafts``) feeds each computed
+        row's draft after its prompt and commits each row's tokens as a verify forward does
+        (``verify.settle``; what it did: ``folded``). Returns the prompt tokens it computed."""
         assert self.prefilling, "prefill runs once"
         c0, c1 = self._chunks[self._chunk]
         self._chunk += 1
         ids, pos = self._pre
         mask = self._pre_mask
+        last = self._chunk == len(self._chunks)
+        tokens = (c1 - c0) * ids.shape[0] if mask is None else int(mask[:, c0:c1].sum())
+        ids, pos = ids[:, :c1], pos[:, :c1]
+        mask = None if mask is None else mask[:, :c1]  # past and current columns
+        k = self._prefill.draft_width if last else 0
+        columns = None
+        if k:  # the drafts' columns after the prompt, each computed row's (holes: mask 0)
+            drafts = self.prefill_drafts()
+            columns = draft_columns(self, drafts)
+            idx = torch.tensor(self._prefill.rows, dtype=torch.long, device=self.device)
+            ids_d, fed, pos_d = (t.index_select(0, idx) for t in columns)
+            if mask is not None or not bool((fed == 1).all()):  # HF drops an all-ones mask
+                mask = torch.cat([torch.ones_like(ids) if mask is None else mask, fed], dim=-1)
+            ids, pos = torch.cat([ids, ids_d], dim=-1), torch.cat([pos, pos_d], dim=-1)
         kw: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True}
-        kw["attention_mask"] = None if mask is None else mask[:, :c1]  # past and current columns
+        kw["attention_mask"] = mask
         if self._takes_positions:
             vision = None if self._pre_vision is None else self._pre_vision[..., :c1]
-            kw["position_ids"] = self._positions(pos[:, :c1], vision)
+            kw["position_ids"] = self._positions(pos, vision)
         if self._takes_logits_to_keep:
-            kw["logits_to_keep"] = 1
+            kw["logits_to_keep"] = k + 1
         own = self._chunk_inputs[self._chunk - 1]  # the images of its columns go with their tokens
         kw.update(own)
         inputs = self.hf_model.prepare_inputs_for_generation(
-            ids[:, :c1], next_sequence_length=c1 - c0 if c0 else None,
+            ids, next_sequence_length=c1 - c0 + k if c0 else None,
             is_first_iteration=c0 == 0 or bool(own), **kw,
         )  # fmt: skip
-        tokens = (c1 - c0) * ids.shape[0] if mask is None else int(mask[:, c0:c1].sum())
-        last = self._chunk == len(self._chunks)
         with self._head_on_every_row(last):
             outputs = forward(**inputs, return_dict=True)
         if not last:
@@ -216,10 +241,35 @@ class Batch(BatchRows):
             if returned is not None:
                 self.cache = returned
             return tokens
-        self._consume(outputs, fork=self.fork)
+        if columns is None:
+            self._consume(outputs, fork=self.fork)
+        else:
+            self.folded = settle(self, self._forked_logits(outputs, k + 1), drafts, columns)
         self._pre = self._pre_mask = None  # type: ignore[assignment]
         self._chunk_inputs, self._pre_vision = (), None
         return tokens
+
+    def prefill_drafts(self) -> tuple[tuple[int, ...], ...]:
+        """Every row's draft at the prefill: its computed row's (``PrefillPlan.drafts``)."""
+        plan = self._prefill
+        if plan.fork is None:
+            return plan.drafts
+        return tuple(plan.drafts[u] for u in plan.fork)
+
+    def _forked_logits(self, outputs: Any, width: int) -> torch.Tensor:
+        """The last forward's logits of its last ``width`` positions, float32, one row per batch
+        row (a shared prompt's forked, where the head ran on the computed rows alone), with the
+        cache it returned forked into every row (``_consume`` does the same for one position)."""
+        logits = outputs.logits[:, -width:].to(dtype=torch.float32)
+        returned = getattr(outputs, self._cache_kw, None)
+        if returned is not None:
+            self.cache = returned
+        del outputs
+        if self.fork is not None:
+            if logits.shape[0] != self.fork.shape[0]:
+                logits = logits.index_select(0, self.fork)
+            self.cache.reorder_cache(self.fork)
+        return logits
 
     @contextlib.contextmanager
     def _head_on_every_row(self, last: bool) -> Iterator[None]:

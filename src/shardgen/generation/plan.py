@@ -125,6 +125,21 @@ class PrefillPlan:
     reuse: tuple[tuple[Any, int], ...] = ()
     """With ``start``: per computed row, its prefix-cache entry (None: none) and how many of the
     row's first tokens the columns before ``start`` take from it."""
+    drafts: tuple[tuple[int, ...], ...] = ()
+    """Per computed row, the draft its last forward feeds after the prompt (every row of a shared
+    prompt takes its computed row's: at the prefill a row's draft depends on its prompt alone),
+    verified as a verify forward's (``verify.py``); empty: none. Set by ``with_drafts``."""
+
+    @property
+    def draft_width(self) -> int:
+        """K, the longest draft the last forward feeds (0: a plain prefill)."""
+        return max((len(d) for d in self.drafts), default=0)
+
+    def with_drafts(self, drafts: tuple[tuple[int, ...], ...]) -> PrefillPlan:
+        """This plan with its last forward feeding ``drafts`` (one per computed row) after the
+        prompt. Pure."""
+        assert len(drafts) == len(self.rows), f"{len(drafts)} drafts for {len(self.rows)} computed rows"
+        return replace(self, drafts=drafts if any(drafts) else ())
 
     @staticmethod
     def of(
@@ -191,11 +206,13 @@ class PrefillPlan:
     def shape(self, chunk: int) -> tuple[int, int]:
         """``(tokens, head_rows)`` of forward ``chunk``: every layer computes the computed rows'
         columns of the chunk; the LM head one position of each computed row, or (the last chunk
-        of a shared prefill) of every row of the batch."""
+        of a shared prefill) of every row of the batch. The last forward's drafts add ``K``
+        columns to every computed row, and ``K`` positions to each head row."""
         c0, c1 = self.chunks[chunk]
         last = chunk == len(self.chunks) - 1
         head = self.batch_rows if last and self.fork is not None else len(self.rows)
-        return len(self.rows) * (c1 - c0), head
+        k = self.draft_width if last else 0
+        return len(self.rows) * (c1 - c0 + k), head * (k + 1)
 
 
 def _outside_images(start: int, pads: list[int], spans: list[tuple[tuple[int, int], ...]]) -> int:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from shardgen.config import EngineConfig
 from shardgen.generation import parking
-from shardgen.generation.batch import Batch
+from shardgen.generation.batch import Batch, verifiable
 from shardgen.generation.drafts import DraftStore, tokens_left
 from shardgen.generation.plan import IDLE_PLAN, ForwardPlan, PrefillPlan, Work
 from shardgen.generation.prefix_cache import PrefixCache
@@ -33,7 +34,7 @@ from shardgen.generation.row_kinds import row_kind
 from shardgen.generation.score import RowScore, ScoreRequest
 from shardgen.generation.score_run import ScoreRun
 from shardgen.generation.sequence import SeqState
-from shardgen.generation.verify import verify_step
+from shardgen.generation.verify import Verified, verify_step
 
 
 class LocalWork:
@@ -73,6 +74,8 @@ class LocalWork:
         # policy only makes a draft stale, which lowers the acceptance and changes no row).
         self.drafts = DraftStore(config.speculate_history_tokens)
         self._drafted: tuple[Any, tuple[tuple[int, ...], ...] | None] = (None, None)  # (batch state, drafts)
+        # A prefill's last forward may feed its rows' drafts too (``_fold``): text rows of plain caches.
+        self._folds = bool(config.speculate) and self.kind.speculates and verifiable(model)
 
     def forget_prefixes(self) -> None:
         """Drop the prefix cache: the weights may change (a pause, ``close()``). Driver thread."""
@@ -132,9 +135,10 @@ class LocalWork:
                 hit = matches[0][1] > 0
                 n = next((i for i, (_, c) in enumerate(matches) if (c > 0) != hit), n)
                 seqs, matches = seqs[:n], matches[:n]
-            return self.kind.prefill(
+            plan = self.kind.prefill(
                 kind, seqs, matches, cfg.share_prefill, cfg.max_prefill_tokens, self._towers
             )
+            return self._fold(plan, seqs)
         if self.scoring and admit:  # a score run goes before decode steps, as a prefill does
             rows = [self.scoring[i] for i in range(self._score_take())]
             return self.kind.score(rows, cfg.share_prefill, cfg.max_prefill_tokens, self._towers)
@@ -145,6 +149,35 @@ class LocalWork:
                 return ForwardPlan(Work.VERIFY, 0, None, tokens, tokens, drafts=drafts)
             return ForwardPlan(Work.DECODE, 0, None, len(batch.seqs), len(batch.seqs))
         return IDLE_PLAN
+
+    def _fold(self, plan: ForwardPlan, seqs: list[SeqState]) -> ForwardPlan:
+        """``plan`` (a prefill of ``seqs``, new rows) with its last forward feeding each prompt's
+        draft after it, where one pays (``DraftStore.drafts``, as for a decode step): that
+        forward then commits each row's first tokens as a verify forward does, and the verify
+        forward that would have fed the draft next is saved. At the prefill a row's context is
+        its prompt, so the rows of a shared prompt share its draft, as they share its prefill.
+        Not for rows that have tokens already (a resumed row), images, or a kind or cache that
+        cannot verify; the forward stays within ``max_prefill_tokens``. Local; changes no row."""
+        pre, cfg = plan.prefill, self.config
+        assert pre is not None
+        if not self._folds or any(s.tokens or s.inputs is not None for s in seqs):
+            return plan
+        c0, c1 = pre.chunks[-1]
+        width = cfg.speculate
+        if cfg.max_prefill_tokens is not None:  # its columns, and its head's positions
+            width = min(width, cfg.max_prefill_tokens // len(pre.rows) - (c1 - c0),
+                        cfg.max_prefill_tokens // len(seqs) - 1)  # fmt: skip
+        if width <= 0:
+            return plan
+        waiting = len(self.pending) > len(seqs)  # requests beyond these wait for a slot
+        drafts = self.drafts.drafts(seqs, [min(width, tokens_left(s)) for s in seqs], waiting)
+        if drafts is None:
+            return plan
+        pre = pre.with_drafts(tuple(drafts[r] for r in pre.rows))
+        if not pre.drafts:
+            return plan
+        tokens, head = pre.shape(0)
+        return replace(plan, prefill=pre, tokens=tokens, head_rows=head)
 
     def _drafts(self, batch: Batch) -> tuple[tuple[int, ...], ...] | None:
         """Each row's draft for the next decode step (``DraftStore.draft``), or None: no row has
@@ -222,13 +255,8 @@ class LocalWork:
         rows, t0 = len(batch.seqs), time.perf_counter()
         if plan.kind is Work.VERIFY:
             assert plan.drafts is not None
-            done = verify_step(batch, forward, plan.drafts)
-            for s, d, a in zip(batch.seqs, plan.drafts, done.accepted, strict=True):
-                self.drafts.observe(s, len(d), a)
+            self._verified(batch.seqs, plan.drafts, verify_step(batch, forward, plan.drafts))
             st.verify_forwards += 1
-            st.drafted += done.drafted
-            st.accepted += sum(done.accepted)
-            st.forwards_saved += max(done.committed) - 1
         else:
             batch.step(forward)
             if self.config.speculate:
@@ -240,6 +268,16 @@ class LocalWork:
         st.decode_steps += 1
         st.decode_row_steps += len(live)
         st.decode_tokens += sum(len(s.tokens) for s in live) - before
+
+    def _verified(self, seqs: list[SeqState], drafts: tuple[tuple[int, ...], ...], done: Verified) -> None:
+        """A forward that fed ``drafts`` (a verify forward, or a prefill's last): each row's
+        acceptance to its draft state, and the counters."""
+        for s, d, a in zip(seqs, drafts, done.accepted, strict=True):
+            self.drafts.observe(s, len(d), a)
+        st = self.stats
+        st.drafted += done.drafted
+        st.accepted += sum(done.accepted)
+        st.forwards_saved += max(done.committed) - 1
 
     def _score_forward(self, plan: ForwardPlan, forward: Callable[..., Any]) -> None:
         """The first forward of a new score run (``plan.score``), or the next of the one under way;
@@ -294,6 +332,9 @@ class LocalWork:
         self.stats.prefill_forwards += 1
         if mini.prefilling:
             return
+        if mini.folded is not None:  # its last forward fed drafts (``_fold``)
+            self._verified(mini.seqs, mini.prefill_drafts(), mini.folded)
+            self.stats.folded_prefills += 1
         self.prefilling = None
         if self.batch is None:
             self.batch = mini  # a new wave

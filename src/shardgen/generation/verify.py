@@ -44,17 +44,12 @@ def verify_step(batch: Any, forward: Callable[..., Any], drafts: tuple[tuple[int
     """ONE forward of ``batch`` (a prefilled ``Batch`` of plain cache layers) feeding each row's
     last token and ``drafts[i]``; commits each row's tokens as described in the module docstring."""
     seqs = batch.seqs
-    B, dev = len(seqs), batch.device
+    B = len(seqs)
     assert len(drafts) == B, f"{len(drafts)} drafts for {B} rows"
     K = max(len(d) for d in drafts)
     assert K > 0, "a verify forward with no draft"
     W = K + 1
-    ids_d = torch.tensor([[*d, *[s.pad_id] * (K - len(d))] for s, d in zip(seqs, drafts, strict=True)],
-                         dtype=torch.long)  # fmt: skip
-    fed = torch.tensor([[1] * len(d) + [0] * (K - len(d)) for d in drafts], dtype=torch.long)
-    ids_d, fed = ids_d.to(dev), fed.to(dev)
-    last = batch.position_ids[:, -1:]
-    pos_d = (last + fed.cumsum(-1)).masked_fill(fed == 0, 0)
+    ids_d, fed, pos_d = draft_columns(batch, drafts)
     mask = torch.cat([batch._full_mask(), fed], dim=-1)
     ids = torch.cat([batch.input_ids, ids_d], dim=-1)
     kw: dict[str, Any] = {batch._cache_kw: batch.cache, "use_cache": True, "attention_mask": mask}
@@ -69,8 +64,42 @@ def verify_step(batch: Any, forward: Callable[..., Any], drafts: tuple[tuple[int
     if returned is not None:
         batch.cache = returned
     del outputs
-    committed, accepted = _accept(seqs, logits, drafts)
-    _keep_columns(batch, ids, mask, pos_d, committed, K)
+    return settle(batch, logits, drafts, (ids_d, fed, pos_d))
+
+
+def draft_columns(
+    batch: Any, drafts: tuple[tuple[int, ...], ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``K`` columns that feed each row's draft after the batch's last column, ``[B, K]``
+    each: the ids (a shorter draft padded with the row's pad), which of them are fed (1) or holes
+    (0), and their positions (the row's last position counting on; 0 at a hole)."""
+    K = max(len(d) for d in drafts)
+    seqs = batch.seqs
+    ids_d = torch.tensor([[*d, *[s.pad_id] * (K - len(d))] for s, d in zip(seqs, drafts, strict=True)],
+                         dtype=torch.long)  # fmt: skip
+    fed = torch.tensor([[1] * len(d) + [0] * (K - len(d)) for d in drafts], dtype=torch.long)
+    ids_d, fed = ids_d.to(batch.device), fed.to(batch.device)
+    last = batch.position_ids[:, -1:]
+    pos_d = (last + fed.cumsum(-1)).masked_fill(fed == 0, 0)
+    return ids_d, fed, pos_d
+
+
+def settle(
+    batch: Any,
+    logits: torch.Tensor,
+    drafts: tuple[tuple[int, ...], ...],
+    columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> Verified:
+    """After a forward that fed each row's last column and its draft (``columns``:
+    ``draft_columns``; ``logits`` ``[B, K + 1, V]`` float32, the cache holding every fed column):
+    each row's tokens committed as the plain engine draws them, then the batch's columns as
+    after those tokens (``_keep_columns``). A verify forward's, and a prefill's that fed drafts
+    after the prompt (``Batch.prefill_step``): its last column is the prompt's."""
+    ids_d, fed, pos_d = columns
+    mask = torch.cat([batch._full_mask(), fed], dim=-1)
+    ids = torch.cat([batch.input_ids, ids_d], dim=-1)
+    committed, accepted = _accept(batch.seqs, logits, drafts)
+    _keep_columns(batch, ids, mask, pos_d, committed, ids_d.shape[1])
     return Verified(sum(len(d) for d in drafts), accepted, committed)
 
 
