@@ -271,13 +271,30 @@ def test_a_prefill_feeds_its_prompts_draft_and_saves_a_verify_forward(toy_pair, 
     first verify forward after a plain prefill."""
     model, tok = toy_pair
     ids = _ids(tok, PROMPTS, 4)
-    calls = [dict(ids=ids, max_new_tokens=32, logprobs=True) for _ in range(3)]
-    folded = _same_as_plain(model, tok, calls)
+    first, _ = _epochs(model, tok, 0, [dict(ids=ids, max_new_tokens=32)])
+    # A next turn's prompt extends a finished row: it begins from the prefix cache.
+    ask = tok("count from 1 to 4 :")["input_ids"]
+    turns = [p + list(r[0]) + ask for p, r in zip(ids, first[0], strict=True)]
+    calls = [dict(ids=ids, max_new_tokens=32, logprobs=True) for _ in range(2)]
+    calls += [dict(ids=turns, max_new_tokens=8) for _ in range(2)]  # (logprobs' last bits move with shapes)
+    cache = dict(prefix_cache_tokens=4096)
+    folded = _same_as_plain(model, tok, calls, **cache)
     _without_folds(monkeypatch)
-    plain = _same_as_plain(model, tok, calls)
+    plain = _same_as_plain(model, tok, calls, **cache)
     assert folded["folded_prefills"] == 2 and plain["folded_prefills"] == 0, (folded, plain)
     assert folded["forwards"] < plain["forwards"], (folded, plain)
+    assert folded["cached_prompt_tokens"] > 0, folded
     assert folded["accepted"] > plain["accepted"] - plain["accepted"] // 4, (folded, plain)
+
+
+def test_a_chunked_prefill_feeds_its_drafts_in_its_last_chunk(toy_pair):
+    """Under ``max_prefill_tokens`` a prompt goes in chunks: the last one feeds the drafts, within
+    the budget, and the rows are the plain engine's."""
+    model, tok = toy_pair
+    ids = _ids(tok, PROMPTS, 2)  # 3 prompts of 7-8 tokens, 6 rows: chunks of 4 columns (6 at most)
+    calls = [dict(ids=ids, max_new_tokens=24, logprobs=True) for _ in range(2)]
+    stats = _same_as_plain(model, tok, calls, max_prefill_tokens=18, prefix_cache_tokens=0)
+    assert stats["prefill_forwards"] > stats["prefills"] and stats["folded_prefills"] == 1, stats
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -497,6 +514,19 @@ class _Row:
     params: object = dataclasses.field(default_factory=lambda: SamplingParams(max_new_tokens=16))
     holding: object = None
     admitted_at: int = 0
+
+
+def test_a_row_ended_before_its_prefill_releases_its_prompts_index():
+    """A prefill's plan drafts its rows before they are taken: a held row that then ends while
+    waiting (closed, gone stale) leaves its prompt's index evictable again."""
+    store = DraftStore(budget=8)
+    row = _Row([5, 6, 7, 8], [])
+    store.draft(row, 4)
+    entry = store.entries[(5, 6, 7, 8)]
+    assert entry.live == 1 and row.draft is not None
+    store.release(row)
+    store.release(row)  # once only
+    assert entry.live == 0 and row.draft is None
 
 
 def test_a_new_row_starts_from_the_acceptance_of_its_drafts_source():

@@ -598,6 +598,14 @@ class DraftStore:
             was = rates[src]
             rates[src] = taken if was is None else was + AVERAGING * (taken - was)
 
+    def release(self, seq: Any) -> None:
+        """``seq`` ended outside a batch (a held row closed or gone stale while waiting): its draft
+        state, if a plan made one, no longer holds its prompt's index live. Nothing is kept."""
+        state: RowDraft | None = seq.draft
+        if state is not None:
+            seq.draft = None
+            state.entry.live -= 1
+
     def finish(self, seq: Any) -> None:
         """``seq`` finished: its rollout stays in its prompt's index (within the budget) and goes
         to the other ranks (``outgoing``); whether it ran to its limit counts (``limited``)."""

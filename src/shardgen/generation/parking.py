@@ -61,6 +61,7 @@ def close_held(work: Any) -> None:
     work.parked = []
     for req in ended:
         s = req.seq
+        work.drafts.release(s)
         if s.finish_reason is None:
             s.finish_reason = HELD
             work.stats.generated_tokens += len(s.tokens)
@@ -97,6 +98,7 @@ def requeue(work: Any, version: int | None = None) -> None:
         h = s.holding
         if h is not None and h.max_staleness is not None and version - h.born > h.max_staleness:
             s.finish_reason = "stale"  # cut where it stood: its tokens so far are all of the old weights
+            work.drafts.release(s)
             work.stats.generated_tokens += len(s.tokens)
             work.on_finished(s)
         else:

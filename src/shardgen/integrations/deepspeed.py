@@ -147,6 +147,7 @@ def options_of(cfg: Any) -> dict[str, Any]:
 STEP_COUNTERS = (
     "decode_steps",
     "verify_forwards",
+    "folded_prefills",
     "drafted",
     "accepted",
     "forwards_saved",
