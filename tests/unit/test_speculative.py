@@ -760,5 +760,35 @@ def test_encoder_decoder_and_sliding_window_rows_decode_plainly(monkeypatch):
         for spec in (0, 4):
             with shardgen.Engine(model, backend="local", speculate=spec) as eng:
                 got[spec] = [c.token_ids for c in eng.generate(prompts, max_new_tokens=8, eos_token_id=[])]
-                assert (eng.stats()["verify_forwards"] > 0) == (verifies and spec > 0), type(model).__name__
+                stats = eng.stats()
+                assert (stats["verify_forwards"] > 0) == (verifies and spec > 0), type(model).__name__
+                assert (stats["folded_prefills"] > 0) == (verifies and spec > 0), type(model).__name__
         assert got[0] == got[4]
+
+
+def test_a_vlms_text_rows_feed_drafts_in_their_prefill_and_its_image_rows_after_it(monkeypatch):
+    """A LLaVA (plain cache, plain positions): a prefill of text rows feeds their drafts; a prefill
+    with image rows feeds none (where a draft's columns would sit beside the image's features is
+    not planned) and its rows verify drafts from their first decode step; every row the plain
+    engine's."""
+    from vlm import EOS, PAD, llava_images, llava_prompt, tiny_llava
+
+    monkeypatch.setattr(DraftStore, "draft", lambda self, seq, limit: (self.row(seq), [5, 6][:limit])[1])
+    model = tiny_llava(4)
+    text = [[9, 10, 11], [4, 4, 7]]
+    xs = [llava_images(1, 1), llava_images(2, 3)]
+    pictured = [llava_prompt([5, 6], xs[0]), llava_prompt([5], xs[1])]
+    kw = dict(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+    got, deltas = {}, {}
+    for spec in (0, 4):
+        with shardgen.Engine(model, backend="local", speculate=spec) as eng:
+            a = [c.token_ids for c in eng.generate(text, **kw)]
+            before = eng.stats()
+            b = [c.token_ids for c in eng.generate(pictured, inputs=xs, **kw)]
+            after = eng.stats()
+            got[spec] = (a, b)
+            deltas[spec] = {k: after[k] - before[k] for k in ("folded_prefills", "verify_forwards")}
+            if spec:
+                assert before["folded_prefills"] == 1, before
+    assert got[0] == got[4]
+    assert deltas[4]["folded_prefills"] == 0 and deltas[4]["verify_forwards"] > 0, deltas
