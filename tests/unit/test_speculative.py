@@ -335,9 +335,9 @@ def test_drafts_know_whether_requests_wait_for_a_slot(toy_pair, monkeypatch):
     model, tok = toy_pair
     seen, real = [], DraftStore.drafts
 
-    def spy(self, seqs, limits, waiting=True):
+    def spy(self, seqs, limits, waiting=True, computed=None):
         seen.append(waiting)
-        return real(self, seqs, limits, waiting)
+        return real(self, seqs, limits, waiting, computed)
 
     monkeypatch.setattr(DraftStore, "drafts", spy)
     prompts = ["count from 3 to 24 :", "count from 5 to 26 :", "count from 7 to 28 :", "count from 9 to 30 :"]
@@ -404,6 +404,28 @@ def test_pacer_prices_an_untried_width_from_the_decode_steps_line():
         gathers.timed(1, rows=64, seconds=13.0)  # 12 s fixed, 1/64 s per row
         gathers.timed(1, rows=16, seconds=12.25)
     assert gathers.width(drafts, [0.4] * 64, 64) == 2  # a column costs 1/13 of a step
+
+
+def test_pacer_prices_a_prefills_drafts_by_its_computed_rows():
+    """A prefill's drafts add columns to its computed rows only (one per distinct prompt): priced as
+    a verify forward of those rows beyond their decode step, scaled to a decode step of every row
+    by the decode line: where a step's seconds go per row (compute), 16 computed rows of 64 pay a
+    quarter; where they are mostly a fixed part (gathers), nearly all."""
+    compute = Pacer()
+    for _ in range(4):
+        compute.timed(1, 64, 0.010)  # one row count seen: the line runs through the origin below it
+        compute.timed(9, 16, 0.008)
+    verify = compute.cost(9, 16)
+    assert verify == pytest.approx(0.008 / (0.010 * 16 / 64))
+    assert compute.fold_cost(9, 16, 64) == pytest.approx(1.0 + (verify - 1.0) * 0.25)
+    assert compute.fold_cost(1, 16, 64) == 1.0
+    gathers = Pacer()
+    for _ in range(4):
+        gathers.timed(1, 64, 0.010)
+        gathers.timed(1, 16, 0.009)
+        gathers.timed(9, 16, 0.012)
+    verify = gathers.cost(9, 16)
+    assert gathers.fold_cost(9, 16, 64) == pytest.approx(1.0 + (verify - 1.0) * 0.9)
 
 
 def test_pacer_prices_untried_widths_from_every_verify_forward_timed():

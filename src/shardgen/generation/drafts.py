@@ -248,13 +248,33 @@ class Pacer:
         near = [c for r, c in seen if rows is not None and _about(rows, r)]
         return min(near or [c for _, c in seen])
 
+    def fold_cost(self, width: int, computed: int, rows: int) -> float:
+        """A prefill's last forward that feeds ``width - 1`` draft columns after the prompt of each
+        of its ``computed`` rows (the distinct prompts of ``rows`` rows): what those columns add,
+        in decode steps of ``rows`` rows. Its layers compute ``computed`` rows' columns, as a
+        verify forward of ``computed`` rows does beyond their decode step (``cost``), which is
+        this rank's decode line at ``computed`` rows over its line at ``rows`` (on this CPU about
+        ``computed / rows`` of a decode step of ``rows``; with per-layer gathers, nearly one).
+        The LM head's positions of the rows that share a computed row's prompt are not priced:
+        a small vocabulary's head is little beside the layers."""
+        extra = self.cost(width, computed) - 1.0
+        line = self._line
+        scale = line(computed) / line(rows) if line is not None and line(rows) > 0 else computed / rows
+        return 1.0 + extra * min(1.0, scale)
+
     def width(
-        self, drafts: list[list[int]], rates: list[float], live: int, weights: list[float] | None = None
+        self,
+        drafts: list[list[int]],
+        rates: list[float],
+        live: int,
+        weights: list[float] | None = None,
+        price: Callable[[int], float] | None = None,
     ) -> int:
         """The draft length K (0: a decode step) whose expected tokens gained, over the live
         rows, most exceed what the forward costs beyond a decode step's (in a row's tokens).
         ``weights``: what a token gained by each row is worth (``last_row_weights``); None: every
-        row's alike (throughput)."""
+        row's alike (throughput). ``price``: a forward ``w`` wide in decode steps (``fold_cost``);
+        None: a verify forward's (``cost``)."""
         best, best_k, gain = 0.0, 0, 0.0
         rows = [(len(d), r, 1.0 if weights is None else weights[i] * live)
                 for i, (d, r) in enumerate(zip(drafts, rates, strict=True)) if d]  # fmt: skip
@@ -267,7 +287,7 @@ class Pacer:
                 if n >= k:
                     odds[i] *= r
                     gain += odds[i] * w
-            net = gain - (self.cost(k + 1, len(drafts)) - 1.0) * live
+            net = gain - ((self.cost(k + 1, len(drafts)) if price is None else price(k + 1)) - 1.0) * live
             if net > best:
                 best, best_k = net, k
         return best_k
@@ -551,12 +571,14 @@ class DraftStore:
         return own
 
     def drafts(
-        self, seqs: list[Any], limits: list[int], waiting: bool = True
+        self, seqs: list[Any], limits: list[int], waiting: bool = True, computed: int | None = None
     ) -> tuple[tuple[int, ...], ...] | None:
         """Every row's draft (finished rows and ``limits[i] <= 0``: none), cut to the length that
         pays (``Pacer.width``); None: a decode step pays more. ``waiting``: requests wait for a
         row's slot, so every row's tokens count alike (throughput); else the rows are all the
-        call has, and the one that ends it counts (``last_row_weights``). Local; changes no row."""
+        call has, and the one that ends it counts (``last_row_weights``). ``computed``: the drafts
+        go in a prefill's last forward of that many computed rows (``Pacer.fold_cost``); None: in
+        a verify forward. Local; changes no row."""
         drafts = [
             self.draft(s, n) if n > 0 and not s.finished else [] for s, n in zip(seqs, limits, strict=True)
         ]
@@ -568,7 +590,11 @@ class DraftStore:
             left = [0 if s.finished else max(1, tokens_left(s)) for s in seqs]
             limited = [self._limited(s) for s in seqs]
             weights = last_row_weights(left, rates, limited, [bool(d) for d in drafts])
-        k = self.pacer.width(drafts, rates, sum(1 for s in seqs if not s.finished), weights)
+        price = None
+        if computed is not None:
+            pacer, rows = self.pacer, len(seqs)
+            price = lambda w: pacer.fold_cost(w, computed, rows)  # noqa: E731
+        k = self.pacer.width(drafts, rates, sum(1 for s in seqs if not s.finished), weights, price)
         return tuple(tuple(d[:k]) for d in drafts) if k else None
 
     def _limited(self, seq: Any) -> float:

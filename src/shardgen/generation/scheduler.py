@@ -152,7 +152,8 @@ class LocalWork:
 
     def _fold(self, plan: ForwardPlan, seqs: list[SeqState]) -> ForwardPlan:
         """``plan`` (a prefill of ``seqs``, new rows) with its last forward feeding each prompt's
-        draft after it, where one pays (``DraftStore.drafts``, as for a decode step): that
+        draft after it, where one pays (``DraftStore.drafts``, priced as the computed rows'
+        columns: ``Pacer.fold_cost``): that
         forward then commits each row's first tokens as a verify forward does, and the verify
         forward that would have fed the draft next is saved. At the prefill a row's context is
         its prompt, so the rows of a shared prompt share its draft, as they share its prefill.
@@ -170,7 +171,8 @@ class LocalWork:
         if width <= 0:
             return plan
         waiting = len(self.pending) > len(seqs)  # requests beyond these wait for a slot
-        drafts = self.drafts.drafts(seqs, [min(width, tokens_left(s)) for s in seqs], waiting)
+        limits = [min(width, tokens_left(s)) for s in seqs]
+        drafts = self.drafts.drafts(seqs, limits, waiting, computed=len(pre.rows))
         if drafts is None:
             return plan
         pre = pre.with_drafts(tuple(drafts[r] for r in pre.rows))
