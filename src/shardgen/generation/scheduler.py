@@ -153,12 +153,12 @@ class LocalWork:
     def _fold(self, plan: ForwardPlan, seqs: list[SeqState]) -> ForwardPlan:
         """``plan`` (a prefill of ``seqs``, new rows) with its last forward feeding each prompt's
         draft after it, where one pays (``DraftStore.drafts``, priced as the computed rows'
-        columns: ``Pacer.fold_cost``): that
-        forward then commits each row's first tokens as a verify forward does, and the verify
-        forward that would have fed the draft next is saved. At the prefill a row's context is
-        its prompt, so the rows of a shared prompt share its draft, as they share its prefill.
-        Not for rows that have tokens already (a resumed row), images, or a kind or cache that
-        cannot verify; the forward stays within ``max_prefill_tokens``. Local; changes no row."""
+        columns: ``Pacer.fold_cost``): that forward then commits each row's first tokens as a
+        verify forward does, and the verify forward that would have fed the draft next is saved.
+        At the prefill a row's context is its prompt, so the rows of a shared prompt share its
+        draft, as they share its prefill. Not for rows that have tokens already (a resumed row),
+        images, or a kind or cache that cannot verify; the forward stays within
+        ``max_prefill_tokens``. Local; changes no row (a row's draft state is made on first use)."""
         pre, cfg = plan.prefill, self.config
         assert pre is not None
         if not self._folds or any(s.tokens or s.inputs is not None for s in seqs):
