@@ -244,7 +244,8 @@ class Batch(BatchRows):
         if columns is None:
             self._consume(outputs, fork=self.fork)
         else:
-            self.folded = settle(self, self._forked_logits(outputs, k + 1), drafts, columns)
+            logits = self._forked(self.last_logits(outputs, k + 1), self.fork)
+            self.folded = settle(self, logits, drafts, columns)
         self._pre = self._pre_mask = None  # type: ignore[assignment]
         self._chunk_inputs, self._pre_vision = (), None
         return tokens
@@ -256,19 +257,22 @@ class Batch(BatchRows):
             return plan.drafts
         return tuple(plan.drafts[u] for u in plan.fork)
 
-    def _forked_logits(self, outputs: Any, width: int) -> torch.Tensor:
-        """The last forward's logits of its last ``width`` positions, float32, one row per batch
-        row (a shared prompt's forked, where the head ran on the computed rows alone), with the
-        cache it returned forked into every row (``_consume`` does the same for one position)."""
+    def last_logits(self, outputs: Any, width: int) -> torch.Tensor:
+        """A forward's logits of its last ``width`` positions, float32 ``[rows, width, V]``; the
+        cache it returned becomes the batch's (a verify forward's, a prefill's that fed drafts)."""
         logits = outputs.logits[:, -width:].to(dtype=torch.float32)
         returned = getattr(outputs, self._cache_kw, None)
         if returned is not None:
             self.cache = returned
-        del outputs
-        if self.fork is not None:
-            if logits.shape[0] != self.fork.shape[0]:
-                logits = logits.index_select(0, self.fork)
-            self.cache.reorder_cache(self.fork)
+        return logits
+
+    def _forked(self, logits: torch.Tensor, fork: torch.Tensor | None) -> torch.Tensor:
+        """Shared prefill (``fork``; None: none): every row takes a copy of its prompt's cache and
+        logits (the logits are forked already where the head ran on every row)."""
+        if fork is not None:
+            if logits.shape[0] != fork.shape[0]:
+                logits = logits.index_select(0, fork)
+            self.cache.reorder_cache(fork)
         return logits
 
     @contextlib.contextmanager
@@ -316,10 +320,7 @@ class Batch(BatchRows):
         if returned is not None:
             self.cache = returned
         del outputs
-        if fork is not None:  # shared prefill: every row takes a copy of its prompt's cache (and logits)
-            if logits.shape[0] != fork.shape[0]:
-                logits = logits.index_select(0, fork)
-            self.cache.reorder_cache(fork)
+        logits = self._forked(logits, fork)
         tokens = select_tokens(
             logits, [s.params for s in self.seqs], [s.generator for s in self.seqs], self.input_ids
         )

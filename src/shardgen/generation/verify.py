@@ -58,12 +58,7 @@ def verify_step(batch: Any, forward: Callable[..., Any], drafts: tuple[tuple[int
     if batch._takes_logits_to_keep:
         kw["logits_to_keep"] = W
     inputs = batch.hf_model.prepare_inputs_for_generation(ids, next_sequence_length=W, **kw)
-    outputs = forward(**inputs, return_dict=True)
-    logits = outputs.logits[:, -W:].to(dtype=torch.float32)  # [B, W, V]
-    returned = getattr(outputs, batch._cache_kw, None)
-    if returned is not None:
-        batch.cache = returned
-    del outputs
+    logits = batch.last_logits(forward(**inputs, return_dict=True), W)  # [B, W, V]
     return settle(batch, logits, drafts, (ids_d, fed, pos_d))
 
 
