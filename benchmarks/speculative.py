@@ -245,8 +245,10 @@ def main() -> None:
                    help="print where each call's time went on each rank (ms per kind, counters)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(script_args())
-    if not 1 <= args.speculate <= 16:
-        p.error(f"--speculate must be in 1..16, got {args.speculate}")
+    from shardgen.config import MAX_SPECULATE
+
+    if not 1 <= args.speculate <= MAX_SPECULATE:
+        p.error(f"--speculate must be in 1..{MAX_SPECULATE}, got {args.speculate}")
     run_as_ranks(__file__, args.world, rank_main, args)
 
 
