@@ -9,8 +9,10 @@ One process, ``backend="local"``: the switch changes the ops each rank computes,
 collectives, so a rank's cost is the figure (gathers are the same bytes either way). Each round
 times both arms of each measurement back to back (interleaved, so machine noise hits both); the
 table gives the medians of wall time and their ratio. Rollout: 8 prompts of 12-30 tokens, n = 4,
-32 new tokens, sampled at T = 1 with a seed, EOS off. Trainer: one forward and backward of the
-rollout's batch (``[32, P + 32]``), the README's ``my_logprobs`` as the loss.
+32 new tokens, sampled at T = 1 with a seed, EOS off, no speculative decoding (which the switch
+turns on where ``speculate`` is unset: benchmarks/speculative.py ``--numerics invariant``).
+Trainer: one forward and backward of the rollout's batch (``[32, P + 32]``), the README's
+``my_logprobs`` as the loss.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def measure(name: str, build, rounds: int) -> dict:
     model = build().to(torch.bfloat16)
     ps = prompts(model.config.vocab_size)
     kw = dict(n=4, temperature=1.0, max_new_tokens=32, seed=0, eos_token_id=[])
-    engines = {m: shardgen.Engine(model, backend="local", numerics=m, prefix_cache_tokens=0)
+    # speculate=0: what the switch costs, apart from the speculation it turns on by default
+    engines = {m: shardgen.Engine(model, backend="local", numerics=m, prefix_cache_tokens=0, speculate=0)
                for m in ("fast", "invariant")}  # fmt: skip
     times: dict[str, list[float]] = {f"{what}/{m}": [] for what in ("rollout", "trainer") for m in engines}
     batch = None

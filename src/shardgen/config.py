@@ -269,15 +269,19 @@ class EngineConfig:
     of a conversation) or shares a prefix with one (a system prompt) prefills only the rest.
     Dropped whenever the weights may change (``paused()``, a ``train()``/``eval()`` switch,
     ``close()``). None: a quarter of ``memory_budget_gb`` left beside the batch's KV cache; 0: off."""
-    speculate: int = 0
+    speculate: int | None = None
     """Speculative decoding from history (``generation/drafts.py``, ``verify.py``): a decode step
     may feed each row's draft of up to this many tokens, taken from text the engine has seen (its
     prompt, the other samples of its prompt, earlier rollouts of it on any rank), and keep the
     tokens the plain engine draws (the same rows: bit for bit under ``numerics="invariant"``).
     The forward's width follows the rows' acceptance; a verify forward's tokens stay within
     ``max_prefill_tokens``. Rows of an encoder-decoder, an M-RoPE VLM or a model whose cache is
-    not plain per column (sliding windows, recurrent states) decode plainly. 0: off. On or off
-    alike on every rank (checked at construction); the length may differ."""
+    not plain per column (sliding windows, recurrent states) decode plainly. 0: off. None: on
+    (``DEFAULT_SPECULATE``) under ``numerics="invariant"``, where the rows are the plain engine's
+    bit for bit; off on the fast path, where a verify forward's logits may differ from a
+    one-token step's in the last bits (the rows are then the same tokens except at near-ties,
+    and no longer always HF ``generate()``'s); ``engine.config`` holds the length chosen. On or
+    off alike on every rank (checked at construction); the length may differ."""
     speculate_history_tokens: int = 50_000
     """With ``speculate``: tokens of finished rollouts kept per rank to draft from (its own and
     those the other ranks share), indexed by prompt (least recently used prompt out) and across
@@ -335,6 +339,19 @@ class EngineConfig:
 
 #: Most draft tokens a verify forward feeds per row (longer drafts are rarely all accepted).
 MAX_SPECULATE = 16
+#: ``speculate`` where it is unset and the rows are the plain engine's bit for bit
+#: (``numerics="invariant"``): the length the speed figures were measured at (PERFORMANCE 22).
+DEFAULT_SPECULATE = 16
+
+
+def resolved_speculate(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``speculate`` set: unset, ``DEFAULT_SPECULATE`` under invariant numerics
+    (speculation changes no bit there), else 0."""
+    if config.speculate is not None:
+        return config
+    return config.replace(speculate=DEFAULT_SPECULATE if config.numerics == "invariant" else 0)
+
+
 SECONDS = number(0, above=True)  # finite: nothing waits without a bound
 ENGINE_RULES: dict[str, Rule] = {
     "backend": one_of(BACKEND_NAMES).optional(),  # None: Engine(...) picks it from the model
@@ -356,7 +373,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "max_prefill_tokens": integer(1).optional(),
     "prefix_cache_tokens": integer(0).optional(),
     "numerics": one_of(NUMERICS),
-    "speculate": integer(0, MAX_SPECULATE),
+    "speculate": integer(0, MAX_SPECULATE).optional(),
     "speculate_history_tokens": integer(0),
     "speculate_share": boolean(),
 }

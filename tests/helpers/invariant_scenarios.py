@@ -83,6 +83,9 @@ def _rollouts(backend: str, gather: str, dtype: str) -> dict:
         with eng.paused(), torch.no_grad(), shardgen.invariant_numerics():
             mine = trainer_logprobs(eng.model, batched)
         scored = eng.score(batched).logprobs
+        # Unset under the switch, speculation is on: the repeated prompts above draft from the
+        # batched call's rows, and every comparison below holds with it.
+        out["speculating"] = [int(eng.config.speculate > 0), 1]
     mask = batched.response_mask.bool()
     for r in range(len(batched)):
         count("trainer", torch.equal(mine[r][mask[r]], batched.logprobs[r][mask[r]]))

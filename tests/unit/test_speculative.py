@@ -751,6 +751,43 @@ def test_speculate_share_is_a_switch_at_every_door():
         assert build(EngineConfig, ns, names).speculate_share is want, extra
 
 
+def test_speculation_is_on_by_default_only_where_it_changes_no_bit(toy_pair):
+    """Unset, ``speculate`` is ``DEFAULT_SPECULATE`` under ``numerics="invariant"`` (the rows are
+    the plain engine's bit for bit: here sampled, logprobs compared exactly) and 0 on the fast
+    path (a verify forward's logits may differ there in the last bits); set, it is what it says.
+    ``shardgen run`` leaves it unset unless ``--speculate`` is given."""
+    from shardgen.cli.command import make_parser
+    from shardgen.cli.run import RUN_FIELDS
+    from shardgen.config import DEFAULT_SPECULATE, resolved_speculate
+    from shardgen.flags import build
+
+    assert resolved_speculate(EngineConfig()).speculate == 0
+    assert resolved_speculate(EngineConfig(numerics="invariant")).speculate == DEFAULT_SPECULATE
+    assert resolved_speculate(EngineConfig(numerics="invariant", speculate=0)).speculate == 0
+    assert resolved_speculate(EngineConfig(speculate=3)).speculate == 3
+    model, tok = toy_pair
+    ids = _ids(tok, PROMPTS, 3)
+    kw = dict(max_new_tokens=32, do_sample=True, temperature=1.0, logprobs=True)
+    rows, stats, chosen = {}, {}, {}
+    for name, engine in (("default", {}), ("off", dict(speculate=0))):
+        with shardgen.Engine(model, tok, backend="local", numerics="invariant", **engine) as eng:
+            rows[name] = [
+                [(c.token_ids, c.logprobs) for c in eng.generate(ids, seed=s, **kw)] for s in (1, 1, 2)
+            ]
+            stats[name], chosen[name] = eng.stats(), eng.config.speculate
+    assert chosen == {"default": DEFAULT_SPECULATE, "off": 0}
+    assert stats["default"]["accepted"] > 0 and stats["off"]["drafted"] == 0, stats
+    assert rows["default"] == rows["off"]
+    with shardgen.Engine(model, tok, backend="local") as eng:  # the fast path
+        for _ in range(2):
+            eng.generate(ids, seed=1, **kw)
+        assert eng.config.speculate == 0 and eng.stats()["drafted"] == 0, eng.stats()
+    names = dict(RUN_FIELDS)[EngineConfig]
+    for extra, want in (([], None), (["--speculate", "0"], 0), (["--speculate", "5"], 5)):
+        ns = make_parser().parse_args(["run", "--prompts", "p.jsonl", "--out", "o.jsonl", *extra])
+        assert build(EngineConfig, ns, names).speculate == want, extra
+
+
 def test_speculate_share_is_agreed_only_where_the_tick_carries_the_payload():
     """Ranks must agree on whether the tick carries shared rollouts, which is speculation on,
     sharing on and a history to keep them in: ranks that do not speculate may differ in

@@ -13,14 +13,15 @@ from shardgen import numerics
 from shardgen.backends import Backend, check_backend_name, make_backend
 from shardgen.backends.kinds import backend_for
 from shardgen.backends.towers import encoder_decoder_problem
-from shardgen.config import EngineConfig
+from shardgen.config import EngineConfig, resolved_speculate
 from shardgen.loading.pretrained import materialize, source_of
 
 
 def engine_config(model: Any, config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
     """``config`` (default: ``EngineConfig()``) with ``overrides`` on top, its backend resolved for
-    ``model`` (None: the model's own), validated; ``ValueError`` for a setting or a model the
-    engine cannot serve. Local, before any collective: every rank raises alike."""
+    ``model`` (None: the model's own), validated, ``speculate`` set where unset; ``ValueError``
+    for a setting or a model the engine cannot serve. Local, before any collective: every rank
+    raises alike."""
     cfg = (config if config is not None else EngineConfig()).replace(**overrides)
     if cfg.backend is not None:
         check_backend_name(cfg.backend)  # a name first, then what the model can run on
@@ -30,6 +31,7 @@ def engine_config(model: Any, config: EngineConfig | None, overrides: dict[str, 
     elif cfg.backend is None:
         cfg = cfg.replace(backend="fsdp2" if dist.is_initialized() else "local")
     cfg.validate()
+    cfg = resolved_speculate(cfg)  # (from numerics, which ranks may set apart: on/off is agreed later)
     check_backend_name(cfg.backend)  # before any collective
     problem = encoder_decoder_problem(getattr(model, "module", model))
     if problem is None and cfg.numerics == "invariant":

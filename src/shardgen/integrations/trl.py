@@ -32,9 +32,10 @@ How it fits TRL 1.16 (``trl/trainer/grpo_trainer.py``):
 
 Logged per step beside TRL's metrics: ``shardgen/generate_seconds`` (the generation phase's wall
 time on its slowest rank, tool turns included) and, all ranks summed,
-``shardgen/prompt_tokens_computed`` and ``shardgen/prompt_tokens_cached``; with
-``shardgen_config={"speculate": K}`` also ``shardgen/drafted``, ``shardgen/accepted`` (draft
-tokens fed and kept) and ``shardgen/tokens_per_forward`` (a live row's tokens per decode forward).
+``shardgen/prompt_tokens_computed`` and ``shardgen/prompt_tokens_cached``; with speculation on
+(``shardgen_config={"speculate": K}``, or unset with ``"numerics": "invariant"``) also
+``shardgen/drafted``, ``shardgen/accepted`` (draft tokens fed and kept) and
+``shardgen/tokens_per_forward`` (a live row's tokens per decode forward).
 
 Sampling: ``temperature``, ``top_k``, ``top_p``, ``max_completion_length`` and the EOS ids TRL
 resolved; logprobs under ``softmax(logits / temperature)``, what TRL recomputes. TRL settings
@@ -224,7 +225,8 @@ class GRPOTrainer(PartialRollouts, _trl.GRPOTrainer):
         metrics["shardgen/generate_seconds"].append(float(rows[:, -1].max()))
         metrics["shardgen/prompt_tokens_computed"].append(float(c["prefill_tokens"]))
         metrics["shardgen/prompt_tokens_cached"].append(float(c["cached_prompt_tokens"]))
-        if self.shardgen_config.speculate:
+        engine = self.shardgen_engine  # its config's: unset, speculation is on under invariant numerics
+        if engine is not None and engine.config.speculate:
             metrics["shardgen/drafted"].append(float(c["drafted"]))
             metrics["shardgen/accepted"].append(float(c["accepted"]))
             rows = c["decode_row_steps"]
