@@ -258,7 +258,7 @@ class Pacer:
         The LM head's positions of the rows that share a computed row's prompt are not priced:
         a small vocabulary's head is little beside the layers."""
         extra = self.cost(width, computed) - 1.0
-        line = self._line
+        line = self._line  # the decode line cost() priced against (kept current for widths > 1)
         scale = line(computed) / line(rows) if line is not None and line(rows) > 0 else computed / rows
         return 1.0 + extra * min(1.0, scale)
 
@@ -275,6 +275,8 @@ class Pacer:
         ``weights``: what a token gained by each row is worth (``last_row_weights``); None: every
         row's alike (throughput). ``price``: a forward ``w`` wide in decode steps (``fold_cost``);
         None: a verify forward's (``cost``)."""
+        if price is None:
+            price = lambda w: self.cost(w, len(drafts))  # noqa: E731
         best, best_k, gain = 0.0, 0, 0.0
         rows = [(len(d), r, 1.0 if weights is None else weights[i] * live)
                 for i, (d, r) in enumerate(zip(drafts, rates, strict=True)) if d]  # fmt: skip
@@ -287,7 +289,7 @@ class Pacer:
                 if n >= k:
                     odds[i] *= r
                     gain += odds[i] * w
-            net = gain - ((self.cost(k + 1, len(drafts)) if price is None else price(k + 1)) - 1.0) * live
+            net = gain - (price(k + 1) - 1.0) * live
             if net > best:
                 best, best_k = net, k
         return best_k
